@@ -1,0 +1,50 @@
+"""Helpers shared by the benchmarks: medians, a local Serve instance, a table printer."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import statistics
+import time
+from typing import Callable
+
+
+def median_s(fn: Callable[[], object], repeat: int, warmup: int = 1) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+@contextlib.contextmanager
+def local_serve():
+    """A local Ray + Serve on a free loopback port; yields the base URL; stops what it started."""
+    import ray
+    from ray import serve
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ray.init(include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def print_table(title: str, header: list[str], rows: list[list]) -> None:
+    cells = [header] + [[f"{c:.3g}" if isinstance(c, float) else str(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    print(f"\n## {title}")
+    for i, row in enumerate(cells):
+        print("| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |")
+        if i == 0:
+            print("|" + "|".join("-" * (w + 2) for w in widths) + "|")

@@ -1,0 +1,39 @@
+import pytest
+import torch
+
+from tests.models import build_full_vae, save_vae
+
+
+@pytest.fixture(scope="session")
+def kl_vae():
+    return build_full_vae("kl")
+
+
+@pytest.fixture(scope="session")
+def flux_vae():
+    return build_full_vae("flux")
+
+
+@pytest.fixture(scope="session")
+def wan_vae():
+    return build_full_vae("wan")
+
+
+@pytest.fixture(scope="session")
+def kl_dir(kl_vae, tmp_path_factory):
+    return save_vae(kl_vae, tmp_path_factory.mktemp("kl"))
+
+
+@pytest.fixture(scope="session")
+def flux_dir(flux_vae, tmp_path_factory):
+    return save_vae(flux_vae, tmp_path_factory.mktemp("flux"))
+
+
+@pytest.fixture(scope="session")
+def wan_dir(wan_vae, tmp_path_factory):
+    return save_vae(wan_vae, tmp_path_factory.mktemp("wan"))
+
+
+@pytest.fixture
+def gen():
+    return torch.Generator().manual_seed(1234)

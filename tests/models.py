@@ -1,0 +1,57 @@
+"""Small real diffusers VAEs for tests: built from the tiny preset configs with diffusers' own
+initialisation, saved with save_pretrained, so loading goes through the real folder path."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from diffusers import AutoencoderKL, AutoencoderKLWan
+
+from vae_service.models.presets import PRESETS
+
+FLUX_LIKE_TINY = dict(
+    PRESETS["tiny-kl"].config, latent_channels=8, scaling_factor=0.3611, shift_factor=0.1159,
+    use_quant_conv=False, use_post_quant_conv=False,
+)
+
+
+def build_full_vae(kind: str, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    if kind == "kl":
+        vae = AutoencoderKL(**PRESETS["tiny-kl"].config)
+    elif kind == "flux":
+        vae = AutoencoderKL(**FLUX_LIKE_TINY)
+    elif kind == "wan":
+        vae = AutoencoderKLWan(**PRESETS["tiny-wan"].config)
+    else:
+        raise ValueError(kind)
+    # diffusers initialises GroupNorm to identity; random affine params make the tests sharper
+    with torch.no_grad():
+        for name, p in vae.named_parameters():
+            if "norm" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    return vae.eval()
+
+
+def save_vae(vae: torch.nn.Module, folder: Path) -> Path:
+    vae.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+def reference_decode(vae: torch.nn.Module, z: torch.Tensor) -> torch.Tensor:
+    """diffusers' own decode of each latent alone (a batch of one): the lossless contract."""
+    with torch.inference_mode():
+        return torch.cat([vae.decode(item).sample for item in z.split(1)])
+
+
+@contextmanager
+def torch_threads(n: int):
+    """CPU results depend on the thread count: compute references with the server's."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

@@ -1,0 +1,181 @@
+import copy
+import io
+
+import numpy as np
+import pytest
+import torch
+from diffusers.image_processor import VaeImageProcessor
+from PIL import Image
+from pydantic import ValidationError
+
+from vae_service.config import Limits, ServiceConfig
+from vae_service.engine import DecodeEngine
+from vae_service.errors import RequestError
+from vae_service.protocol.decode_schema import DecodeParams
+from tests.models import reference_decode
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@pytest.fixture(scope="module")
+def engines(kl_dir, flux_dir, wan_dir):
+    cache = {}
+
+    def get(kind, precision="fp32", **limits):
+        key = (kind, precision, tuple(sorted(limits.items())))
+        if key not in cache:
+            folder = {"kl": kl_dir, "flux": flux_dir, "wan": wan_dir}[kind]
+            cache[key] = DecodeEngine(ServiceConfig(model=str(folder), model_name=kind, decode_precision=precision,
+                                                    limits=Limits(**limits)))
+        return cache[key]
+
+    return get
+
+
+def run(engine, **kw):
+    return engine.decode([engine.prepare(DecodeParams(**kw))])[0].output
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_lossless_batch_is_bit_identical_to_diffusers_solo_decodes(engines, kl_vae, precision, gen):
+    engine = engines("kl", precision)
+    dtype = DTYPES[precision]
+    z = torch.randn(3, 4, 6, 5, generator=gen).to(dtype)
+    ref = reference_decode(copy.deepcopy(kl_vae).to(dtype), z)
+    # one request with 3 items, plus the same latents split over a 3-request batch
+    single = run(engine, latents=z, scaling_factor=None, output="float")
+    reqs = [engine.prepare(DecodeParams(latents=z[i : i + 1], scaling_factor=None, output="float")) for i in range(3)]
+    batched = torch.cat([r.output for r in engine.decode(reqs)])
+    assert single.dtype == dtype
+    assert torch.equal(single, ref)
+    assert torch.equal(batched, ref)
+
+
+def test_wan_lossless_bit_identical_to_diffusers(engines, wan_vae, gen):
+    z = torch.randn(2, 4, 2, 4, 6, generator=gen)
+    out = run(engines("wan"), latents=z, scaling_factor=None, output="float")
+    assert out.shape == (2, 3, 5, 32, 48)  # 1 + 4 * (2 - 1) frames
+    assert torch.equal(out, reference_decode(wan_vae, z))
+
+
+def test_model_default_scaling_matches_the_pipelines(engines, kl_vae, flux_vae, wan_vae, gen):
+    z = torch.randn(1, 4, 4, 4, generator=gen)
+    assert torch.equal(run(engines("kl"), latents=z, output="float"), reference_decode(kl_vae, z / 0.18215))
+
+    zf = torch.randn(1, 8, 4, 4, generator=gen)
+    expected = reference_decode(flux_vae, zf / 0.3611 + 0.1159)
+    assert torch.equal(run(engines("flux"), latents=zf, output="float"), expected)
+
+    zw = torch.randn(1, 4, 1, 4, 4, generator=gen)
+    view = (1, 4, 1, 1, 1)
+    mean = torch.tensor(wan_vae.config.latents_mean).view(view)
+    inv_std = 1.0 / torch.tensor(wan_vae.config.latents_std).view(view)
+    assert torch.equal(run(engines("wan"), latents=zw, output="float"), reference_decode(wan_vae, zw / inv_std + mean))
+
+
+def test_explicit_factors_override_model_defaults(engines, kl_vae, gen):
+    z = torch.randn(1, 4, 4, 4, generator=gen)
+    out = run(engines("kl"), latents=z, scaling_factor=0.5, shift_factor=0.25, output="float")
+    assert torch.equal(out, reference_decode(kl_vae, z / 0.5 + 0.25))
+
+
+def test_packed_flux_latents_equal_unpacked(engines, gen):
+    z = torch.randn(2, 8, 4, 6, generator=gen)  # [B, C, h, w] -> packed [B, (h/2)(w/2), C*4]
+    packed = z.view(2, 8, 2, 2, 3, 2).permute(0, 2, 4, 1, 3, 5).reshape(2, 6, 32)
+    engine = engines("flux")
+    a = run(engine, latents=z, output="float")
+    b = run(engine, latents=packed, height=32, width=48, output="float")
+    assert torch.equal(a, b)
+
+
+def test_uint8_png_jpeg_follow_diffusers_postprocessing(engines, kl_vae, gen):
+    z = torch.randn(2, 4, 4, 5, generator=gen)
+    engine = engines("kl")
+    ref = VaeImageProcessor().postprocess(reference_decode(kl_vae, z / 0.18215), output_type="np")
+    expected = (ref * 255).round().astype("uint8")
+    pixels = run(engine, latents=z)
+    assert pixels.dtype == torch.uint8 and pixels.shape == (2, 32, 40, 3)
+    np.testing.assert_array_equal(pixels.numpy(), expected)
+    pngs = run(engine, latents=z, output="png")
+    np.testing.assert_array_equal(np.stack([np.asarray(Image.open(io.BytesIO(b))) for b in pngs]), expected)
+    jpegs = run(engine, latents=z, output="jpeg")
+    decoded = np.stack([np.asarray(Image.open(io.BytesIO(b))) for b in jpegs]).astype(float)
+    assert Image.open(io.BytesIO(jpegs[0])).format == "JPEG"
+    # lossy, but each JPEG is clearly its own item's picture
+    assert np.abs(decoded - expected).mean() < 0.5 * np.abs(decoded - expected[::-1]).mean()
+
+
+def test_video_outputs(engines, gen):
+    import av
+
+    z = torch.randn(1, 4, 2, 4, 4, generator=gen)
+    engine = engines("wan")
+    frames = run(engine, latents=z)
+    assert frames.shape == (1, 5, 32, 32, 3) and frames.dtype == torch.uint8
+    (mp4,) = run(engine, latents=z, output="mp4")
+    with av.open(io.BytesIO(mp4)) as container:
+        assert sum(1 for _ in container.decode(video=0)) == 5
+    # a one-frame video can be a PNG; a 4-D latent is taken as one frame
+    (png,) = run(engine, latents=torch.randn(1, 4, 4, 4, generator=gen), output="png")
+    assert Image.open(io.BytesIO(png)).size == (32, 32)
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_precision_sets_weights_and_output_dtype(engines, precision, gen):
+    engine = engines("kl", precision)
+    assert engine.precision == precision
+    assert all(p.dtype == DTYPES[precision] for p in engine.vae.parameters())
+    out = run(engine, latents=torch.randn(1, 4, 4, 4, generator=gen), output="float")  # fp32 latents cast on entry
+    assert out.dtype == DTYPES[precision] and torch.isfinite(out).all()
+
+
+def test_auto_precision_is_fp32_on_cpu(engines):
+    assert DecodeEngine(ServiceConfig(model="tiny-kl")).precision == "fp32"
+
+
+@pytest.mark.parametrize("field, value", [("decode_precision", "fp64"), ("device", "tpu"), ("cpu_threads", 0)])
+def test_invalid_config_fails_at_startup_naming_the_field(field, value):
+    with pytest.raises(ValidationError, match=field):
+        ServiceConfig(**{field: value})
+
+
+@pytest.mark.parametrize(
+    "kind, kw, field, status, text",
+    [
+        ("kl", dict(latents=torch.zeros(1, 3, 4, 4)), "latents", 400, "takes [B, 4, H, W]"),
+        ("kl", dict(latents=torch.zeros(1, 4, 2, 4, 4)), "latents", 400, "got shape [1, 4, 2, 4, 4]"),
+        ("kl", dict(latents=torch.zeros(1, 4, 4, 4), model="sdxl"), "model", 400, "served: ['kl']"),
+        ("kl", dict(latents=torch.zeros(1, 4, 4, 4), output="mp4"), "output", 400, "video models"),
+        ("flux", dict(latents=torch.zeros(1, 6, 32)), "height", 400, "required for packed"),
+        ("flux", dict(latents=torch.zeros(1, 6, 32), height=64, width=64), "latents", 400, "do not match"),
+        ("flux", dict(latents=torch.zeros(1, 6, 16), height=32, width=48), "latents", 400, "last dim 32"),
+        ("wan", dict(latents=torch.zeros(1, 4, 2, 4, 4), output="png"), "output", 400, "5 frames"),
+        ("wan", dict(latents=torch.zeros(1, 16, 1, 4, 4)), "latents", 400, "takes [B, 4, T, H, W]"),
+        ("kl", dict(latents=torch.zeros(17, 4, 1, 1)), "latents", 413, "max_batch_items"),
+        ("kl", dict(latents=torch.zeros(1, 4, 800, 800)), "latents", 413, "max_output_pixels"),
+    ],
+)
+def test_model_checks_name_the_field(engines, kind, kw, field, status, text):
+    with pytest.raises(RequestError) as err:
+        engines(kind).prepare(DecodeParams(**kw))
+    assert (err.value.field, err.value.status) == (field, status)
+    assert text in err.value.message
+
+
+def test_engine_refuses_mixed_tiers_and_shapes(engines):
+    engine = engines("kl")
+    a = engine.prepare(DecodeParams(latents=torch.zeros(1, 4, 4, 4)))
+    b = engine.prepare(DecodeParams(latents=torch.zeros(1, 4, 4, 4), quality="high"))
+    c = engine.prepare(DecodeParams(latents=torch.zeros(1, 4, 4, 6)))
+    for batch in ([a, b], [a, c]):
+        with pytest.raises(ValueError, match="one \\(tier, shape, dtype\\) key"):
+            engine.decode(batch)
+
+
+def test_high_tier_decodes_a_batch_in_one_call(engines, kl_vae, gen):
+    z = torch.randn(2, 4, 4, 4, generator=gen)
+    engine = engines("kl")
+    results = engine.decode([engine.prepare(DecodeParams(latents=z[i : i + 1], quality="high", output="float")) for i in range(2)])
+    assert [r.batch_size for r in results] == [2, 2]
+    ref = reference_decode(kl_vae, z / 0.18215)
+    assert torch.allclose(torch.cat([r.output for r in results]), ref, atol=1e-5)

@@ -1,0 +1,90 @@
+import json
+import logging
+
+import pytest
+import torch
+
+from vae_service.errors import ModelLoadError
+from vae_service.models import PRESETS, load_vae
+
+
+def test_loads_decoder_only_from_a_saved_folder(kl_vae, kl_dir):
+    loaded = load_vae(str(kl_dir))
+    assert loaded.vae.encoder is None and loaded.vae.quant_conv is None
+    full = kl_vae.state_dict()
+    mine = loaded.vae.state_dict()
+    assert set(mine) == {k for k in full if k.startswith(("decoder.", "post_quant_conv."))}
+    assert all(torch.equal(mine[k], full[k]) for k in mine)
+    encoder_params = sum(p.numel() for p in kl_vae.encoder.parameters()) + sum(p.numel() for p in kl_vae.quant_conv.parameters())
+    assert loaded.spec.skipped_params == encoder_params
+    assert not loaded.spec.random_weights
+    assert loaded.spec.scaling_factor == pytest.approx(0.18215) and loaded.spec.spatial_scale == 8
+
+
+def test_loads_from_a_pipeline_folder_with_vae_subfolder(kl_vae, tmp_path):
+    kl_vae.save_pretrained(tmp_path / "vae")
+    (tmp_path / "model_index.json").write_text("{}")
+    assert load_vae(str(tmp_path)).spec.class_name == "AutoencoderKL"
+
+
+def test_loads_wan_decoder_only(wan_dir, wan_vae):
+    loaded = load_vae(str(wan_dir))
+    assert loaded.spec.family == "video" and loaded.spec.latent_channels == 4
+    assert loaded.spec.latents_std == tuple(wan_vae.config.latents_std)
+    assert loaded.vae.encoder is None
+
+
+def test_missing_weights_names_the_problem(tmp_path, kl_vae):
+    kl_vae.save_pretrained(tmp_path)
+    (tmp_path / "diffusion_pytorch_model.safetensors").unlink()
+    with pytest.raises(ModelLoadError, match="no diffusion_pytorch_model"):
+        load_vae(str(tmp_path))
+
+
+def test_weights_not_matching_config(tmp_path, kl_vae):
+    kl_vae.save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["block_out_channels"] = [16, 32, 32, 64]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="do not match"):
+        load_vae(str(tmp_path))
+
+
+def test_unsupported_class(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"_class_name": "AutoencoderTiny"}))
+    with pytest.raises(ModelLoadError, match="AutoencoderTiny' is not supported"):
+        load_vae(str(tmp_path))
+
+
+def test_unknown_source():
+    with pytest.raises(ModelLoadError, match="neither a preset"):
+        load_vae("not-a-model")
+
+
+def test_hub_id_without_network_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ModelLoadError, match="could not fetch 'no-such-org/no-such-vae'.*local diffusers folder"):
+        load_vae("no-such-org/no-such-vae")
+
+
+@pytest.mark.parametrize("name", ["tiny-kl", "tiny-wan"])
+def test_presets_are_seeded_and_loudly_random(name, caplog):
+    with caplog.at_level(logging.WARNING):
+        a, b = load_vae(name, seed=3), load_vae(name, seed=3)
+    assert "RANDOM WEIGHTS" in caplog.text and "NOISE" in caplog.text
+    assert a.spec.random_weights
+    sa, sb, sc = a.vae.state_dict(), b.vae.state_dict(), load_vae(name, seed=4).vae.state_dict()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert any(not torch.equal(sa[k], sc[k]) for k in sa)
+    assert all(torch.isfinite(v).all() for v in sa.values())
+
+
+def test_full_size_preset_parameter_counts():
+    """The decoder-only SD VAE keeps 49.5 M of its 83.7 M parameters (encoder never allocated)."""
+    spec = load_vae("sd").spec
+    assert spec.decoder_params == 49_490_199
+    assert spec.skipped_params == 34_163_664
+    assert set(PRESETS) == {"sd", "sdxl", "flux", "wan2.1", "tiny-kl", "tiny-wan"}

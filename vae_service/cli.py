@@ -1,0 +1,173 @@
+"""`vae-service serve | decode | bench`: the only place that parses argv."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from vae_service.config import ServiceConfig
+
+log = logging.getLogger("vae_service")
+
+
+def _config_from(args: argparse.Namespace) -> ServiceConfig:
+    try:
+        return ServiceConfig(model=args.model, decode_precision=args.precision, device=args.device)
+    except ValidationError as exc:
+        sys.exit(f"invalid configuration:\n{exc}")
+
+
+def _example_shape(config: ServiceConfig) -> str:
+    from vae_service.models import PRESETS
+
+    preset = PRESETS.get(config.model)
+    channels = (preset.config.get("latent_channels") or preset.config.get("z_dim")) if preset else 4
+    return f"1x{channels}x32x32"
+
+
+def cmd_serve(args: argparse.Namespace) -> None:
+    config = _config_from(args)
+    import ray
+    from ray import serve
+
+    from vae_service.serving.app import build_app
+
+    ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, logging_level=logging.WARNING)
+    serve.start(http_options={"host": args.host, "port": args.port})
+    serve.run(build_app(config.model_dump()), name="vae", route_prefix="/")
+    url = f"http://{args.host}:{args.port}"
+    print(f"\nvae-service is serving '{config.served_name}' at {url}  (POST /decode, GET /health)")
+    print("Try it (random latents -> PNGs in ./out):")
+    print(f"  vae-service decode --url {url} --random-latents {_example_shape(config)} --out out\n")
+    print("Ctrl-C to stop.", flush=True)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        while not stop.wait(1.0):
+            pass
+    except KeyboardInterrupt:
+        pass
+    finally:
+        print("shutting down...", flush=True)
+        serve.shutdown()
+        ray.shutdown()
+
+
+def _load_latents(args: argparse.Namespace):
+    import numpy as np
+    import torch
+
+    if args.random_latents:
+        shape = [int(d) for d in args.random_latents.lower().split("x")]
+        return torch.randn(shape, generator=torch.Generator().manual_seed(args.seed))
+    path = Path(args.latents)
+    if path.suffix == ".npy":
+        return np.load(path, allow_pickle=False)
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        tensors = load_file(str(path))
+        if args.key:
+            return tensors[args.key]
+        if len(tensors) != 1:
+            sys.exit(f"{path} holds {sorted(tensors)}; choose one with --key")
+        return next(iter(tensors.values()))
+    sys.exit(f"{path}: expected a .npy or .safetensors file")
+
+
+def cmd_decode(args: argparse.Namespace) -> None:
+    from vae_service_client import VaeClient, VaeServiceError
+
+    if not args.latents and not args.random_latents:
+        sys.exit("give a latents file (.npy/.safetensors) or --random-latents SHAPE")
+    latents = _load_latents(args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    fmt = "mp4" if args.video else args.format
+    start = time.perf_counter()
+    with VaeClient(args.url) as client:
+        try:
+            resp = client.decode(latents, args.quality, fmt, height=args.height, width=args.width)
+        except VaeServiceError as exc:
+            sys.exit(str(exc))
+    for i, blob in enumerate(resp.output):
+        (out / f"{i:03d}.{fmt}").write_bytes(blob)
+    print(f"wrote {len(resp.output)} {fmt} file(s) to {out}/ in {time.perf_counter() - start:.2f} s "
+          f"(model {resp.model}, {resp.quality}, {resp.precision}, timing {resp.timing})")
+
+
+def cmd_bench(args: argparse.Namespace) -> None:
+    import torch
+
+    from vae_service.engine import DecodeEngine
+    from vae_service.protocol.decode_schema import DecodeParams
+
+    engine = DecodeEngine(_config_from(args))
+    lat = args.size // engine.spec.spatial_scale
+    shape = [args.batch, engine.spec.latent_channels] + ([args.frames] if engine.spec.family == "video" else []) + [lat, lat]
+    prepared = engine.prepare(DecodeParams(latents=torch.randn(shape), quality=args.quality, output="float"))
+    engine.decode([prepared])  # warm-up
+    times = []
+    for _ in range(args.repeat):
+        t = time.perf_counter()
+        engine.decode([prepared])
+        times.append(time.perf_counter() - t)
+    times.sort()
+    print(f"{engine.spec.name} {shape} {args.quality} {engine.precision} on {engine.device}: "
+          f"median {times[len(times) // 2] * 1e3:.1f} ms over {args.repeat}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    parser = argparse.ArgumentParser(prog="vae-service", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def model_args(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--model", default=ServiceConfig.model_fields["model"].default,
+                       help="preset (sd, sdxl, flux, wan2.1, tiny-kl, tiny-wan), local diffusers folder, or hub id")
+        p.add_argument("--precision", default="auto", help="auto | fp32 | fp16 | bf16")
+        p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+
+    serve_p = sub.add_parser("serve", help="start a local Ray (or join RAY_ADDRESS) and serve POST /decode")
+    model_args(serve_p)
+    serve_p.add_argument("--host", default="127.0.0.1")
+    serve_p.add_argument("--port", type=int, default=8000)
+    serve_p.set_defaults(func=cmd_serve)
+
+    dec = sub.add_parser("decode", help="send a latents file to a running service and write images")
+    dec.add_argument("latents", nargs="?", help=".npy or .safetensors file")
+    dec.add_argument("--key", help="tensor name inside a .safetensors file")
+    dec.add_argument("--random-latents", metavar="SHAPE", help="e.g. 1x4x32x32: send seeded random latents")
+    dec.add_argument("--seed", type=int, default=0)
+    dec.add_argument("--url", default="http://127.0.0.1:8000")
+    dec.add_argument("--quality", default="lossless", choices=["lossless", "high"])
+    dec.add_argument("--format", default="png", choices=["png", "jpeg"])
+    dec.add_argument("--video", action="store_true", help="ask for mp4 (video models)")
+    dec.add_argument("--height", type=int, help="pixel height, for packed latents")
+    dec.add_argument("--width", type=int, help="pixel width, for packed latents")
+    dec.add_argument("--out", default="out")
+    dec.set_defaults(func=cmd_decode)
+
+    bench_p = sub.add_parser("bench", help="time in-process decodes of one model")
+    model_args(bench_p)
+    bench_p.add_argument("--size", type=int, default=256, help="output pixels per side")
+    bench_p.add_argument("--batch", type=int, default=1)
+    bench_p.add_argument("--frames", type=int, default=1, help="latent frames (video models)")
+    bench_p.add_argument("--quality", default="lossless", choices=["lossless", "high"])
+    bench_p.add_argument("--repeat", type=int, default=3)
+    bench_p.set_defaults(func=cmd_bench)
+
+    args = parser.parse_args(argv)
+    args.func(args)
+
+
+if __name__ == "__main__":
+    main()

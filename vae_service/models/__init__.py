@@ -1,0 +1,5 @@
+from vae_service.models.loading import LoadedVae, load_vae
+from vae_service.models.presets import PRESETS
+from vae_service.models.spec import ModelSpec
+
+__all__ = ["LoadedVae", "ModelSpec", "PRESETS", "load_vae"]
