@@ -1,5 +1,13 @@
-import pytest
+import os
+
 import torch
+
+# Triton kernels run in interpreter mode on machines without CUDA; it must be set before triton
+# is first imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
 
 from tests.models import build_full_vae, save_vae
 
@@ -37,3 +45,9 @@ def wan_dir(wan_vae, tmp_path_factory):
 @pytest.fixture
 def gen():
     return torch.Generator().manual_seed(1234)
+
+
+@pytest.fixture(scope="session")
+def wide_kl_vae():
+    """64-channel decoder: wide enough for the CPU Winograd path."""
+    return build_full_vae("kl64")

@@ -23,6 +23,8 @@ def build_full_vae(kind: str, seed: int = 0) -> torch.nn.Module:
         vae = AutoencoderKL(**PRESETS["tiny-kl"].config)
     elif kind == "flux":
         vae = AutoencoderKL(**FLUX_LIKE_TINY)
+    elif kind == "kl64":
+        vae = AutoencoderKL(**dict(PRESETS["tiny-kl"].config, block_out_channels=[64, 64, 64, 64], norm_num_groups=32))
     elif kind == "wan":
         vae = AutoencoderKLWan(**PRESETS["tiny-wan"].config)
     else:

@@ -6,14 +6,13 @@ import pytest
 import torch
 
 from vae_service.config import Limits, ServiceConfig
-from vae_service.engine import DecodeEngine
 from vae_service.protocol.decode_schema import DecodeParams
 from vae_service.serving.decode_service import DecodeService, needs_new_engine
 from tests.models import reference_decode
 
 
 async def test_concurrent_lossless_requests_are_bit_identical_to_solo_decodes(kl_dir, kl_vae):
-    service = DecodeService(DecodeEngine(ServiceConfig(model=str(kl_dir), model_name="kl")))
+    service = DecodeService(ServiceConfig(model=str(kl_dir), model_name="kl"))
     gen = torch.Generator().manual_seed(7)
     latents = [torch.randn(b, 4, 4, 5, generator=gen) for b in (1, 3, 2, 1, 2)]
     responses = await asyncio.gather(
@@ -39,3 +38,24 @@ async def test_concurrent_lossless_requests_are_bit_identical_to_solo_decodes(kl
 def test_only_weight_changes_reload_the_engine(change, reload):
     old = ServiceConfig(model="tiny-kl")
     assert needs_new_engine(old, old.model_copy(update=change)) is reload
+
+
+async def test_precision_change_rematerialises_weights_and_drops_folded_buffers(kl_dir):
+    config = ServiceConfig(model=str(kl_dir), model_name="kl")
+    service = DecodeService(config)
+    old = service.engine
+    await service.decode(DecodeParams(latents=torch.randn(1, 4, 4, 4), quality="high"))
+    assert old.fast_path.folded.nbytes > 0
+    service.reconfigure(config.model_copy(update={"decode_precision": "bf16"}))
+    assert old.fast_path.folded.nbytes == 0 and service.engine is not old
+    assert all(p.dtype == torch.bfloat16 for p in service.engine.vae.parameters())
+    resp = await service.decode(DecodeParams(latents=torch.randn(1, 4, 4, 4), quality="high", output="float"))
+    assert resp["precision"] == "bf16" and resp["output"]["dtype"] == "bfloat16"
+
+
+def test_limit_change_keeps_the_engine(kl_dir):
+    config = ServiceConfig(model=str(kl_dir), model_name="kl")
+    service = DecodeService(config)
+    engine = service.engine
+    service.reconfigure(config.model_copy(update={"limits": Limits(max_batch_items=1)}))
+    assert service.engine is engine and engine.config.limits.max_batch_items == 1

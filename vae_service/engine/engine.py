@@ -5,7 +5,7 @@ Tier decisions live here and only here:
   item is bit-identical to `vae.decode` of that latent alone whatever it was batched with;
   batched convolutions are not batch-invariant on every backend (on our CPU a batched 1x1
   conv already differs in the last bits).
-- `high` decodes the batch in one call.
+- `high` decodes the batch in one call with the fast path's gate on (see fastpath/).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from vae_service.engine.latents import PreparedRequest, prepare
 from vae_service.engine.postprocess import postprocess
 from vae_service.engine.precision import PRECISION_NAMES, resolve_device, resolve_dtype
 from vae_service.errors import RequestError
+from vae_service.fastpath import install_fast_path
 from vae_service.models import LoadedVae, load_vae
 from vae_service.protocol.decode_schema import DecodeParams
 
@@ -45,6 +46,7 @@ class DecodeEngine:
         self.spec = loaded.spec
         # nn.Module.to, not ModelMixin.to: the latter warns about fp32-pinned modules these VAEs lack
         self.vae = torch.nn.Module.to(loaded.vae, device=self.device, dtype=self.dtype)
+        self.fast_path = install_fast_path(self.vae)
 
     @property
     def precision(self) -> str:
@@ -61,6 +63,7 @@ class DecodeEngine:
             "device": str(self.device),
             "cpu_threads": torch.get_num_threads() if self.device.type == "cpu" else None,
             "tiers": ["lossless", "high"],
+            "fast_path": self.fast_path.describe(),
             "limits": self.config.limits.model_dump(),
         }
 
@@ -77,7 +80,7 @@ class DecodeEngine:
             raise ValueError(f"a batch must share one (tier, shape, dtype) key, got {sorted(map(str, keys))}")
         quality = batch[0].quality
         start = time.perf_counter()
-        with torch.inference_mode():
+        with torch.inference_mode(), self.fast_path.gate.use(quality == "high"):
             if quality == "lossless":
                 decoded = [self._decode_each_alone(r.latents) for r in batch]
             else:
@@ -96,3 +99,7 @@ class DecodeEngine:
     def _decode_together(self, latents: list[torch.Tensor]) -> list[torch.Tensor]:
         out = self._vae_decode(torch.cat(latents))
         return list(out.split([z.shape[0] for z in latents]))
+
+    def release_folded(self) -> int:
+        """Drop the fast path's folded weights (rebuilt by the next `high` decode); bytes freed."""
+        return self.fast_path.release()

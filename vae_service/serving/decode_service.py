@@ -17,9 +17,23 @@ def needs_new_engine(old: ServiceConfig, new: ServiceConfig) -> bool:
 
 
 class DecodeService:
-    def __init__(self, engine: DecodeEngine):
-        self.engine = engine
+    def __init__(self, config: ServiceConfig, engine: DecodeEngine | None = None):
+        self.config = config
+        self.engine = engine or DecodeEngine(config)
         self._device_lock = asyncio.Lock()  # one decode on the device at a time
+
+    def reconfigure(self, config: ServiceConfig) -> None:
+        """Limits apply in place; a new model, precision or device re-materialises the weights and
+        drops the old engine's folded buffers (an in-flight decode keeps its own references)."""
+        if needs_new_engine(self.config, config):
+            self.engine.release_folded()
+            self.engine = DecodeEngine(config)
+        else:
+            self.engine.config = config
+        self.config = config
+
+    def release_folded(self) -> int:
+        return self.engine.release_folded()
 
     async def decode(self, params: DecodeParams) -> dict:
         arrived = time.perf_counter()

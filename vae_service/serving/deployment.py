@@ -13,10 +13,10 @@ from fastapi.responses import JSONResponse, Response
 from ray import serve
 
 from vae_service.config import ServiceConfig
-from vae_service.engine import DecodeEngine
 from vae_service.errors import RequestError
 from vae_service.protocol.decode_schema import check_content_type, pack, params_from_map, unpack_body
-from vae_service.serving.decode_service import DecodeService, needs_new_engine
+from vae_service.serving import metrics
+from vae_service.serving.decode_service import DecodeService
 from vae_service.serving.http_body import read_body
 
 log = logging.getLogger("vae_service")
@@ -38,18 +38,32 @@ async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
 @serve.ingress(http_app)
 class VaeDecoder:
     def __init__(self) -> None:
-        self.config: ServiceConfig | None = None
         self.service: DecodeService | None = None
+
+    @property
+    def config(self) -> ServiceConfig:
+        return self.service.config
 
     def reconfigure(self, user_config: dict) -> None:
         config = ServiceConfig.model_validate(user_config)
-        if self.config is None or needs_new_engine(self.config, config):
-            engine = DecodeEngine(config)
-            self.service = DecodeService(engine)
-            log.info("serving %s", engine.describe())
+        if self.service is None:
+            self.service = DecodeService(config)
         else:
-            self.service.engine.config = config
-        self.config = config
+            self.service.reconfigure(config)
+        log.info("serving %s", self.service.engine.describe())
+        metrics.report_folded_bytes(self.service.engine)
+
+    def release_folded(self) -> int:
+        """Handle method: drop the fast path's folded weights now (the next `high` decode rebuilds)."""
+        freed = self.service.release_folded() if self.service is not None else 0
+        if self.service is not None:
+            metrics.report_folded_bytes(self.service.engine)
+        return freed
+
+    def __del__(self) -> None:
+        # Serve calls this on scale-down, redeploy, delete and shutdown (not on a hard kill)
+        freed = self.release_folded()
+        log.info("replica shutting down: released %d bytes of folded buffers", freed)
 
     def check_health(self) -> None:
         if self.service is None:
@@ -60,7 +74,9 @@ class VaeDecoder:
         limits = self.config.limits
         check_content_type(request.headers.get("content-type"))
         params = params_from_map(unpack_body(await read_body(request, limits), limits))
-        return Response(pack(await self.service.decode(params)), media_type="application/msgpack")
+        response = await self.service.decode(params)
+        metrics.report_folded_bytes(self.service.engine)
+        return Response(pack(response), media_type="application/msgpack")
 
     @http_app.get("/health")
     async def health(self) -> dict:

@@ -1,0 +1,22 @@
+"""Structure checks shared by the installers: a fast path is installed only on modules whose
+exact type and configuration it was written for."""
+
+from __future__ import annotations
+
+from torch import nn
+
+
+def exact_type(module: nn.Module, cls: type) -> bool:
+    return type(module) is cls
+
+
+def plain_silu(module: nn.Module) -> bool:
+    return type(module) is nn.SiLU and not module.inplace
+
+
+def affine_group_norm(module: nn.Module) -> bool:
+    return type(module) is nn.GroupNorm and module.affine
+
+
+def unknown_modules(root: nn.Module, allowed: set[type]) -> list[str]:
+    return [f"{name or '<root>'} ({type(m).__name__})" for name, m in root.named_modules() if type(m) not in allowed]

@@ -1,0 +1,78 @@
+"""Fast forwards for diffusers' AutoencoderKLWan decoder.
+
+Every RMSNorm in the decoder's residual blocks and output head is immediately followed by that
+block's own SiLU instance and nothing else uses it, so while the gate is on the norm computes
+RMSNorm+SiLU in one op and the SiLU passes through: the blocks' feature-cache logic stays
+diffusers' own. Activations are channels-last-3d while fast.
+"""
+
+from __future__ import annotations
+
+import torch
+from diffusers.models.autoencoders.autoencoder_kl_wan import (
+    WanAttentionBlock,
+    WanCausalConv3d,
+    WanDecoder3d,
+    WanMidBlock,
+    WanResample,
+    WanResidualBlock,
+    WanRMS_norm,
+    WanUpBlock,
+    WanUpsample,
+)
+from torch import nn
+
+from vae_service.fastpath.fused_norms import WanRMSNormSiLU
+from vae_service.fastpath.patching import Patch
+from vae_service.fastpath.structure import exact_type, plain_silu, unknown_modules
+
+_ALLOWED = {WanDecoder3d, WanMidBlock, WanUpBlock, WanResidualBlock, WanAttentionBlock, WanResample, WanUpsample,
+            WanCausalConv3d, WanRMS_norm, nn.ModuleList, nn.Sequential, nn.SiLU, nn.Dropout, nn.Conv2d, nn.Identity}
+
+
+def _channel_first_rms(norm: nn.Module) -> bool:
+    return exact_type(norm, WanRMS_norm) and norm.channel_first
+
+
+def check_wan_decoder(decoder: nn.Module) -> list[str]:
+    if not exact_type(decoder, WanDecoder3d):
+        return [f"decoder is {type(decoder).__name__}, not diffusers' WanDecoder3d"]
+    reasons = [f"unknown module {u}" for u in unknown_modules(decoder, _ALLOWED)]
+    if not (_channel_first_rms(decoder.norm_out) and plain_silu(decoder.nonlinearity)):
+        reasons.append("output head is not channel-first RMSNorm + SiLU")
+    for name, m in decoder.named_modules():
+        if exact_type(m, WanResidualBlock) and not (
+            _channel_first_rms(m.norm1) and _channel_first_rms(m.norm2) and plain_silu(m.nonlinearity)
+        ):
+            reasons.append(f"residual block {name} is not channel-first RMSNorm + SiLU")
+    return reasons
+
+
+def _fused(norm: nn.Module):
+    return lambda x: WanRMSNormSiLU.dispatch(x, norm)
+
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def _fast_decoder(d: WanDecoder3d):
+    reference = d.forward
+
+    def forward(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        return reference(x.contiguous(memory_format=torch.channels_last_3d), *args, **kwargs).contiguous()
+
+    return forward
+
+
+def wan_patches(vae: nn.Module) -> list[Patch]:
+    decoder = vae.decoder
+    patches = []
+    for m in decoder.modules():
+        if exact_type(m, WanResidualBlock):
+            patches += [Patch(m.norm1, "forward", _fused(m.norm1)), Patch(m.norm2, "forward", _fused(m.norm2)),
+                        Patch(m.nonlinearity, "forward", _identity)]
+    patches += [Patch(decoder.norm_out, "forward", _fused(decoder.norm_out)),
+                Patch(decoder.nonlinearity, "forward", _identity),
+                Patch(decoder, "forward", _fast_decoder(decoder))]
+    return patches
