@@ -24,6 +24,28 @@ class Limits(BaseModel):
     max_batch_items: int = Field(16, gt=0, description="latent batch dimension per request")
 
 
+class Batching(BaseModel):
+    """Dynamic batching per (tier, latent shape, dtype) key; applied live by `reconfigure`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_batch_size: int = Field(8, gt=0, description="latent items per decoder call")
+    batch_wait_ms: float = Field(5.0, ge=0, description="longest wait for a batch to fill")
+    max_queued_items: int = Field(256, gt=0, description="items waiting in the replica before 429")
+    request_timeout_s: float = Field(120.0, gt=0, description="a request not done by then gets 504")
+
+
+class Serving(BaseModel):
+    """Serve deployment options derived from the config (fixed per deployment, not live)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    concurrent_keys: int = Field(4, gt=0, description="batch keys that may fill at once in one replica")
+    max_queued_requests: int = Field(64, ge=-1, description="requests queued in Serve before rejection")
+    backpressure_status: Literal[429, 503] = 429
+    retry_after_s: float = Field(1.0, ge=0)
+
+
 class ServiceConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -38,6 +60,18 @@ class ServiceConfig(BaseModel):
     seed: int = Field(0, description="seed for preset random weights")
     cpu_threads: int | None = Field(None, gt=0, description="torch threads on CPU; default: all cores")
     limits: Limits = Limits()
+    batching: Batching = Batching()
+    serving: Serving = Serving()
+
+    def deployment_options(self) -> dict:
+        """Serve options that follow from the config. Serve's default of 5 ongoing requests would
+        keep batches from filling: a replica must accept a full batch for each key it fills."""
+        return {
+            "max_ongoing_requests": self.batching.max_batch_size * self.serving.concurrent_keys,
+            "max_queued_requests": self.serving.max_queued_requests,
+            "backpressure_config": {"status_code": self.serving.backpressure_status,
+                                    "retry_after_s": self.serving.retry_after_s},
+        }
 
     @property
     def served_name(self) -> str:

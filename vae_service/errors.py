@@ -31,3 +31,27 @@ class UnsupportedMediaType(RequestError):
 
 class ModelLoadError(RuntimeError):
     """The configured model cannot be loaded (bad path, unreachable hub, unsupported class)."""
+
+
+class DecodeFailed(RequestError):
+    """The decode itself produced no usable output for this input (e.g. NaN/Inf from overflow)."""
+
+    status = 422
+    type = "decode_failed"
+
+
+class Overloaded(RequestError):
+    """Too much queued work (or no device memory for it): retry after `retry_after_s`."""
+
+    status = 429
+    type = "overloaded"
+
+    def __init__(self, field: str, message: str, retry_after_s: float, status: int = 429):
+        super().__init__(field, message)
+        self.retry_after_s = retry_after_s
+        self.status = status
+
+
+class DecodeTimeout(RequestError):
+    status = 504
+    type = "timeout"

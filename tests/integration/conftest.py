@@ -22,7 +22,7 @@ def ray_cluster():
     from ray import serve
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"RAY_AUTH_MODE": "disabled"}})
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})

@@ -11,7 +11,7 @@ from vae_service.config import ServiceConfig
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 
 
-@pytest.mark.parametrize("name", ["serve-cpu.yaml"])
+@pytest.mark.parametrize("name", ["serve-cpu.yaml", "serve-gpu.yaml"])
 def test_deploy_yaml_parses_into_service_config(name):
     raw = yaml.safe_load((DEPLOY / name).read_text())
     schema = ServeDeploySchema.model_validate(raw) if hasattr(ServeDeploySchema, "model_validate") else ServeDeploySchema.parse_obj(raw)
@@ -20,4 +20,11 @@ def test_deploy_yaml_parses_into_service_config(name):
     (deployment,) = raw["applications"][0]["deployments"]
     assert deployment["name"] == "VaeDecoder"
     config = ServiceConfig.model_validate(deployment["user_config"])
-    assert config.decode_precision in ("fp32", "auto") and config.limits.max_batch_items > 0
+    assert config.limits.max_batch_items > 0
+    # Serve's own options agree with what the config derives (batches can fill)
+    assert deployment["max_ongoing_requests"] >= config.batching.max_batch_size * config.serving.concurrent_keys
+    assert deployment["backpressure_config"]["status_code"] in (429, 503)
+    if name == "serve-gpu.yaml":
+        assert deployment["ray_actor_options"]["num_gpus"] == 1 and config.device == "cuda"
+        scaling = deployment["autoscaling_config"]
+        assert scaling["min_replicas"] <= scaling["initial_replicas"] <= scaling["max_replicas"]

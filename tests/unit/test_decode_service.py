@@ -23,7 +23,7 @@ async def test_concurrent_lossless_requests_are_bit_identical_to_solo_decodes(kl
         assert resp["request_id"] == str(i)
         out = torch.frombuffer(bytearray(resp["output"]["data"]), dtype=torch.float32).reshape(resp["output"]["shape"])
         assert torch.equal(out, reference_decode(kl_vae, z))
-        assert resp["timing"]["batch_size"] == z.shape[0] and resp["timing"]["queue_ms"] >= 0
+        assert resp["timing"]["batch_size"] >= z.shape[0] and resp["timing"]["queue_ms"] >= 0
 
 
 @pytest.mark.parametrize(

@@ -20,7 +20,7 @@ from vae_service.config import ServiceConfig
 from vae_service.engine.latents import PreparedRequest, prepare
 from vae_service.engine.postprocess import postprocess
 from vae_service.engine.precision import PRECISION_NAMES, resolve_device, resolve_dtype
-from vae_service.errors import RequestError
+from vae_service.errors import DecodeFailed, RequestError
 from vae_service.fastpath import install_fast_path
 from vae_service.models import LoadedVae, load_vae
 from vae_service.protocol.decode_schema import DecodeParams
@@ -73,22 +73,32 @@ class DecodeEngine:
             raise RequestError("model", f"unknown model {params.model!r}; served: ['{self.spec.name}']")
         return prepare(params, self.spec, self.device, self.dtype, self.config.limits)
 
-    def decode(self, batch: list[PreparedRequest]) -> list[DecodeResult]:
-        """Decode requests that share one batch key; results come back in order."""
+    def decode(self, batch: list[PreparedRequest]) -> list[DecodeResult | DecodeFailed]:
+        """Decode requests that share one batch key; results come back in order. A request whose
+        output is not finite gets a DecodeFailed in its place; the others are unaffected."""
         keys = {r.batch_key for r in batch}
         if len(keys) != 1:
             raise ValueError(f"a batch must share one (tier, shape, dtype) key, got {sorted(map(str, keys))}")
         quality = batch[0].quality
+        # prepared under an earlier precision or device (a reconfigure in between): follow the engine
+        latents = [r.latents.to(device=self.device, dtype=self.dtype) for r in batch]
         start = time.perf_counter()
         with torch.inference_mode(), self.fast_path.gate.use(quality == "high"):
             if quality == "lossless":
-                decoded = [self._decode_each_alone(r.latents) for r in batch]
+                decoded = [self._decode_each_alone(z) for z in latents]
             else:
-                decoded = self._decode_together([r.latents for r in batch])
-            outputs = [postprocess(d, r.output) for d, r in zip(decoded, batch)]
+                decoded = self._decode_together(latents)
+            outputs = [self._finish(d, r) for d, r in zip(decoded, batch)]
         ms = (time.perf_counter() - start) * 1e3
         items = sum(r.items for r in batch)
-        return [DecodeResult(o, ms, items) for o in outputs]
+        return [o if isinstance(o, DecodeFailed) else DecodeResult(o, ms, items) for o in outputs]
+
+    @staticmethod
+    def _finish(decoded: torch.Tensor, request: PreparedRequest):
+        if not bool(torch.isfinite(decoded).all()):
+            return DecodeFailed("latents", "the decoder produced NaN/Inf for these latents (overflow at this "
+                                "precision?); try fp32 or check the latents' scaling")
+        return postprocess(decoded, request.output)
 
     def _vae_decode(self, z: torch.Tensor) -> torch.Tensor:
         return self.vae.decode(z).sample
@@ -103,3 +113,11 @@ class DecodeEngine:
     def release_folded(self) -> int:
         """Drop the fast path's folded weights (rebuilt by the next `high` decode); bytes freed."""
         return self.fast_path.release()
+
+    def check_device(self) -> None:
+        """Raise when the device or the weights are no longer usable (health checks)."""
+        probe = torch.ones(8, device=self.device, dtype=self.dtype)
+        if float((probe * 2).sum().item()) != 16.0:
+            raise RuntimeError(f"device {self.device} computes wrong results")
+        if next(self.vae.parameters()).device.type != self.device.type:
+            raise RuntimeError("model weights left the device")

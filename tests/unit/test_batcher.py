@@ -1,0 +1,203 @@
+"""KeyedBatcher without Ray: property-based arrival sequences plus targeted cases."""
+
+import asyncio
+import threading
+import time
+from dataclasses import dataclass
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from vae_service.serving.batcher import BatcherLimits, DeadlineExceeded, KeyedBatcher, QueueFull
+
+
+@dataclass(frozen=True)
+class Req:
+    seq: int
+    key: str
+    items: int = 1
+    behaviour: str = "ok"  # ok | fails_alone (per-request error) | poison (breaks any batch it is in)
+
+    @property
+    def batch_key(self):
+        return self.key
+
+
+class PerRequestError(Exception):
+    pass
+
+
+class Recorder:
+    """A fake decoder: records every call (start time, members), answers each request with its
+    own identity, and fails the way a request's behaviour says."""
+
+    def __init__(self, run_s: float = 0.0):
+        self.calls, self.run_s, self.lock = [], run_s, threading.Lock()
+
+    def __call__(self, batch):
+        with self.lock:
+            self.calls.append((time.monotonic(), [r.seq for r in batch], {r.key for r in batch}))
+        if self.run_s:
+            time.sleep(self.run_s)
+        if any(r.behaviour == "poison" for r in batch):
+            raise RuntimeError("batch failed")
+        return [PerRequestError(r.seq) if r.behaviour == "fails_alone" else ("ok", r.seq) for r in batch]
+
+
+arrival = st.tuples(
+    st.sampled_from(["a", "b", "c"]),
+    st.integers(1, 3),  # items
+    st.sampled_from([0, 0, 0, 0.001, 0.003]),  # gap before it (s)
+    st.sampled_from(["ok"] * 6 + ["fails_alone", "poison", "cancel", "timeout"]),
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(arrivals=st.lists(arrival, min_size=1, max_size=25), max_batch=st.integers(1, 6),
+       wait_ms=st.sampled_from([0.0, 1.0, 4.0]))
+def test_random_arrivals(arrivals, max_batch, wait_ms):
+    recorder = Recorder(run_s=0.001)
+    outcomes, cancelled_at, batches = {}, {}, []
+
+    async def scenario():
+        batcher = KeyedBatcher(recorder, BatcherLimits(max_batch_size=max_batch, batch_wait_ms=wait_ms),
+                               on_batch=batches.append, clock=time.monotonic)
+        tasks = {}
+        for seq, (key, items, gap, behaviour) in enumerate(arrivals):
+            if gap:
+                await asyncio.sleep(gap)
+            req = Req(seq, key, items, behaviour if behaviour not in ("cancel", "timeout") else "ok")
+            timeout = 0.002 if behaviour == "timeout" else None
+            tasks[seq] = asyncio.create_task(batcher.submit(req, timeout_s=timeout))
+            if behaviour == "cancel":
+                await asyncio.sleep(0)
+                tasks[seq].cancel()
+                cancelled_at[seq] = time.monotonic()
+        for seq, task in tasks.items():
+            try:
+                outcomes[seq] = await task
+            except (asyncio.CancelledError, DeadlineExceeded, PerRequestError, RuntimeError) as exc:
+                outcomes[seq] = exc
+        assert await batcher.drain(1.0)
+        await batcher.close()
+
+    asyncio.run(scenario())
+    behaviour = {seq: a[3] for seq, a in enumerate(arrivals)}
+
+    # every request answered exactly once, with its own result or its own failure
+    assert set(outcomes) == set(range(len(arrivals)))
+    for seq, out in outcomes.items():
+        b = behaviour[seq]
+        if b == "ok":
+            assert out == ("ok", seq)
+        elif b == "fails_alone":
+            assert isinstance(out, PerRequestError) and out.args == (seq,)
+        elif b == "poison":
+            assert isinstance(out, RuntimeError)
+        elif b == "cancel":
+            assert isinstance(out, asyncio.CancelledError) or out == ("ok", seq)
+        elif b == "timeout":
+            assert isinstance(out, DeadlineExceeded) or out == ("ok", seq)
+
+    for _, members, keys in recorder.calls:
+        assert len(keys) == 1  # never a mixed batch
+        assert len(members) == 1 or sum(arrivals[s][1] for s in members) <= max_batch
+    started = {}
+    for stats in batches:
+        for req in stats.requests:
+            started[req.seq] = stats.started
+            if req.seq in cancelled_at:  # dropped before decode once its caller has gone
+                assert stats.started <= cancelled_at[req.seq]
+    for seq in range(len(arrivals)):
+        runs = sum(seq in m for _, m, _ in recorder.calls)
+        if behaviour[seq] in ("ok", "fails_alone"):
+            assert runs in (1, 2)  # twice only when a poisoned batch held it
+        elif behaviour[seq] == "poison":
+            assert runs >= 1
+
+    # fairness: a batch always starts with the oldest request still waiting, so nothing enqueued
+    # before a batch's head (and still wanted) starts later than that batch
+    for stats in batches:
+        head = min(r.seq for r in stats.requests)
+        for seq in range(head):
+            if seq in started and behaviour[seq] not in ("cancel", "timeout"):
+                assert started[seq] <= stats.started
+
+
+async def test_waits_for_a_batch_to_fill_then_runs_it_once():
+    recorder = Recorder()
+    batcher = KeyedBatcher(recorder, BatcherLimits(max_batch_size=4, batch_wait_ms=200))
+    results = await asyncio.gather(*(batcher.submit(Req(i, "k")) for i in range(4)))
+    assert results == [("ok", i) for i in range(4)]
+    assert [m for _, m, _ in recorder.calls] == [[0, 1, 2, 3]]
+
+
+async def test_a_lone_request_waits_at_most_batch_wait():
+    batcher = KeyedBatcher(Recorder(), BatcherLimits(max_batch_size=8, batch_wait_ms=30))
+    t = time.monotonic()
+    assert await batcher.submit(Req(0, "k")) == ("ok", 0)
+    assert 0.025 <= time.monotonic() - t < 1.0
+
+
+async def test_a_steady_stream_of_one_key_does_not_starve_another():
+    recorder = Recorder(run_s=0.002)
+    batcher = KeyedBatcher(recorder, BatcherLimits(max_batch_size=2, batch_wait_ms=0))
+    stop = asyncio.Event()
+
+    async def flood():
+        seq = 100
+        while not stop.is_set():
+            asyncio.ensure_future(batcher.submit(Req(seq, "hot")))
+            seq += 1
+            await asyncio.sleep(0.0005)
+
+    flooder = asyncio.create_task(flood())
+    await asyncio.sleep(0.01)
+    t = time.monotonic()
+    assert await asyncio.wait_for(batcher.submit(Req(0, "cold")), 2.0) == ("ok", 0)
+    waited = time.monotonic() - t
+    stop.set()
+    await flooder
+    assert waited < 0.5
+
+
+async def test_queue_limit_rejects_with_retry_after():
+    batcher = KeyedBatcher(Recorder(run_s=0.05), BatcherLimits(max_batch_size=1, batch_wait_ms=0, max_queued_items=2))
+    first = [asyncio.create_task(batcher.submit(Req(i, "k"))) for i in range(2)]
+    await asyncio.sleep(0.01)  # 0 running, 1 queued
+    first.append(asyncio.create_task(batcher.submit(Req(2, "k"))))
+    await asyncio.sleep(0)  # 1 and 2 queued: the limit
+    with pytest.raises(QueueFull) as err:
+        await batcher.submit(Req(9, "k"))
+    assert err.value.retry_after_s >= 1
+    assert [await t for t in first] == [("ok", i) for i in range(3)]
+
+
+async def test_live_limit_update_changes_batch_size():
+    recorder = Recorder()
+    batcher = KeyedBatcher(recorder, BatcherLimits(max_batch_size=1, batch_wait_ms=50))
+    await asyncio.gather(*(batcher.submit(Req(i, "k")) for i in range(2)))
+    batcher.update(BatcherLimits(max_batch_size=3, batch_wait_ms=50))
+    await asyncio.gather(*(batcher.submit(Req(i, "k")) for i in range(10, 13)))
+    assert [len(m) for _, m, _ in recorder.calls] == [1, 1, 3]
+
+
+async def test_drain_waits_for_running_work():
+    batcher = KeyedBatcher(Recorder(run_s=0.05), BatcherLimits(max_batch_size=1, batch_wait_ms=0))
+    task = asyncio.create_task(batcher.submit(Req(0, "k")))
+    await asyncio.sleep(0.005)
+    assert await batcher.drain(2.0)
+    assert task.done() and task.result() == ("ok", 0)
+
+
+async def test_an_expired_request_is_dropped_before_decode():
+    recorder = Recorder(run_s=0.1)
+    batcher = KeyedBatcher(recorder, BatcherLimits(max_batch_size=1, batch_wait_ms=0))
+    busy = asyncio.create_task(batcher.submit(Req(0, "k")))
+    await asyncio.sleep(0.01)  # Req 0 is decoding for 100 ms
+    with pytest.raises(DeadlineExceeded):
+        await batcher.submit(Req(1, "k"), timeout_s=0.02)
+    assert await busy == ("ok", 0)
+    assert await batcher.submit(Req(2, "k")) == ("ok", 2)
+    assert [m for _, m, _ in recorder.calls] == [[0], [2]]  # 1 never reached the decoder

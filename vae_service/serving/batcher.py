@@ -1,0 +1,233 @@
+"""Tier-keyed dynamic batching, free of Ray: the Serve deployment and the tests drive it alike.
+
+- One queue per batch key (tier, latent shape, dtype, ...); a batch never mixes keys.
+- Fair: the next batch always starts with the oldest waiting item of any key, so a steady
+  stream of one key cannot starve another and every item's wait is bounded.
+- A batch fills up to `max_batch_size` items (a request with batch dim B counts B) or waits at
+  most `batch_wait_ms` after its oldest item arrived.
+- Device work is serialised: one batch runs at a time, in a worker thread.
+- A request whose caller went away or whose deadline passed is dropped before decode.
+- A failing batch is retried item by item, so one bad request fails alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Generic, Hashable, Protocol, TypeVar
+
+
+class Batchable(Protocol):
+    @property
+    def batch_key(self) -> Hashable: ...
+
+    @property
+    def items(self) -> int: ...
+
+
+T = TypeVar("T", bound=Batchable)
+
+
+class QueueFull(Exception):
+    """Too many items waiting: the caller should back off (429 + Retry-After)."""
+
+    def __init__(self, waiting: int, limit: int, retry_after_s: float):
+        super().__init__(f"{waiting} items waiting, limit {limit}")
+        self.retry_after_s = retry_after_s
+
+
+class DeadlineExceeded(Exception):
+    """The request's deadline passed before its result was ready (504)."""
+
+
+@dataclass
+class BatchStats:
+    key: Hashable
+    requests: list  # as submitted, in batch order
+    items: int
+    queue_s: list[float]
+    started: float  # batcher clock when the batch left its queue
+    run_s: float
+
+
+@dataclass(eq=False)
+class _Pending(Generic[T]):
+    request: T
+    future: asyncio.Future
+    arrived: float
+    deadline: float | None
+    caller: asyncio.Task | None = None
+
+    def live(self, now: float) -> bool:
+        # a cancel request reaches the caller's coroutine only at its next step: look at the task
+        # too, so that work whose caller has already gone is never started
+        caller_gone = self.caller is not None and (self.caller.done() or self.caller.cancelling() > 0)
+        return not (self.future.done() or caller_gone) and (self.deadline is None or now < self.deadline)
+
+
+@dataclass
+class BatcherLimits:
+    max_batch_size: int = 8
+    batch_wait_ms: float = 5.0
+    max_queued_items: int = 256
+
+
+@dataclass
+class KeyedBatcher(Generic[T]):
+    """`run_batch(requests) -> results` (one per request, an Exception instance fails just that
+    request) runs in a worker thread. `on_batch(stats)` observes each batch (metrics)."""
+
+    run_batch: Callable[[list[T]], list[Any]]
+    limits: BatcherLimits = field(default_factory=BatcherLimits)
+    on_batch: Callable[[BatchStats], None] | None = None
+    clock: Callable[[], float] = time.monotonic
+    _queues: dict[Hashable, collections.deque] = field(default_factory=dict, init=False)
+    _wakeup: asyncio.Event | None = field(default=None, init=False)
+    _worker: asyncio.Task | None = field(default=None, init=False)
+    _running: int = field(default=0, init=False)
+
+    # ---- submitting -------------------------------------------------------------------------
+    async def submit(self, request: T, timeout_s: float | None = None) -> Any:
+        waiting = self.queued_items()
+        if waiting + request.items > self.limits.max_queued_items:
+            raise QueueFull(waiting, self.limits.max_queued_items, self._retry_after())
+        self._ensure_worker()
+        now = self.clock()
+        pending = _Pending(request, asyncio.get_running_loop().create_future(), now,
+                           None if timeout_s is None else now + timeout_s, asyncio.current_task())
+        self._queues.setdefault(request.batch_key, collections.deque()).append(pending)
+        self._wakeup.set()
+        try:
+            return await asyncio.wait_for(asyncio.shield(pending.future), timeout_s)
+        except asyncio.TimeoutError:
+            raise DeadlineExceeded(f"no result within {timeout_s:.3g} s") from None
+        finally:
+            if not pending.future.done():  # cancelled or timed out: never decode it
+                pending.future.cancel()
+
+    def queued_items(self, key_filter: Callable[[Hashable], bool] | None = None) -> int:
+        return sum(p.request.items for k, q in self._queues.items() if key_filter is None or key_filter(k)
+                   for p in q if not p.future.done())
+
+    def update(self, limits: BatcherLimits) -> None:
+        self.limits = limits
+        if self._wakeup is not None:
+            self._wakeup.set()
+
+    async def close(self) -> None:
+        """Stop the worker (after `drain`); queued requests are cancelled."""
+        if self._worker is not None:
+            self._worker.cancel()
+            for queue in self._queues.values():
+                for pending in queue:
+                    pending.future.cancel()
+            self._queues.clear()
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Wait until nothing is queued or running (graceful shutdown); False on timeout."""
+        end = self.clock() + timeout_s
+        while self.queued_items() or self._running:
+            if self.clock() >= end:
+                return False
+            await asyncio.sleep(0.01)
+        return True
+
+    # ---- the worker -------------------------------------------------------------------------
+    def _ensure_worker(self) -> None:
+        if self._worker is None or self._worker.done():
+            self._wakeup = asyncio.Event()
+            self._worker = asyncio.get_running_loop().create_task(self._work())
+
+    def _retry_after(self) -> float:
+        return max(1.0, self.limits.batch_wait_ms / 1e3)
+
+    def _oldest_head(self) -> tuple[Hashable, _Pending] | None:
+        now = self.clock()
+        best = None
+        for key, queue in list(self._queues.items()):
+            while queue and not queue[0].live(now):
+                self._discard(queue.popleft())
+            if not queue:
+                del self._queues[key]
+            elif best is None or queue[0].arrived < best[1].arrived:
+                best = (key, queue[0])
+        return best
+
+    @staticmethod
+    def _discard(pending: _Pending) -> None:
+        """Drop an item that will not be decoded: tell a still-waiting caller its deadline passed."""
+        if not pending.future.done():
+            caller_gone = pending.caller is not None and (pending.caller.done() or pending.caller.cancelling())
+            if caller_gone:
+                pending.future.cancel()
+            else:
+                pending.future.set_exception(DeadlineExceeded("deadline passed while queued"))
+
+    def _take(self, key: Hashable) -> list[_Pending]:
+        now, queue, batch, items = self.clock(), self._queues.get(key, collections.deque()), [], 0
+        while queue:
+            head = queue[0]
+            if not head.live(now):
+                self._discard(queue.popleft())
+                continue
+            if batch and items + head.request.items > self.limits.max_batch_size:
+                break
+            batch.append(queue.popleft())
+            items += head.request.items
+        if not queue:
+            self._queues.pop(key, None)
+        return batch
+
+    async def _work(self) -> None:
+        while True:
+            chosen = self._oldest_head()
+            if chosen is None:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            key, head = chosen
+            remaining = head.arrived + self.limits.batch_wait_ms / 1e3 - self.clock()
+            if remaining > 0 and self.queued_items(lambda k: k == key) < self.limits.max_batch_size:
+                self._wakeup.clear()
+                try:
+                    await asyncio.wait_for(self._wakeup.wait(), remaining)
+                except asyncio.TimeoutError:
+                    pass
+                continue  # re-evaluate: the queue may have filled, or an older key arrived
+            batch = self._take(key)
+            if batch:
+                await self._run(key, batch)
+
+    async def _run(self, key: Hashable, batch: list[_Pending]) -> None:
+        self._running += 1
+        started = self.clock()
+        try:
+            results = await self._decode_isolating_failures([p.request for p in batch])
+        finally:
+            self._running -= 1
+        for pending, result in zip(batch, results):
+            if pending.future.done():
+                continue  # the caller gave up meanwhile
+            if isinstance(result, BaseException):
+                pending.future.set_exception(result)
+            else:
+                pending.future.set_result(result)
+        if self.on_batch is not None:
+            self.on_batch(BatchStats(key, [p.request for p in batch], sum(p.request.items for p in batch),
+                                     [started - p.arrived for p in batch], started, self.clock() - started))
+
+    async def _decode_isolating_failures(self, requests: list[T]) -> list[Any]:
+        try:
+            return await asyncio.to_thread(self.run_batch, requests)
+        except Exception as exc:
+            if len(requests) == 1:
+                return [exc]
+        results = []
+        for request in requests:  # the batch failed as a whole: each request gets one try alone
+            try:
+                results.extend(await asyncio.to_thread(self.run_batch, [request]))
+            except Exception as exc:
+                results.append(exc)
+        return results
