@@ -40,11 +40,18 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
     from vae_service.serving.app import build_app
 
+    from ray.serve.config import gRPCOptions
+
+    from vae_service.serving.app import GRPC_SERVICER
+
     ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, logging_level=logging.WARNING)
-    serve.start(http_options={"host": args.host, "port": args.port})
+    grpc = gRPCOptions(port=args.grpc_port, grpc_servicer_functions=[GRPC_SERVICER]) if args.grpc_port else None
+    serve.start(http_options={"host": args.host, "port": args.port}, grpc_options=grpc)
     serve.run(build_app(config.model_dump()), name="vae", route_prefix="/")
     url = f"http://{args.host}:{args.port}"
-    print(f"\nvae-service is serving '{config.served_name}' at {url}  (POST /decode, GET /health)")
+    print(f"\nvae-service is serving '{config.served_name}' at {url}  (POST /decode, POST /remote-decode, GET /health)")
+    if args.grpc_port:
+        print(f"gRPC vae_service.v1.VaeDecoder at {args.host}:{args.grpc_port} (metadata application=vae)")
     print("Try it (random latents -> PNGs in ./out):")
     print(f"  vae-service decode --url {url} --random-latents {_example_shape(config)} --out out\n")
     print("Ctrl-C to stop.", flush=True)
@@ -140,6 +147,7 @@ def main(argv: list[str] | None = None) -> None:
     model_args(serve_p)
     serve_p.add_argument("--host", default="127.0.0.1")
     serve_p.add_argument("--port", type=int, default=8000)
+    serve_p.add_argument("--grpc-port", type=int, default=9000, help="0 disables gRPC")
     serve_p.set_defaults(func=cmd_serve)
 
     dec = sub.add_parser("decode", help="send a latents file to a running service and write images")

@@ -1,22 +1,37 @@
-"""HTTP clients (sync and async) for `POST /decode` and `GET /health`."""
+"""HTTP clients (sync and async) for `POST /decode` and `GET /health`, with retries on 429/503."""
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 import httpx
 
-from vae_service_client.wire import MSGPACK, DecodeResponse, decode_body, error_from, parse_response
+from vae_service_client.wire import MSGPACK, DecodeResponse, Overloaded, decode_body, error_from, parse_response, retry_delay
 
 
 class VaeClient:
-    def __init__(self, base_url: str = "http://127.0.0.1:8000", timeout: float = 120.0):
+    """`retries`: extra attempts on 429/503 (backoff doubling from `backoff_s`, at least the
+    server's Retry-After); `timeout`: seconds per attempt."""
+
+    def __init__(self, base_url: str = "http://127.0.0.1:8000", timeout: float = 120.0, retries: int = 3,
+                 backoff_s: float = 0.5):
         self._http = httpx.Client(base_url=base_url, timeout=timeout)
+        self.retries, self.backoff_s = retries, backoff_s
 
     def decode(self, latents, quality: str = "lossless", output: str = "uint8", **options) -> DecodeResponse:
         """latents: torch tensor or numpy array. options: scaling_factor, shift_factor (None = already
         scaled), height, width, request_id, model."""
-        r = self._http.post("/decode", content=decode_body(latents, quality, output, **options),
-                            headers={"content-type": MSGPACK})
-        return parse_response(r.status_code, r.headers, r.content)
+        body = decode_body(latents, quality, output, **options)
+        for attempt in range(self.retries + 1):
+            r = self._http.post("/decode", content=body, headers={"content-type": MSGPACK})
+            try:
+                return parse_response(r.status_code, r.headers, r.content)
+            except Overloaded as exc:
+                if attempt == self.retries:
+                    raise
+                time.sleep(retry_delay(attempt, exc, self.backoff_s))
+        raise AssertionError("unreachable")
 
     def health(self) -> dict:
         r = self._http.get("/health")
@@ -35,13 +50,22 @@ class VaeClient:
 
 
 class AsyncVaeClient:
-    def __init__(self, base_url: str = "http://127.0.0.1:8000", timeout: float = 120.0):
+    def __init__(self, base_url: str = "http://127.0.0.1:8000", timeout: float = 120.0, retries: int = 3,
+                 backoff_s: float = 0.5):
         self._http = httpx.AsyncClient(base_url=base_url, timeout=timeout)
+        self.retries, self.backoff_s = retries, backoff_s
 
     async def decode(self, latents, quality: str = "lossless", output: str = "uint8", **options) -> DecodeResponse:
-        r = await self._http.post("/decode", content=decode_body(latents, quality, output, **options),
-                                  headers={"content-type": MSGPACK})
-        return parse_response(r.status_code, r.headers, r.content)
+        body = decode_body(latents, quality, output, **options)
+        for attempt in range(self.retries + 1):
+            r = await self._http.post("/decode", content=body, headers={"content-type": MSGPACK})
+            try:
+                return parse_response(r.status_code, r.headers, r.content)
+            except Overloaded as exc:
+                if attempt == self.retries:
+                    raise
+                await asyncio.sleep(retry_delay(attempt, exc, self.backoff_s))
+        raise AssertionError("unreachable")
 
     async def health(self) -> dict:
         r = await self._http.get("/health")

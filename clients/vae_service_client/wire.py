@@ -18,11 +18,49 @@ MSGPACK = "application/msgpack"
 
 
 class VaeServiceError(Exception):
-    """A non-200 answer, with the server's error type, field and message."""
+    """A non-200 answer, with the server's error type, field and message. `status` is the HTTP
+    status (gRPC codes are mapped to their HTTP equivalents)."""
 
     def __init__(self, status: int, type_: str, message: str, field: str | None = None, retry_after: float | None = None):
         super().__init__(f"HTTP {status} {type_}: {message}")
         self.status, self.type, self.message, self.field, self.retry_after = status, type_, message, field, retry_after
+
+
+class InvalidRequest(VaeServiceError):
+    """400/415/422: fix the request; retrying will not help."""
+
+
+class PayloadTooLarge(VaeServiceError):
+    """413: over a byte, pixel or batch limit."""
+
+
+class Overloaded(VaeServiceError):
+    """429/503: retried with backoff (honouring Retry-After) before it reaches you."""
+
+
+class DecodeTimeout(VaeServiceError):
+    """504: the server did not finish within its request timeout."""
+
+
+class ServerError(VaeServiceError):
+    """Any other 5xx: a server bug."""
+
+
+def error_class(status: int) -> type[VaeServiceError]:
+    if status in (429, 503):
+        return Overloaded
+    if status == 413:
+        return PayloadTooLarge
+    if status == 504:
+        return DecodeTimeout
+    if 400 <= status < 500:
+        return InvalidRequest
+    return ServerError
+
+
+def retry_delay(attempt: int, error: VaeServiceError, backoff_s: float, max_backoff_s: float = 8.0) -> float:
+    """Exponential backoff, but never sooner than the server's Retry-After."""
+    return max(min(backoff_s * 2**attempt, max_backoff_s), error.retry_after or 0.0)
 
 
 @dataclass
@@ -72,4 +110,4 @@ def error_from(status: int, headers, content: bytes) -> VaeServiceError:
         type_, message, field_ = err.get("type", "error"), err.get("message", ""), err.get("field")
     except (ValueError, KeyError, TypeError):
         type_, message, field_ = "error", content[:500].decode(errors="replace"), None
-    return VaeServiceError(status, type_, message, field_, float(retry) if retry else None)
+    return error_class(status)(status, type_, message, field_, float(retry) if retry else None)

@@ -2,11 +2,14 @@
 
 import os
 import socket
+from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.integration
+from vae_service.serving.app import GRPC_SERVICER
 
+pytestmark = pytest.mark.integration
+PORTS: dict[str, int] = {}
 TEST_DEPLOYMENT = dict(graceful_shutdown_wait_loop_s=0.05, graceful_shutdown_timeout_s=0.5)
 
 
@@ -22,10 +25,16 @@ def ray_cluster():
     from ray import serve
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    repo = str(Path(__file__).resolve().parents[2])  # replicas import deploy/ modules from the checkout
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"RAY_AUTH_MODE": "disabled"}})
+             runtime_env={"env_vars": {"RAY_AUTH_MODE": "disabled",
+                                       "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))}})
+    from ray.serve.config import gRPCOptions
+
     port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    PORTS["grpc"] = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port},
+                grpc_options=gRPCOptions(port=PORTS["grpc"], grpc_servicer_functions=[GRPC_SERVICER]))
     yield f"http://127.0.0.1:{port}"
     serve.shutdown()
     ray.shutdown()
@@ -41,3 +50,21 @@ def kl_url(ray_cluster, kl_dir):
               "limits": {"max_request_bytes": 4 * 2**20, "max_output_pixels": 2**22}}
     serve.run(build_app(config, **TEST_DEPLOYMENT), name="kl", route_prefix="/kl")
     return f"{ray_cluster}/kl"
+
+
+@pytest.fixture(scope="session")
+def multi_url(ray_cluster, kl_dir, flux_dir, wan_dir):
+    """One ingress, three models: routing by `model`."""
+    from ray import serve
+
+    from vae_service.serving.app import build_multi_app
+
+    models = [{"model": str(folder), "model_name": name, "cpu_threads": 1}
+              for name, folder in (("kl", kl_dir), ("flux", flux_dir), ("wan", wan_dir))]
+    serve.run(build_multi_app({"models": models}, **TEST_DEPLOYMENT), name="multi", route_prefix="/multi")
+    return f"{ray_cluster}/multi"
+
+
+@pytest.fixture(scope="session")
+def grpc_target(ray_cluster):
+    return f"127.0.0.1:{PORTS['grpc']}"

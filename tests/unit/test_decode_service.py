@@ -15,10 +15,10 @@ async def test_concurrent_lossless_requests_are_bit_identical_to_solo_decodes(kl
     service = DecodeService(ServiceConfig(model=str(kl_dir), model_name="kl"))
     gen = torch.Generator().manual_seed(7)
     latents = [torch.randn(b, 4, 4, 5, generator=gen) for b in (1, 3, 2, 1, 2)]
-    responses = await asyncio.gather(
+    responses = [o.wire() for o in await asyncio.gather(
         *(service.decode(DecodeParams(latents=z, scaling_factor=None, output="float", request_id=str(i)))
           for i, z in enumerate(latents))
-    )
+    )]
     for i, (z, resp) in enumerate(zip(latents, responses)):
         assert resp["request_id"] == str(i)
         out = torch.frombuffer(bytearray(resp["output"]["data"]), dtype=torch.float32).reshape(resp["output"]["shape"])
@@ -49,7 +49,7 @@ async def test_precision_change_rematerialises_weights_and_drops_folded_buffers(
     service.reconfigure(config.model_copy(update={"decode_precision": "bf16"}))
     assert old.fast_path.folded.nbytes == 0 and service.engine is not old
     assert all(p.dtype == torch.bfloat16 for p in service.engine.vae.parameters())
-    resp = await service.decode(DecodeParams(latents=torch.randn(1, 4, 4, 4), quality="high", output="float"))
+    resp = (await service.decode(DecodeParams(latents=torch.randn(1, 4, 4, 4), quality="high", output="float"))).wire()
     assert resp["precision"] == "bf16" and resp["output"]["dtype"] == "bfloat16"
 
 

@@ -9,7 +9,7 @@ import torch
 from diffusers.models.resnet import ResnetBlock2D
 from torch import nn
 
-from tests.models import build_full_vae, reference_decode
+from tests.models import build_full_vae
 from vae_service.fastpath import install_fast_path
 from vae_service.fastpath.gate import FastPathGate
 from vae_service.fastpath.patching import Patch

@@ -9,11 +9,18 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import msgpack
+import numpy as np
 import torch
 
 from vae_service.config import Limits
 from vae_service.errors import PayloadTooLarge, RequestError, UnsupportedMediaType
-from vae_service.protocol.tensor_codec import LATENT_DTYPES, decode_tensor, encode_tensor, require_finite
+from vae_service.protocol.tensor_codec import (
+    LATENT_DTYPES,
+    WIRE_DTYPES,
+    decode_tensor,
+    encode_tensor,
+    require_finite,
+)
 
 Quality = Literal["lossless", "high"]
 OutputKind = Literal["uint8", "float", "png", "jpeg", "mp4"]
@@ -21,6 +28,7 @@ QUALITIES: tuple[str, ...] = ("lossless", "high")
 OUTPUTS: tuple[str, ...] = ("uint8", "float", "png", "jpeg", "mp4")
 MSGPACK_TYPES = ("application/msgpack", "application/x-msgpack", "application/vnd.msgpack")
 _MAX_REQUEST_ID = 256
+LATENT_TORCH_DTYPES = tuple(WIRE_DTYPES[d] for d in LATENT_DTYPES)
 
 
 class _Unset:
@@ -111,12 +119,29 @@ def _optional_str(obj: dict, key: str) -> str | None:
 
 
 def params_from_map(obj: dict) -> DecodeParams:
+    if "latents" not in obj:
+        raise RequestError("latents", "is required")
+    return _params(obj, decode_tensor(obj["latents"], "latents", LATENT_DTYPES))
+
+
+def params_from_call(latents, **fields) -> DecodeParams:
+    """The handle API's arguments (a torch tensor or numpy array, plus the /decode keys as
+    keyword arguments) through the same validation as a msgpack body, without a copy."""
+    if isinstance(latents, np.ndarray):
+        latents = torch.from_numpy(np.array(latents) if not latents.flags.writeable else latents)
+    if not isinstance(latents, torch.Tensor):
+        raise RequestError("latents", f"must be a torch tensor or numpy array, got {type(latents).__name__}")
+    if latents.dtype not in LATENT_TORCH_DTYPES:
+        raise RequestError("latents.dtype", f"unknown dtype {latents.dtype}; allowed: {list(LATENT_DTYPES)}")
+    if not 1 <= latents.dim() <= 6 or latents.numel() == 0:
+        raise RequestError("latents.shape", f"must have 1 to 6 non-empty dims, got {list(latents.shape)}")
+    return _params({"latents": None, **fields}, latents.detach().cpu())
+
+
+def _params(obj: dict, latents: torch.Tensor) -> DecodeParams:
     unknown = sorted(set(obj) - _KEYS)
     if unknown:
         raise RequestError(unknown[0], f"unknown key; allowed keys: {sorted(_KEYS)}")
-    if "latents" not in obj:
-        raise RequestError("latents", "is required")
-    latents = decode_tensor(obj["latents"], "latents", LATENT_DTYPES)
     require_finite(latents, "latents")
     return DecodeParams(
         latents=latents,
@@ -152,3 +177,20 @@ def response_map(
         "request_id": request_id,
         "timing": timing,
     }
+
+
+def peek_model(body: bytes) -> str | None:
+    """The `model` key of a msgpack /decode body, read without unpacking the latents (routing).
+    None when absent or when the body is malformed: the decoder then answers the precise 400."""
+    unpacker = msgpack.Unpacker(raw=False, strict_map_key=False)
+    unpacker.feed(body)
+    try:
+        for _ in range(unpacker.read_map_header()):
+            key = unpacker.unpack()
+            if key == "model":
+                value = unpacker.unpack()
+                return value if isinstance(value, str) else None
+            unpacker.skip()
+    except Exception:  # malformed: not the router's to judge
+        return None
+    return None

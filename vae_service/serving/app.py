@@ -1,20 +1,50 @@
-"""Serve applications: `build_app(args)` for `serve run`/`serve build` and the CLI, `app` for YAML
-configs whose `user_config` carries the ServiceConfig."""
+"""Serve applications.
+
+- `build_app(args)`: one model; the decode deployment is its own HTTP ingress (fewest hops).
+- `build_decoder(args)`: one model to bind into your own ingress (see deploy/pipeline_app.py).
+- `build_multi_app({"models": [args, ...]})`: several models behind one routing ingress.
+- `app`: one model with the default config, for YAML files whose `user_config` carries it.
+"""
 
 from __future__ import annotations
 
 from ray.serve import Application
 
 from vae_service.config import ServiceConfig
-from vae_service.serving.deployment import VaeDecoder
+from vae_service.serving.deployment import VaeDecoder, VaeDecoderHttp
+from vae_service.serving.router import VaeRouter
+
+# what Serve's gRPC proxy needs in `grpc_servicer_functions` (serve.start, YAML grpc_options)
+GRPC_SERVICER = "vae_service.protocol.grpc_gen.decode_pb2_grpc.add_VaeDecoderServicer_to_server"
+
+
+def _decoder(config: ServiceConfig, deployment=VaeDecoder, **deployment_options):
+    """`deployment_options` (num_replicas, autoscaling_config, ray_actor_options, ...) override
+    the options derived from the config (max_ongoing_requests, max_queued_requests, backpressure)."""
+    options = {**config.deployment_options(), **deployment_options}
+    return deployment.options(user_config=config.model_dump(), **options)
 
 
 def build_app(args: dict | None = None, **deployment_options) -> Application:
-    """`deployment_options` (num_replicas, autoscaling_config, ray_actor_options, ...) override
-    the options derived from the config (max_ongoing_requests, max_queued_requests, backpressure)."""
-    config = ServiceConfig.model_validate(args or {})
-    options = {**config.deployment_options(), **deployment_options}
-    return VaeDecoder.options(user_config=config.model_dump(), **options).bind()
+    """One model, serving HTTP itself."""
+    return _decoder(ServiceConfig.model_validate(args or {}), VaeDecoderHttp, **deployment_options).bind()
+
+
+def build_decoder(args: dict | None = None, **deployment_options) -> Application:
+    """One model without HTTP routes: to bind into another ingress (composition)."""
+    return _decoder(ServiceConfig.model_validate(args or {}), **deployment_options).bind()
+
+
+def build_multi_app(args: dict, **deployment_options) -> Application:
+    configs = [ServiceConfig.model_validate(m) for m in args.get("models") or []]
+    if not configs:
+        raise ValueError("models: give at least one model config")
+    names = [c.served_name for c in configs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"models: served names must be unique (set model_name), got {names}")
+    decoders = {c.served_name: _decoder(c, name=f"VaeDecoder-{c.served_name}", **deployment_options).bind()
+                for c in configs}
+    return VaeRouter.bind(decoders, max(c.limits.max_request_bytes for c in configs))
 
 
 app = build_app()

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass
 from typing import Callable
+
+import torch
 
 from vae_service.config import ServiceConfig
 from vae_service.engine import DecodeEngine, DecodeResult, PreparedRequest
@@ -15,6 +18,21 @@ from vae_service.protocol.decode_schema import DecodeParams, response_map
 from vae_service.serving.batcher import BatcherLimits, BatchStats, DeadlineExceeded, KeyedBatcher, QueueFull
 
 _LIVE_FIELDS = {"limits", "batching", "serving"}
+
+
+@dataclass
+class DecodeOutcome:
+    output: torch.Tensor | list[bytes]
+    model: str
+    quality: str
+    precision: str
+    request_id: str | None
+    timing: dict
+
+    def wire(self) -> dict:
+        """The /decode response map (tensor outputs as tensor maps)."""
+        return response_map(self.output, model=self.model, quality=self.quality, precision=self.precision,
+                            request_id=self.request_id, timing=self.timing)
 
 
 def needs_new_engine(old: ServiceConfig, new: ServiceConfig) -> bool:
@@ -52,7 +70,7 @@ class DecodeService:
     def release_folded(self) -> int:
         return self.engine.release_folded()
 
-    async def decode(self, params: DecodeParams) -> dict:
+    async def decode(self, params: DecodeParams) -> DecodeOutcome:
         arrived = time.perf_counter()
         prepared = await asyncio.to_thread(self.engine.prepare, params)
         result = await self.submit(prepared)
@@ -62,8 +80,8 @@ class DecodeService:
             "decode_ms": round(result.decode_ms, 3),
             "batch_size": result.batch_size,
         }
-        return response_map(result.output, model=self.engine.spec.name, quality=prepared.quality,
-                            precision=self.engine.precision, request_id=prepared.request_id, timing=timing)
+        return DecodeOutcome(result.output, self.engine.spec.name, prepared.quality, self.engine.precision,
+                             prepared.request_id, timing)
 
     async def submit(self, prepared: PreparedRequest) -> DecodeResult:
         try:

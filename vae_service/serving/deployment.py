@@ -1,4 +1,5 @@
-"""The Ray Serve decode deployment: a thin FastAPI ingress around DecodeService.
+"""The Ray Serve decode deployment: one VAE at one precision, a thin FastAPI ingress around
+DecodeService, and handle methods for composition and for a routing ingress.
 
 No `from __future__ import annotations` here: FastAPI must see real `Request` annotations.
 
@@ -16,9 +17,22 @@ from ray import serve
 
 from vae_service.config import ServiceConfig
 from vae_service.errors import Overloaded, RequestError
-from vae_service.protocol.decode_schema import QUALITIES, check_content_type, pack, params_from_map, unpack_body
+from vae_service.protocol.decode_schema import (
+    QUALITIES,
+    DecodeParams,
+    check_content_type,
+    pack,
+    params_from_call,
+    params_from_map,
+    unpack_body,
+)
+from vae_service.protocol.grpc_codec import params_from_proto, response_to_proto
+from vae_service.protocol.grpc_gen import decode_pb2
+from vae_service.protocol.hf_remote import parse_remote_decode, remote_decode_reply
 from vae_service.serving import metrics
-from vae_service.serving.decode_service import DecodeService
+from vae_service.serving.decode_service import DecodeOutcome, DecodeService
+from vae_service.serving.grpc_api import grpc_stream, grpc_unary
+from vae_service.serving.http_api import MSGPACK, HttpReply, error_reply, query_dict
 from vae_service.serving.http_body import read_body
 
 log = logging.getLogger("ray.serve")  # Serve writes it to the replica's own log file
@@ -26,16 +40,9 @@ http_app = FastAPI(title="vae-service", summary="VAE decoding for diffusion serv
 _DRAIN_TIMEOUT_S = 30.0
 
 
-def error_response(exc: RequestError) -> JSONResponse:
-    headers = {}
-    if isinstance(exc, Overloaded):
-        headers["Retry-After"] = str(max(1, round(exc.retry_after_s)))
-    return JSONResponse(exc.to_json(), status_code=exc.status, headers=headers)
-
-
 @http_app.exception_handler(RequestError)
-async def _request_error(_: Request, exc: RequestError) -> JSONResponse:
-    return error_response(exc)
+async def _request_error(_: Request, exc: RequestError) -> Response:
+    return error_reply(exc).response()
 
 
 @http_app.exception_handler(Exception)
@@ -51,15 +58,20 @@ def _replica_id() -> str:
         return "local"
 
 
-@serve.deployment(name="VaeDecoder")
-@serve.ingress(http_app)
-class VaeDecoder:
+class DecoderReplica:
+    """A decode replica's behaviour, shared by the plain deployment (handles, gRPC, a routing
+    ingress in front) and the one that is its own HTTP ingress."""
+
     def __init__(self) -> None:
         self.service: DecodeService | None = None
 
     @property
     def config(self) -> ServiceConfig:
         return self.service.config
+
+    @property
+    def model(self) -> str:
+        return self.service.engine.spec.name
 
     def reconfigure(self, user_config: dict) -> None:
         config = ServiceConfig.model_validate(user_config)
@@ -71,50 +83,110 @@ class VaeDecoder:
         metrics.report_folded_bytes(self.service.engine)
 
     def _observe_batch(self, stats) -> None:
-        engine = self.service.engine
-        metrics.report_batch(engine.spec.name, stats)
-        metrics.report_folded_bytes(engine)
+        metrics.report_batch(self.model, stats)
+        metrics.report_folded_bytes(self.service.engine)
         self._report_queue()
 
     def _report_queue(self) -> None:
         batcher = self.service.batcher
         depth = {tier: batcher.queued_items(lambda key, t=tier: key[0] == t) for tier in QUALITIES}
-        metrics.report_queue(self.service.engine.spec.name, depth)
+        metrics.report_queue(self.model, depth)
 
     def check_health(self) -> None:
         if self.service is None:
             raise RuntimeError("no model loaded (reconfigure was never called)")
         self.service.engine.check_device()
 
-    async def decode_params(self, params) -> dict:
-        """Decode validated params through the batcher, counting rejections by reason."""
+    async def _decode(self, params: DecodeParams) -> DecodeOutcome:
+        """Decode validated params through the batcher; rejections are counted by reason."""
+        self._report_queue()
         try:
-            response = await self.service.decode(params)
+            return await self.service.decode(params)
         except RequestError as exc:
-            metrics.report_rejected(self.service.engine.spec.name, exc.type)
+            metrics.report_rejected(self.model, exc.type)
             raise
         except torch.OutOfMemoryError:
-            metrics.report_rejected(self.service.engine.spec.name, "out_of_memory")
+            metrics.report_rejected(self.model, "out_of_memory")
             raise Overloaded("latents", "the device ran out of memory for this request; retry later or send "
                              "fewer items", self.config.serving.retry_after_s, status=503) from None
-        return response
 
-    @http_app.post("/decode")
-    async def decode_http(self, request: Request) -> Response:
-        limits = self.config.limits
+    async def _reply(self, parse, build) -> HttpReply:
         try:
-            check_content_type(request.headers.get("content-type"))
-            params = params_from_map(unpack_body(await read_body(request, limits), limits))
+            parsed = parse()
         except RequestError as exc:
-            metrics.report_rejected(self.service.engine.spec.name, exc.type)
-            raise
-        self._report_queue()
-        return Response(pack(await self.decode_params(params)), media_type="application/msgpack")
+            metrics.report_rejected(self.model, exc.type)
+            return error_reply(exc)
+        try:
+            outcome = await self._decode(parsed if isinstance(parsed, DecodeParams) else parsed.params)
+        except RequestError as exc:  # counted by _decode
+            return error_reply(exc)
+        return build(parsed, outcome)
 
-    @http_app.get("/health")
-    async def health(self) -> dict:
-        return {"status": "ok", "replica": _replica_id(), **self.service.engine.describe(),
+    # ---- bodies (also called through handles by the routing ingress) -------------------------
+    async def decode_body(self, body: bytes, content_type: str | None) -> HttpReply:
+        limits = self.config.limits
+
+        def parse() -> DecodeParams:
+            check_content_type(content_type)
+            return params_from_map(unpack_body(body, limits))
+
+        return await self._reply(parse, lambda _, outcome: HttpReply(200, pack(outcome.wire()), MSGPACK))
+
+    async def remote_decode_body(self, body: bytes, content_type: str | None, accept: str | None,
+                                 query: dict) -> HttpReply:
+        def build(plan, outcome: DecodeOutcome) -> HttpReply:
+            data, media_type, headers = remote_decode_reply(plan, outcome.output)
+            return HttpReply(200, data, media_type, headers)
+
+        return await self._reply(lambda: parse_remote_decode(body, content_type, accept, query), build)
+
+    def describe(self) -> dict:
+        return {"replica": _replica_id(), **self.service.engine.describe(),
                 "batching": self.config.batching.model_dump(), "queued_items": self.service.batcher.queued_items()}
+
+    # ---- gRPC (methods named like the RPCs of vae_service.v1.VaeDecoder) ------------------------
+    async def grpc_responses(self, request: bytes, stream: bool) -> tuple[list[bytes], str | None, str | None]:
+        """Serialized DecodeResponse messages (one, or one per batch item when streaming), or an
+        error type and message. Also what a routing ingress calls through a handle."""
+        try:
+            params = params_from_proto(decode_pb2.DecodeRequest.FromString(request))
+        except RequestError as exc:
+            metrics.report_rejected(self.model, exc.type)
+            return [], exc.type, exc.message
+        except Exception as exc:  # not a DecodeRequest at all
+            metrics.report_rejected(self.model, "invalid_request")
+            return [], "invalid_request", f"body: not a DecodeRequest ({exc})"
+        try:
+            outcome = await self._decode(params)
+        except RequestError as exc:
+            return [], exc.type, exc.message
+        meta = {"model": outcome.model, "quality": outcome.quality, "precision": outcome.precision,
+                "request_id": outcome.request_id, "timing": outcome.timing}
+        if not stream:
+            return [response_to_proto(outcome.output, **meta).SerializeToString()], None, None
+        items = outcome.output if isinstance(outcome.output, list) else outcome.output.split(1)
+        return [response_to_proto([it] if isinstance(it, bytes) else it, **meta, item_index=i).SerializeToString()
+                for i, it in enumerate(items)], None, None
+
+    async def Decode(self, request, grpc_context):  # noqa: N802 (the RPC's name)
+        return grpc_unary(await self.grpc_responses(request.SerializeToString(), False), grpc_context)
+
+    async def DecodeStream(self, request, grpc_context):  # noqa: N802
+        for message in grpc_stream(await self.grpc_responses(request.SerializeToString(), True), grpc_context):
+            yield message
+
+    # ---- composition ---------------------------------------------------------------------------
+    async def decode(self, latents, quality: str = "lossless", output: str = "uint8", **options) -> dict:
+        """Handle API: `latents` a torch tensor or numpy array; options are the /decode keys
+        (scaling_factor, shift_factor, height, width, request_id, model). Returns the /decode
+        response fields with `output` as a numpy array (bf16 as float32) or a list of bytes.
+        Bad input raises the same RequestError (with `status` and `field`) HTTP would answer."""
+        outcome = await self._decode(params_from_call(latents, quality=quality, output=output, **options))
+        out = outcome.output
+        if isinstance(out, torch.Tensor):
+            out = (out.float() if out.dtype == torch.bfloat16 else out).numpy()
+        return {"output": out, "model": outcome.model, "quality": outcome.quality, "precision": outcome.precision,
+                "request_id": outcome.request_id, "timing": outcome.timing}
 
     def release_folded(self) -> int:
         """Handle method: drop the fast path's folded weights now (the next `high` decode rebuilds)."""
@@ -133,3 +205,28 @@ class VaeDecoder:
         freed = self.release_folded()
         log.info("replica %s shutting down: drained=%s, released %d bytes of folded buffers",
                  _replica_id(), drained, freed)
+
+
+VaeDecoder = serve.deployment(name="VaeDecoder")(DecoderReplica)
+
+
+@serve.deployment(name="VaeDecoder")
+@serve.ingress(http_app)
+class VaeDecoderHttp(DecoderReplica):
+    """A single-model application: the decode replica is its own HTTP ingress (fewest hops)."""
+
+    @http_app.post("/decode")
+    async def decode_http(self, request: Request) -> Response:
+        body = await read_body(request, self.config.limits)
+        return (await self.decode_body(body, request.headers.get("content-type"))).response()
+
+    @http_app.post("/remote-decode")
+    async def remote_decode_http(self, request: Request) -> Response:
+        body = await read_body(request, self.config.limits)
+        reply = await self.remote_decode_body(body, request.headers.get("content-type"),
+                                              request.headers.get("accept"), query_dict(request.query_params))
+        return reply.response()
+
+    @http_app.get("/health")
+    async def health(self) -> dict:
+        return {"status": "ok", **self.describe()}

@@ -1,0 +1,56 @@
+"""gRPC through Serve's gRPC proxy with a real grpc client."""
+
+import numpy as np
+import pytest
+import torch
+
+from tests.models import reference_decode, torch_threads
+from vae_service_client import AsyncVaeGrpcClient, InvalidRequest, PayloadTooLarge, VaeClient, VaeGrpcClient
+
+pytestmark = pytest.mark.integration
+
+
+def test_unary_decode_matches_http(grpc_target, kl_url, kl_vae):
+    z = torch.randn(2, 4, 3, 5, generator=torch.Generator().manual_seed(4))
+    with VaeGrpcClient(grpc_target, application="kl") as client:
+        floats = client.decode(z, output="float", scaling_factor=None, request_id="g1")
+        pngs = client.decode(z, output="png")
+    assert floats.request_id == "g1" and floats.model == "kl" and floats.timing["batch_size"] >= 2
+    with torch_threads(1):
+        np.testing.assert_array_equal(floats.output, reference_decode(kl_vae, z).numpy())
+    np.testing.assert_array_equal(np.stack([np.asarray(im) for im in pngs.images()]), VaeClient(kl_url).decode(z).output)
+
+
+def test_stream_answers_one_message_per_item(grpc_target):
+    z = torch.randn(3, 4, 2, 2)
+    with VaeGrpcClient(grpc_target, application="kl") as client:
+        items = list(client.decode_stream(z, output="uint8"))
+        whole = client.decode(z).output
+    assert len(items) == 3
+    np.testing.assert_array_equal(np.concatenate([it.output for it in items]), whole)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, field",
+    [
+        (dict(latents=torch.randn(1, 3, 2, 2)), InvalidRequest, "latents"),
+        (dict(latents=torch.randn(1, 4, 2, 2), quality="ultra"), InvalidRequest, "quality"),
+        (dict(latents=torch.randn(17, 4, 1, 1)), PayloadTooLarge, "latents"),
+    ],
+)
+def test_errors_map_to_status_codes_naming_the_field(grpc_target, kwargs, error, field):
+    with VaeGrpcClient(grpc_target, application="kl", retries=0) as client, pytest.raises(error) as err:
+        client.decode(**kwargs)
+    assert err.value.field == field
+    assert err.value.type == {InvalidRequest: "invalid_request", PayloadTooLarge: "payload_too_large"}[error]
+
+
+async def test_async_client_and_routing_by_model(grpc_target, multi_url):
+    async with AsyncVaeGrpcClient(grpc_target, application="multi") as client:
+        video = await client.decode(torch.randn(1, 4, 2, 4, 4), model="wan")
+        frames = [m async for m in client.decode_stream(torch.randn(2, 4, 1, 2, 2), model="wan")]
+        with pytest.raises(InvalidRequest) as err:
+            await client.decode(torch.randn(1, 4, 2, 2), model="nope")
+    assert video.model == "wan" and video.output.shape == (1, 5, 32, 32, 3)
+    assert [f.output.shape for f in frames] == [(1, 1, 16, 16, 3)] * 2
+    assert "served: ['flux', 'kl', 'wan']" in err.value.message
