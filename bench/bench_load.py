@@ -81,6 +81,7 @@ def main() -> None:
                 name = f"{model}-{batch}"
                 serve.run(build_app({"model": model, "batching": {"max_batch_size": batch, "batch_wait_ms": 5}}),
                           name=name, route_prefix=f"/{name}")
+                asyncio.run(run_cell(f"{base}/{name}", channels, LATENT[model], 2, 4, args.cell_seconds))  # warm-up
                 for conc in (1, 8, 32):
                     count = 40 * conc if model == "tiny-kl" else 2 * conc
                     cell = asyncio.run(run_cell(f"{base}/{name}", channels, LATENT[model], conc, count,

@@ -3,8 +3,6 @@ DecodeStream, with the HTTP client's typed errors and retries."""
 
 from __future__ import annotations
 
-import asyncio
-import time
 from typing import AsyncIterator, Iterator
 
 import grpc
@@ -14,7 +12,7 @@ import torch
 from vae_service.protocol.grpc_codec import request_to_proto
 from vae_service.protocol.grpc_gen import decode_pb2, decode_pb2_grpc
 from vae_service.protocol.tensor_codec import decode_tensor
-from vae_service_client.wire import DecodeResponse, Overloaded, VaeServiceError, error_class, retry_delay
+from vae_service_client.wire import DecodeResponse, VaeServiceError, error_class, with_retries, with_retries_async
 
 _HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.NOT_FOUND: 404, grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
@@ -47,28 +45,29 @@ def _response(msg: decode_pb2.DecodeResponse) -> DecodeResponse:
     return DecodeResponse(output, msg.model, msg.quality, msg.precision, msg.request_id or None, timing)
 
 
+_CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 512 * 2**20), ("grpc.max_send_message_length", 512 * 2**20)]
+
+
 class VaeGrpcClient:
     """`application`: the Serve application to reach (gRPC routes by this metadata)."""
 
     def __init__(self, target: str = "127.0.0.1:9000", application: str | None = None, timeout: float = 120.0,
                  retries: int = 3, backoff_s: float = 0.5):
-        self._channel = grpc.insecure_channel(target, options=[("grpc.max_receive_message_length", 512 * 2**20),
-                                                               ("grpc.max_send_message_length", 512 * 2**20)])
+        self._channel = grpc.insecure_channel(target, options=_CHANNEL_OPTIONS)
         self._stub = decode_pb2_grpc.VaeDecoderStub(self._channel)
         self._metadata = (("application", application),) if application else ()
         self.timeout, self.retries, self.backoff_s = timeout, retries, backoff_s
 
     def decode(self, latents, quality: str = "lossless", output: str = "uint8", **options) -> DecodeResponse:
         request = request_to_proto(latents, quality, output, **options)
-        for attempt in range(self.retries + 1):
+
+        def attempt() -> DecodeResponse:
             try:
                 return _response(self._stub.Decode(request, timeout=self.timeout, metadata=self._metadata))
             except grpc.RpcError as exc:
-                err = _error(exc)
-                if not isinstance(err, Overloaded) or attempt == self.retries:
-                    raise err from None
-                time.sleep(retry_delay(attempt, err, self.backoff_s))
-        raise AssertionError("unreachable")
+                raise _error(exc) from None
+
+        return with_retries(attempt, self.retries, self.backoff_s)
 
     def decode_stream(self, latents, quality: str = "lossless", output: str = "uint8", **options) -> Iterator[DecodeResponse]:
         """One DecodeResponse per batch item, in order."""
@@ -92,23 +91,21 @@ class VaeGrpcClient:
 class AsyncVaeGrpcClient:
     def __init__(self, target: str = "127.0.0.1:9000", application: str | None = None, timeout: float = 120.0,
                  retries: int = 3, backoff_s: float = 0.5):
-        self._channel = grpc.aio.insecure_channel(target, options=[("grpc.max_receive_message_length", 512 * 2**20),
-                                                                   ("grpc.max_send_message_length", 512 * 2**20)])
+        self._channel = grpc.aio.insecure_channel(target, options=_CHANNEL_OPTIONS)
         self._stub = decode_pb2_grpc.VaeDecoderStub(self._channel)
         self._metadata = (("application", application),) if application else ()
         self.timeout, self.retries, self.backoff_s = timeout, retries, backoff_s
 
     async def decode(self, latents, quality: str = "lossless", output: str = "uint8", **options) -> DecodeResponse:
         request = request_to_proto(latents, quality, output, **options)
-        for attempt in range(self.retries + 1):
+
+        async def attempt() -> DecodeResponse:
             try:
                 return _response(await self._stub.Decode(request, timeout=self.timeout, metadata=self._metadata))
             except grpc.RpcError as exc:
-                err = _error(exc)
-                if not isinstance(err, Overloaded) or attempt == self.retries:
-                    raise err from None
-                await asyncio.sleep(retry_delay(attempt, err, self.backoff_s))
-        raise AssertionError("unreachable")
+                raise _error(exc) from None
+
+        return await with_retries_async(attempt, self.retries, self.backoff_s)
 
     async def decode_stream(self, latents, quality: str = "lossless", output: str = "uint8",
                             **options) -> AsyncIterator[DecodeResponse]:

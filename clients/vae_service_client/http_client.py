@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
-import asyncio
-import time
-
 import httpx
 
-from vae_service_client.wire import MSGPACK, DecodeResponse, Overloaded, decode_body, error_from, parse_response, retry_delay
+from vae_service_client.wire import (
+    MSGPACK,
+    DecodeResponse,
+    decode_body,
+    error_from,
+    parse_response,
+    with_retries,
+    with_retries_async,
+)
 
 
 class VaeClient:
@@ -23,15 +28,12 @@ class VaeClient:
         """latents: torch tensor or numpy array. options: scaling_factor, shift_factor (None = already
         scaled), height, width, request_id, model."""
         body = decode_body(latents, quality, output, **options)
-        for attempt in range(self.retries + 1):
+
+        def attempt() -> DecodeResponse:
             r = self._http.post("/decode", content=body, headers={"content-type": MSGPACK})
-            try:
-                return parse_response(r.status_code, r.headers, r.content)
-            except Overloaded as exc:
-                if attempt == self.retries:
-                    raise
-                time.sleep(retry_delay(attempt, exc, self.backoff_s))
-        raise AssertionError("unreachable")
+            return parse_response(r.status_code, r.headers, r.content)
+
+        return with_retries(attempt, self.retries, self.backoff_s)
 
     def health(self) -> dict:
         r = self._http.get("/health")
@@ -57,15 +59,12 @@ class AsyncVaeClient:
 
     async def decode(self, latents, quality: str = "lossless", output: str = "uint8", **options) -> DecodeResponse:
         body = decode_body(latents, quality, output, **options)
-        for attempt in range(self.retries + 1):
+
+        async def attempt() -> DecodeResponse:
             r = await self._http.post("/decode", content=body, headers={"content-type": MSGPACK})
-            try:
-                return parse_response(r.status_code, r.headers, r.content)
-            except Overloaded as exc:
-                if attempt == self.retries:
-                    raise
-                await asyncio.sleep(retry_delay(attempt, exc, self.backoff_s))
-        raise AssertionError("unreachable")
+            return parse_response(r.status_code, r.headers, r.content)
+
+        return await with_retries_async(attempt, self.retries, self.backoff_s)
 
     async def health(self) -> dict:
         r = await self._http.get("/health")

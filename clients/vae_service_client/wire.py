@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
+import time
 from dataclasses import dataclass, field
+from typing import Awaitable, Callable, TypeVar
 
 import msgpack
 import numpy as np
@@ -15,6 +18,7 @@ from vae_service.protocol.decode_schema import UNSET, pack
 from vae_service.protocol.tensor_codec import decode_tensor, encode_tensor
 
 MSGPACK = "application/msgpack"
+T = TypeVar("T")
 
 
 class VaeServiceError(Exception):
@@ -61,6 +65,25 @@ def error_class(status: int) -> type[VaeServiceError]:
 def retry_delay(attempt: int, error: VaeServiceError, backoff_s: float, max_backoff_s: float = 8.0) -> float:
     """Exponential backoff, but never sooner than the server's Retry-After."""
     return max(min(backoff_s * 2**attempt, max_backoff_s), error.retry_after or 0.0)
+
+
+def with_retries(call: Callable[[], T], retries: int, backoff_s: float) -> T:
+    """`call()` again while it raises Overloaded, up to `retries` more times."""
+    for attempt in range(retries):
+        try:
+            return call()
+        except Overloaded as exc:
+            time.sleep(retry_delay(attempt, exc, backoff_s))
+    return call()
+
+
+async def with_retries_async(call: Callable[[], Awaitable[T]], retries: int, backoff_s: float) -> T:
+    for attempt in range(retries):
+        try:
+            return await call()
+        except Overloaded as exc:
+            await asyncio.sleep(retry_delay(attempt, exc, backoff_s))
+    return await call()
 
 
 @dataclass

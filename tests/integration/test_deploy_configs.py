@@ -14,7 +14,7 @@ DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 @pytest.mark.parametrize("name", ["serve-cpu.yaml", "serve-gpu.yaml"])
 def test_deploy_yaml_parses_into_service_config(name):
     raw = yaml.safe_load((DEPLOY / name).read_text())
-    schema = ServeDeploySchema.model_validate(raw) if hasattr(ServeDeploySchema, "model_validate") else ServeDeploySchema.parse_obj(raw)
+    schema = ServeDeploySchema.model_validate(raw)
     (app,) = schema.applications
     assert app.import_path == "vae_service.serving.app:app"
     (deployment,) = raw["applications"][0]["deployments"]
@@ -28,3 +28,18 @@ def test_deploy_yaml_parses_into_service_config(name):
         assert deployment["ray_actor_options"]["num_gpus"] == 1 and config.device == "cuda"
         scaling = deployment["autoscaling_config"]
         assert scaling["min_replicas"] <= scaling["initial_replicas"] <= scaling["max_replicas"]
+
+
+def test_multi_model_yaml_builds_one_router_and_a_decoder_per_model():
+    raw = yaml.safe_load((DEPLOY / "serve-multi.yaml").read_text())
+    ServeDeploySchema.model_validate(raw)
+    (app,) = raw["applications"]
+    assert app["import_path"] == "vae_service.serving.app:build_multi_app"
+    configs = [ServiceConfig.model_validate(m) for m in app["args"]["models"]]
+    assert [c.served_name for c in configs] == ["flux", "wan2.1"]
+    from vae_service.serving.app import build_multi_app
+
+    built = build_multi_app(app["args"])  # binds without starting anything
+    assert built is not None
+    with pytest.raises(ValueError, match="unique"):
+        build_multi_app({"models": [{"model": "tiny-kl"}, {"model": "tiny-kl"}]})
