@@ -30,7 +30,7 @@ def _example_shape(config: ServiceConfig) -> str:
 
     preset = PRESETS.get(config.model)
     channels = (preset.config.get("latent_channels") or preset.config.get("z_dim")) if preset else 4
-    return f"1x{channels}x32x32"
+    return f"1x{channels}x16x16"  # 128 px: a few seconds even for the full-size presets on a 2-core CPU
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
