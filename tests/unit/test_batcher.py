@@ -158,12 +158,12 @@ async def test_a_steady_stream_of_one_key_does_not_starve_another():
 
     flooder = asyncio.create_task(flood())
     await asyncio.sleep(0.02)
-    cold_arrival = time.monotonic()
     assert await asyncio.wait_for(batcher.submit(Req(0, "cold")), 10.0) == ("ok", 0)
     stop.set()
     await flooder
     await asyncio.gather(*hot)
     cold_batch = next(b for b in batches if b.key == "cold")
+    cold_arrival = cold_batch.started - cold_batch.queue_s[0]  # as the batcher stamped it
     between = [b for b in batches if cold_arrival < b.started < cold_batch.started]
     # each of those batches was led by hot work queued before the cold request (FIFO heads)
     assert all(b.started - b.queue_s[0] <= cold_arrival for b in between)
@@ -173,9 +173,11 @@ async def test_a_steady_stream_of_one_key_does_not_starve_another():
 async def test_queue_limit_rejects_with_retry_after():
     batcher = KeyedBatcher(Recorder(run_s=0.05), BatcherLimits(max_batch_size=1, batch_wait_ms=0, max_queued_items=2))
     first = [asyncio.create_task(batcher.submit(Req(i, "k"))) for i in range(2)]
-    await asyncio.sleep(0.01)  # 0 running, 1 queued
+    while batcher.queued_items() != 1:  # until 0 is running and 1 is queued
+        await asyncio.sleep(0.001)
     first.append(asyncio.create_task(batcher.submit(Req(2, "k"))))
-    await asyncio.sleep(0)  # 1 and 2 queued: the limit
+    while batcher.queued_items() != 2:  # 1 and 2 queued: the limit
+        await asyncio.sleep(0.001)
     with pytest.raises(QueueFull) as err:
         await batcher.submit(Req(9, "k"))
     assert err.value.retry_after_s >= 1

@@ -179,3 +179,11 @@ def test_high_tier_decodes_a_batch_in_one_call(engines, kl_vae, gen):
     assert [r.batch_size for r in results] == [2, 2]
     ref = reference_decode(kl_vae, z / 0.18215)
     assert torch.allclose(torch.cat([r.output for r in results]), ref, atol=1e-5)
+
+
+def test_health_check_fails_when_the_weights_are_gone():
+    engine = DecodeEngine(ServiceConfig(model="tiny-kl"))
+    engine.check_device()  # healthy
+    engine.vae.to("meta")  # injected fault: the weights are no longer materialised on the device
+    with pytest.raises(RuntimeError, match="weights left the device"):
+        engine.check_device()
