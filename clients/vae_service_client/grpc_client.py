@@ -7,11 +7,10 @@ from typing import AsyncIterator, Iterator
 
 import grpc
 import numpy as np
-import torch
 
 from vae_service.protocol.grpc_codec import request_to_proto
 from vae_service.protocol.grpc_gen import decode_pb2, decode_pb2_grpc
-from vae_service.protocol.tensor_codec import decode_tensor
+from vae_service.protocol.tensor_codec import decode_tensor, to_numpy
 from vae_service_client.wire import DecodeResponse, VaeServiceError, error_class, with_retries, with_retries_async
 
 _HTTP_STATUS = {
@@ -38,7 +37,7 @@ def _error(exc: grpc.RpcError) -> VaeServiceError:
 def _response(msg: decode_pb2.DecodeResponse) -> DecodeResponse:
     if msg.HasField("tensor"):
         t = decode_tensor({"dtype": msg.tensor.dtype, "shape": list(msg.tensor.shape), "data": msg.tensor.data}, "output")
-        output: np.ndarray | list[bytes] = (t.float() if t.dtype == torch.bfloat16 else t).numpy()
+        output: np.ndarray | list[bytes] = to_numpy(t)
     else:
         output = list(msg.files)
     timing = {"queue_ms": msg.timing.queue_ms, "decode_ms": msg.timing.decode_ms, "batch_size": msg.timing.batch_size}

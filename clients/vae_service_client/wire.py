@@ -15,7 +15,7 @@ import torch
 from PIL import Image
 
 from vae_service.protocol.decode_schema import UNSET, pack
-from vae_service.protocol.tensor_codec import decode_tensor, encode_tensor
+from vae_service.protocol.tensor_codec import decode_tensor, encode_tensor, to_numpy
 
 MSGPACK = "application/msgpack"
 T = TypeVar("T")
@@ -122,7 +122,7 @@ def parse_response(status: int, headers, content: bytes) -> DecodeResponse:
     out = obj["output"]
     if isinstance(out, dict):
         tensor = decode_tensor(out, "output")
-        out = (tensor.float() if tensor.dtype == torch.bfloat16 else tensor).numpy()
+        out = to_numpy(tensor)
     return DecodeResponse(out, obj["model"], obj["quality"], obj["precision"], obj.get("request_id"), obj["timing"])
 
 

@@ -17,7 +17,7 @@ import torch
 
 from vae_service.errors import RequestError, UnsupportedMediaType
 from vae_service.protocol.decode_schema import QUALITIES, UNSET, DecodeParams
-from vae_service.protocol.tensor_codec import LATENT_DTYPES, decode_tensor, require_finite
+from vae_service.protocol.tensor_codec import LATENT_DTYPES, decode_tensor, encode_tensor, require_finite
 
 TENSOR_TYPES = ("tensor/binary", "application/octet-stream")
 Reply = Literal["image", "tensor", "tensor01", "mp4"]
@@ -113,6 +113,5 @@ def remote_decode_reply(plan: RemoteDecodePlan, output: torch.Tensor | list[byte
         return output[0], "video/mp4", {}
     if plan.reply == "tensor01":
         output = (output / 2 + 0.5).clamp(0, 1)  # what VaeImageProcessor.postprocess(output_type="pt") gives
-    tensor = output.contiguous()
-    headers = {"shape": json.dumps(list(tensor.shape)), "dtype": str(tensor.dtype).removeprefix("torch.")}
-    return tensor.reshape(-1).view(torch.uint8).numpy().tobytes(), "tensor/binary", headers
+    wire = encode_tensor(output)
+    return wire["data"], "tensor/binary", {"shape": json.dumps(wire["shape"]), "dtype": wire["dtype"]}

@@ -66,6 +66,11 @@ def decode_tensor(obj: object, field: str, allowed_dtypes: tuple[str, ...] = tup
     return torch.frombuffer(bytearray(data), dtype=dtype).reshape(shape)
 
 
+def to_numpy(t: torch.Tensor) -> np.ndarray:
+    """numpy has no bfloat16: bf16 comes out as float32 (exact); other dtypes unchanged."""
+    return (t.float() if t.dtype == torch.bfloat16 else t).numpy()
+
+
 def require_finite(t: torch.Tensor, field: str) -> None:
     if t.is_floating_point() and not bool(torch.isfinite(t).all()):
         bad = int((~torch.isfinite(t)).sum())

@@ -29,9 +29,10 @@ from vae_service.protocol.decode_schema import (
 from vae_service.protocol.grpc_codec import params_from_proto, response_to_proto
 from vae_service.protocol.grpc_gen import decode_pb2
 from vae_service.protocol.hf_remote import parse_remote_decode, remote_decode_reply
+from vae_service.protocol.tensor_codec import to_numpy
 from vae_service.serving import metrics
 from vae_service.serving.decode_service import DecodeOutcome, DecodeService
-from vae_service.serving.grpc_api import grpc_stream, grpc_unary
+from vae_service.serving.grpc_api import GrpcResult
 from vae_service.serving.http_api import MSGPACK, HttpReply, error_reply, query_dict
 from vae_service.serving.http_body import read_body
 
@@ -145,34 +146,31 @@ class DecoderReplica:
                 "batching": self.config.batching.model_dump(), "queued_items": self.service.batcher.queued_items()}
 
     # ---- gRPC (methods named like the RPCs of vae_service.v1.VaeDecoder) ------------------------
-    async def grpc_responses(self, request: bytes, stream: bool) -> tuple[list[bytes], str | None, str | None]:
-        """Serialized DecodeResponse messages (one, or one per batch item when streaming), or an
-        error type and message. Also what a routing ingress calls through a handle."""
+    async def grpc_messages(self, request: decode_pb2.DecodeRequest, stream: bool) -> GrpcResult:
+        """DecodeResponse messages (one, or one per batch item when streaming), or an error.
+        Also what a routing ingress calls through a handle."""
         try:
-            params = params_from_proto(decode_pb2.DecodeRequest.FromString(request))
+            params = params_from_proto(request)
         except RequestError as exc:
             metrics.report_rejected(self.model, exc.type)
-            return [], exc.type, exc.message
-        except Exception as exc:  # not a DecodeRequest at all
-            metrics.report_rejected(self.model, "invalid_request")
-            return [], "invalid_request", f"body: not a DecodeRequest ({exc})"
+            return GrpcResult.failed(exc)
         try:
             outcome = await self._decode(params)
         except RequestError as exc:
-            return [], exc.type, exc.message
+            return GrpcResult.failed(exc)
         meta = {"model": outcome.model, "quality": outcome.quality, "precision": outcome.precision,
                 "request_id": outcome.request_id, "timing": outcome.timing}
         if not stream:
-            return [response_to_proto(outcome.output, **meta).SerializeToString()], None, None
+            return GrpcResult([response_to_proto(outcome.output, **meta)])
         items = outcome.output if isinstance(outcome.output, list) else outcome.output.split(1)
-        return [response_to_proto([it] if isinstance(it, bytes) else it, **meta, item_index=i).SerializeToString()
-                for i, it in enumerate(items)], None, None
+        return GrpcResult([response_to_proto([it] if isinstance(it, bytes) else it, **meta, item_index=i)
+                           for i, it in enumerate(items)])
 
     async def Decode(self, request, grpc_context):  # noqa: N802 (the RPC's name)
-        return grpc_unary(await self.grpc_responses(request.SerializeToString(), False), grpc_context)
+        return (await self.grpc_messages(request, False)).unary(grpc_context)
 
     async def DecodeStream(self, request, grpc_context):  # noqa: N802
-        for message in grpc_stream(await self.grpc_responses(request.SerializeToString(), True), grpc_context):
+        for message in (await self.grpc_messages(request, True)).stream(grpc_context):
             yield message
 
     # ---- composition ---------------------------------------------------------------------------
@@ -184,7 +182,7 @@ class DecoderReplica:
         outcome = await self._decode(params_from_call(latents, quality=quality, output=output, **options))
         out = outcome.output
         if isinstance(out, torch.Tensor):
-            out = (out.float() if out.dtype == torch.bfloat16 else out).numpy()
+            out = to_numpy(out)
         return {"output": out, "model": outcome.model, "quality": outcome.quality, "precision": outcome.precision,
                 "request_id": outcome.request_id, "timing": outcome.timing}
 

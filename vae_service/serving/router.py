@@ -14,7 +14,7 @@ from ray.serve.handle import DeploymentHandle
 from vae_service.config import Limits
 from vae_service.errors import RequestError
 from vae_service.protocol.decode_schema import peek_model
-from vae_service.serving.grpc_api import grpc_stream, grpc_unary
+from vae_service.serving.grpc_api import GrpcResult
 from vae_service.serving.http_api import error_reply, query_dict
 from vae_service.serving.http_body import read_body
 
@@ -68,16 +68,16 @@ class VaeRouter:
         return await self._pick(model).decode.remote(latents, quality=quality, output=output, model=model, **options)
 
     # gRPC: routed by the request's `model` field
-    async def _grpc(self, request, grpc_context, stream: bool):
+    async def _grpc(self, request, stream: bool) -> GrpcResult:
         try:
             decoder = self._pick(request.model or None)
         except RequestError as exc:
-            return [], "invalid_request", exc.message
-        return await decoder.grpc_responses.remote(request.SerializeToString(), stream)
+            return GrpcResult.failed(exc)
+        return await decoder.grpc_messages.remote(request, stream)
 
     async def Decode(self, request, grpc_context):  # noqa: N802 (the RPC's name)
-        return grpc_unary(await self._grpc(request, grpc_context, False), grpc_context)
+        return (await self._grpc(request, False)).unary(grpc_context)
 
     async def DecodeStream(self, request, grpc_context):  # noqa: N802
-        for message in grpc_stream(await self._grpc(request, grpc_context, True), grpc_context):
+        for message in (await self._grpc(request, True)).stream(grpc_context):
             yield message
