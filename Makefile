@@ -10,21 +10,26 @@ PYTEST_ARGS ?=
 
 INSTALLED := $(VENV)/.installed
 
-$(INSTALLED): pyproject.toml
+$(INSTALLED): pyproject.toml clients/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	# torch first and pinned: an unpinned torch would pull a multi-GB CUDA build
 	$(VENV)/bin/python -m pip install -q "$(TORCH_SPEC)"
-	$(VENV)/bin/python -m pip install -q -e ".[test]"
+	# the client distribution first: the server depends on it for the wire format
+	$(VENV)/bin/python -m pip install -q -e ./clients -e ".[test]"
 	touch $@
 
-.PHONY: install serve test bench
+.PHONY: install serve test lint bench
 install: $(INSTALLED)
 
 serve: $(INSTALLED)
 	$(VENV)/bin/vae-service serve --model $(MODEL) --host $(HOST) --port $(PORT)
 
-test: $(INSTALLED)
+test: lint
 	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+
+lint: $(INSTALLED)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 bench: $(INSTALLED)
 	$(VENV)/bin/python bench/bench_spine.py

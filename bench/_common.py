@@ -7,7 +7,7 @@ import os
 import socket
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
 
 
 def median_s(fn: Callable[[], object], repeat: int, warmup: int = 1) -> float:

@@ -17,11 +17,13 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import print_table  # noqa: E402
+from _common import print_table
 
-from vae_service.config import ServiceConfig  # noqa: E402
-from vae_service.engine import DecodeEngine  # noqa: E402
-from vae_service.protocol.decode_schema import DecodeParams  # noqa: E402
+from vae_service.config import ServiceConfig
+from vae_service.engine import (
+    DecodeEngine,
+    DecodeRequest,
+)
 
 
 def psnr_uint8(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -35,14 +37,17 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def run_case(model: str, height: int, width: int, frames: int, device: str, precision: str, repeat: int,
-             profile: bool = False) -> list:
+def run_case(
+    model: str, height: int, width: int, frames: int, device: str, precision: str, repeat: int, profile: bool = False
+) -> list:
     engine = DecodeEngine(ServiceConfig(model=model, device=device, decode_precision=precision))
     scale = engine.spec.spatial_scale
     video = [frames] if engine.spec.family == "video" else []
-    z = torch.randn([1, engine.spec.latent_channels] + video + [height // scale, width // scale],
-                    generator=torch.Generator().manual_seed(0))
-    prepared = {q: engine.prepare(DecodeParams(latents=z, quality=q, output="float")) for q in ("lossless", "high")}
+    z = torch.randn(
+        [1, engine.spec.latent_channels, *video, height // scale, width // scale],
+        generator=torch.Generator().manual_seed(0),
+    )
+    prepared = {q: engine.prepare(DecodeRequest(z, quality=q, output="float")) for q in ("lossless", "high")}
     outputs, times = {}, {"lossless": [], "high": []}
     for i in range(repeat + 1):  # first round warms up (and builds folded buffers)
         for quality, req in prepared.items():
@@ -61,8 +66,17 @@ def run_case(model: str, height: int, width: int, frames: int, device: str, prec
     lossless, high = statistics.median(times["lossless"]), statistics.median(times["high"])
     err = (outputs["high"].float() - outputs["lossless"].float()).abs().max().item()
     size = f"{height}x{width}" + (f" x {engine.spec.output_frames(frames)} frames" if video else "")
-    return [model, size, engine.precision, lossless * 1e3, high * 1e3, lossless / high, f"{err:.1e}",
-            f"{psnr_uint8(outputs['high'], outputs['lossless']):.1f}", engine.fast_path.folded.nbytes // 1024]
+    return [
+        model,
+        size,
+        engine.precision,
+        lossless * 1e3,
+        high * 1e3,
+        lossless / high,
+        f"{err:.1e}",
+        f"{psnr_uint8(outputs['high'], outputs['lossless']):.1f}",
+        engine.fast_path.folded.nbytes // 1024,
+    ]
 
 
 def main() -> None:
@@ -71,25 +85,54 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--precision", default="fp32")
     parser.add_argument("--repeat", type=int, default=2)
-    parser.add_argument("--cudnn-benchmark", action="store_true",
-                        help="measure with torch.backends.cudnn.benchmark on (not what the service runs)")
+    parser.add_argument(
+        "--cudnn-benchmark",
+        action="store_true",
+        help="measure with torch.backends.cudnn.benchmark on (not what the service runs)",
+    )
     parser.add_argument("--profile", action="store_true", help="print the top kernels of one high decode per case")
-    parser.add_argument("--cases", nargs="*", help="model:size[:latent_frames], size N or HxW, e.g. sd:1024 wan2.1:480x832:21")
+    parser.add_argument(
+        "--cases", nargs="*", help="model:size[:latent_frames], size N or HxW, e.g. sd:1024 wan2.1:480x832:21"
+    )
     args = parser.parse_args()
     cases = args.cases or (["sd:256"] if args.quick else ["sd:256", "sd:512", "flux:256"])
     torch.backends.cudnn.benchmark = args.cudnn_benchmark
-    print(f"torch {torch.__version__}, device {args.device}, {torch.get_num_threads()} CPU threads, "
-          f"cudnn.benchmark={args.cudnn_benchmark}")
+    print(
+        f"torch {torch.__version__}, device {args.device}, {torch.get_num_threads()} CPU threads, "
+        f"cudnn.benchmark={args.cudnn_benchmark}"
+    )
     rows = []
     for case in cases:
         model, size, *frames = case.split(":")
         height, width = (int(v) for v in size.split("x")) if "x" in size else (int(size), int(size))
-        rows.append(run_case(model, height, width, int(frames[0]) if frames else 1, args.device, args.precision,
-                             args.repeat, args.profile))
+        rows.append(
+            run_case(
+                model,
+                height,
+                width,
+                int(frames[0]) if frames else 1,
+                args.device,
+                args.precision,
+                args.repeat,
+                args.profile,
+            )
+        )
         print(f"  done {case}", flush=True)
-    print_table("high vs lossless (median per decode, batch 1)",
-                ["model", "size", "precision", "lossless ms", "high ms", "speed-up", "max |high - lossless|",
-                 "uint8 PSNR dB", "folded KiB"], rows)
+    print_table(
+        "high vs lossless (median per decode, batch 1)",
+        [
+            "model",
+            "size",
+            "precision",
+            "lossless ms",
+            "high ms",
+            "speed-up",
+            "max |high - lossless|",
+            "uint8 PSNR dB",
+            "folded KiB",
+        ],
+        rows,
+    )
 
 
 if __name__ == "__main__":

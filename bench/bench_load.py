@@ -20,15 +20,15 @@ import httpx
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import local_serve, print_table  # noqa: E402
+from _common import local_serve, print_table
 
-from vae_service_client.wire import MSGPACK, decode_body  # noqa: E402
+from vae_service_client.messages import MSGPACK, pack, request_map
 
 LATENT = {"tiny-kl": 8, "sd": 32}
 
 
 async def run_cell(url: str, channels: int, side: int, concurrency: int, count: int, seconds: float) -> dict:
-    bodies = [decode_body(torch.randn(1, channels, side, side), quality=q) for q in ("lossless", "high")]
+    bodies = [pack(request_map(torch.randn(1, channels, side, side), quality=q)) for q in ("lossless", "high")]
     latencies, statuses = [], []
     sem = asyncio.Semaphore(concurrency)
     deadline = time.perf_counter() + seconds
@@ -39,8 +39,12 @@ async def run_cell(url: str, channels: int, side: int, concurrency: int, count: 
                 return
             t = time.perf_counter()
             try:
-                r = await http.post(f"{url}/decode", content=bodies[i % 2], headers={"content-type": MSGPACK},
-                                    timeout=max(1.0, deadline - t + 30))
+                r = await http.post(
+                    f"{url}/decode",
+                    content=bodies[i % 2],
+                    headers={"content-type": MSGPACK},
+                    timeout=max(1.0, deadline - t + 30),
+                )
                 statuses.append(r.status_code)
                 if r.status_code == 200:
                     latencies.append(time.perf_counter() - t)
@@ -53,7 +57,8 @@ async def run_cell(url: str, channels: int, side: int, concurrency: int, count: 
     elapsed = time.perf_counter() - start
     lat = sorted(latencies)
     return {
-        "ok": len(lat), "rps": len(lat) / elapsed,
+        "ok": len(lat),
+        "rps": len(lat) / elapsed,
         "p50": statistics.median(lat) * 1e3 if lat else float("nan"),
         "p99": lat[min(len(lat) - 1, int(0.99 * len(lat)))] * 1e3 if lat else float("nan"),
         "rejected": sum(s in (429, 503) for s in statuses),
@@ -79,29 +84,69 @@ def main() -> None:
             results = {}
             for mode, batch in (("batched", 8), ("max_batch_size=1", 1)):
                 name = f"{model}-{batch}"
-                serve.run(build_app({"model": model, "batching": {"max_batch_size": batch, "batch_wait_ms": 5}}),
-                          name=name, route_prefix=f"/{name}")
+                serve.run(
+                    build_app({"model": model, "batching": {"max_batch_size": batch, "batch_wait_ms": 5}}),
+                    name=name,
+                    route_prefix=f"/{name}",
+                )
                 asyncio.run(run_cell(f"{base}/{name}", channels, LATENT[model], 2, 4, args.cell_seconds))  # warm-up
                 for conc in (1, 8, 32):
                     count = 40 * conc if model == "tiny-kl" else 2 * conc
-                    cell = asyncio.run(run_cell(f"{base}/{name}", channels, LATENT[model], conc, count,
-                                                args.cell_seconds))
+                    cell = asyncio.run(
+                        run_cell(f"{base}/{name}", channels, LATENT[model], conc, count, args.cell_seconds)
+                    )
                     results[(mode, conc)] = cell
-                    rows.append([model, mode, conc, cell["ok"], cell["rps"], cell["p50"], cell["p99"],
-                                 cell["errors"], cell["rejected"], cell["cut"]])
+                    rows.append(
+                        [
+                            model,
+                            mode,
+                            conc,
+                            cell["ok"],
+                            cell["rps"],
+                            cell["p50"],
+                            cell["p99"],
+                            cell["errors"],
+                            cell["rejected"],
+                            cell["cut"],
+                        ]
+                    )
                     print(f"  {model} {mode} c={conc}: {cell}", flush=True)
                 serve.delete(name)
             for conc in (1, 8, 32):
                 b, u = results[("batched", conc)]["rps"], results[("max_batch_size=1", conc)]["rps"]
                 rows.append([model, "batched / unbatched", conc, "", b / u if u else float("nan"), "", "", "", "", ""])
         # above the queue limit: rejections, never errors
-        serve.run(build_app({"model": "tiny-kl", "serving": {"max_queued_requests": 16, "concurrent_keys": 1},
-                             "batching": {"max_batch_size": 4}}), name="overload", route_prefix="/overload")
+        serve.run(
+            build_app(
+                {
+                    "model": "tiny-kl",
+                    "serving": {"max_queued_requests": 16, "concurrent_keys": 1},
+                    "batching": {"max_batch_size": 4},
+                }
+            ),
+            name="overload",
+            route_prefix="/overload",
+        )
         cell = asyncio.run(run_cell(f"{base}/overload", 4, 32, 200, 400, args.cell_seconds))
-        rows.append(["tiny-kl 256px", "overload (queue 16)", 200, cell["ok"], cell["rps"], cell["p50"], cell["p99"],
-                     cell["errors"], cell["rejected"], cell["cut"]])
-    print_table("HTTP load, mixed tiers (loopback)",
-                ["model", "mode", "concurrency", "ok", "req/s", "p50 ms", "p99 ms", "errors", "rejected", "cut off"], rows)
+        rows.append(
+            [
+                "tiny-kl 256px",
+                "overload (queue 16)",
+                200,
+                cell["ok"],
+                cell["rps"],
+                cell["p50"],
+                cell["p99"],
+                cell["errors"],
+                cell["rejected"],
+                cell["cut"],
+            ]
+        )
+    print_table(
+        "HTTP load, mixed tiers (loopback)",
+        ["model", "mode", "concurrency", "ok", "req/s", "p50 ms", "p99 ms", "errors", "rejected", "cut off"],
+        rows,
+    )
 
 
 if __name__ == "__main__":

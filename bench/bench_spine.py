@@ -1,50 +1,105 @@
-"""Spine benchmark, one run, ratios side by side:
+"""Request-path benchmark, one run, measured side by side and interleaved (round robin, so machine
+noise hits every column alike):
 
-1. in-process engine decode vs HTTP end-to-end (POST /decode through local Serve) for the same
-   latent, for tiny-kl and sd at 256 px: what the service layer costs;
-2. batch-invariant lossless (each item alone) vs one plain batched `vae.decode`: what the
-   lossless guarantee costs, and how far the batched result drifts from the solo decodes.
+1. what the service adds to a decode: for a small latent (1x4x8x8) and an SD-size one (1x4x64x64),
+   (rounds rotate the order of the three calls, since a decode leaves CPU threads spinning)
+   p50 of (a) a no-op Serve FastAPI deployment answering a msgpack POST with a body as large as
+   the service's answer (Serve's own floor), (b) the service's round trip (POST /decode), and
+   (c) the same decode in-process (DecodeEngine); then the service's added latency over both.
+   Target: service - in-process <= no-op + 1.5 ms.
+2. what the lossless guarantee costs: each item decoded alone vs one batched `vae.decode`.
 
+Uses tiny-kl (1x4x64x64 decodes to 512 px) so that decode time does not drown the request path.
 Presets use seeded random weights (they decode noise); timings do not depend on the weights.
-Usage: python bench/bench_spine.py [--quick]
+Usage: python bench/bench_spine.py [--quick] [--rounds N]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
+import time
 
+import httpx
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import local_serve, median_s, print_table  # noqa: E402
+from _common import local_serve, median_s, print_table
 
-from vae_service.config import ServiceConfig  # noqa: E402
-from vae_service.engine import DecodeEngine  # noqa: E402
-from vae_service.protocol.decode_schema import DecodeParams  # noqa: E402
+from vae_service.config import ServiceConfig
+from vae_service.engine import DecodeEngine, DecodeRequest
+from vae_service_client.messages import MSGPACK, pack, request_map
+
+MODEL = "tiny-kl"
+SHAPES = {"small 1x4x8x8": (1, 4, 8, 8), "SD-size 1x4x64x64": (1, 4, 64, 64)}
 
 
-def service_overhead(models: list[str], repeat: dict[str, int]) -> list[list]:
+def noop_deployment():
+    """A Serve FastAPI ingress that reads the body and answers `reply_bytes` bytes of msgpack."""
+    from fastapi import FastAPI, Request
+    from fastapi.responses import Response
+    from ray import serve
+
+    api = FastAPI()
+
+    @serve.deployment(name="NoOp")
+    @serve.ingress(api)
+    class NoOp:
+        @api.post("/decode")
+        async def decode(self, request: Request) -> Response:
+            await request.body()
+            reply = b"\xc4" + bytes(int(request.query_params.get("reply_bytes", "16")))
+            return Response(reply, media_type=MSGPACK)
+
+    return NoOp.bind()
+
+
+def p50_ms(samples: list[float]) -> float:
+    return statistics.median(samples) * 1e3
+
+
+def measure(http: httpx.Client, url: str, engine: DecodeEngine, label: str, shape: tuple, rounds: int) -> list:
+    z = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    body, headers = pack(request_map(z)), {"content-type": MSGPACK}
+    answer = http.post(f"{url}/vae/decode", content=body, headers=headers)
+    assert answer.status_code == 200, answer.text
+    noop_url = f"{url}/noop/decode?reply_bytes={len(answer.content)}"
+
+    def service():
+        assert http.post(f"{url}/vae/decode", content=body, headers=headers).status_code == 200
+
+    calls = {
+        "noop": lambda: http.post(noop_url, content=body, headers=headers),
+        "service": service,
+        "in_process": lambda: engine.decode([engine.prepare(DecodeRequest(z))]),
+    }
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    order = list(calls)
+    for i in range(rounds + 3):  # three warm-up rounds
+        order = order[1:] + order[:1]  # rotate: each column follows each other one equally often
+        for name in order:
+            start = time.perf_counter()
+            calls[name]()
+            if i >= 3:
+                times[name].append(time.perf_counter() - start)
+    noop_ms, service_ms, local_ms = (p50_ms(times[k]) for k in ("noop", "service", "in_process"))
+    added = service_ms - local_ms
+    met = "yes" if added <= noop_ms + 1.5 else "NO"
+    return [label, f"{len(answer.content) / 1024:.0f} KiB", noop_ms, local_ms, service_ms, added, added - noop_ms, met]
+
+
+def request_path(rounds: dict[str, int]) -> list[list]:
     from ray import serve
 
     from vae_service.serving.app import build_app
-    from vae_service_client import VaeClient
 
-    rows = []
-    with local_serve() as url:
-        for model in models:
-            engine = DecodeEngine(ServiceConfig(model=model))
-            z = torch.randn(1, engine.spec.latent_channels, 32, 32, generator=torch.Generator().manual_seed(0))
-            in_process = median_s(lambda e=engine: e.decode([e.prepare(DecodeParams(latents=z))]), repeat[model])
-            del engine  # the replica loads its own copy
-            serve.run(build_app({"model": model}), name=model, route_prefix=f"/{model}")
-            with VaeClient(f"{url}/{model}") as client:
-                http = median_s(lambda: client.decode(z), repeat[model])
-            serve.delete(model)
-            rows.append([model, "1x%dx32x32 -> 256 px uint8" % z.shape[1], in_process * 1e3, http * 1e3,
-                         http / in_process, (http - in_process) * 1e3])
-    return rows
+    engine = DecodeEngine(ServiceConfig(model=MODEL))  # the replica's config: all cores, fp32
+    with local_serve() as url, httpx.Client(timeout=120) as http:
+        serve.run(noop_deployment(), name="noop", route_prefix="/noop")
+        serve.run(build_app({"model": MODEL}), name="vae", route_prefix="/vae")
+        return [measure(http, url, engine, label, shape, rounds[label]) for label, shape in SHAPES.items()]
 
 
 def lossless_cost(model: str, batch: int, repeat: int) -> list:
@@ -60,16 +115,37 @@ def lossless_cost(model: str, batch: int, repeat: int) -> list:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--quick", action="store_true", help="tiny-kl only")
+    parser.add_argument("--quick", action="store_true", help="fewer rounds; lossless cost for tiny-kl only")
+    parser.add_argument("--rounds", type=int, help="measured rounds per latent size")
     args = parser.parse_args()
-    models = ["tiny-kl"] if args.quick else ["tiny-kl", "sd"]
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32 CPU")
-    rows = service_overhead(models, {"tiny-kl": 30, "sd": 3})
-    print_table("In-process decode vs HTTP end to end (same latent, median)",
-                ["model", "input", "in-process ms", "HTTP ms", "HTTP / in-process", "service overhead ms"], rows)
-    cost = [lossless_cost("tiny-kl", 8, 10)] + ([] if args.quick else [lossless_cost("sd", 4, 2)])
-    print_table("Batch-invariant lossless (each item alone) vs one batched vae.decode",
-                ["model", "batch", "lossless ms", "batched ms", "lossless / batched", "batched max |diff| vs solo"], cost)
+    rounds = (
+        {"small 1x4x8x8": 40, "SD-size 1x4x64x64": 15}
+        if args.quick
+        else {"small 1x4x8x8": 150, "SD-size 1x4x64x64": 50}
+    )
+    if args.rounds:
+        rounds = dict.fromkeys(rounds, args.rounds)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, fp32 CPU, model {MODEL}")
+    print_table(
+        "Request path, p50 ms (interleaved rounds; no-op = Serve FastAPI deployment, same body and answer size)",
+        [
+            "latent",
+            "answer",
+            "no-op Serve",
+            "in-process decode",
+            "service",
+            "service - in-process",
+            "added over no-op",
+            "target met (<= no-op + 1.5)",
+        ],
+        request_path(rounds),
+    )
+    cost = [lossless_cost(MODEL, 8, 10)] + ([] if args.quick else [lossless_cost("sd", 4, 2)])
+    print_table(
+        "Batch-invariant lossless (each item alone) vs one batched vae.decode",
+        ["model", "batch", "lossless ms", "batched ms", "lossless / batched", "batched max |diff| vs solo"],
+        cost,
+    )
 
 
 if __name__ == "__main__":

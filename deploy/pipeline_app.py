@@ -13,7 +13,6 @@ The stand-in denoiser makes deterministic latents from a seed; the decoder is th
 (seeded random weights: it decodes noise).
 """
 
-
 import torch
 from fastapi import FastAPI
 from fastapi.responses import Response
@@ -47,8 +46,9 @@ class Denoiser:
     @api.post("/generate")
     async def generate(self, req: GenerateRequest) -> Response:
         result = await self.decoder.decode.remote(self.denoise(req), quality=req.quality, output="png")
-        return Response(result["output"][0], media_type="image/png",
-                        headers={"x-decode-ms": str(result["timing"]["decode_ms"])})
+        return Response(
+            result["output"][0], media_type="image/png", headers={"x-decode-ms": str(result["timing"]["decode_ms"])}
+        )
 
 
 def build(args: dict | None = None) -> serve.Application:

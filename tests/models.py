@@ -12,8 +12,12 @@ from diffusers import AutoencoderKL, AutoencoderKLWan
 from vae_service.models.presets import PRESETS
 
 FLUX_LIKE_TINY = dict(
-    PRESETS["tiny-kl"].config, latent_channels=8, scaling_factor=0.3611, shift_factor=0.1159,
-    use_quant_conv=False, use_post_quant_conv=False,
+    PRESETS["tiny-kl"].config,
+    latent_channels=8,
+    scaling_factor=0.3611,
+    shift_factor=0.1159,
+    use_quant_conv=False,
+    use_post_quant_conv=False,
 )
 
 

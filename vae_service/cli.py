@@ -18,9 +18,26 @@ from vae_service.config import ServiceConfig
 log = logging.getLogger("vae_service")
 
 
-def _config_from(args: argparse.Namespace) -> ServiceConfig:
+def _read_config_file(path: str) -> dict:
+    """A ServiceConfig as YAML or JSON (JSON is YAML too)."""
+    import yaml
+
     try:
-        return ServiceConfig(model=args.model, decode_precision=args.precision, device=args.device)
+        data = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        sys.exit(f"--config {path}: {exc}")
+    if not isinstance(data, dict):
+        sys.exit(f"--config {path}: must hold a map of ServiceConfig fields")
+    return data
+
+
+def _config_from(args: argparse.Namespace) -> ServiceConfig:
+    """--config FILE first, then the flags that were given on top of it."""
+    data = _read_config_file(args.config) if getattr(args, "config", None) else {}
+    flags = {"model": args.model, "decode_precision": args.precision, "device": args.device}
+    data.update({k: v for k, v in flags.items() if v is not None})
+    try:
+        return ServiceConfig.model_validate(data)
     except ValidationError as exc:
         sys.exit(f"invalid configuration:\n{exc}")
 
@@ -37,12 +54,9 @@ def cmd_serve(args: argparse.Namespace) -> None:
     config = _config_from(args)
     import ray
     from ray import serve
-
-    from vae_service.serving.app import build_app
-
     from ray.serve.config import gRPCOptions
 
-    from vae_service.serving.app import GRPC_SERVICER
+    from vae_service.serving.app import GRPC_SERVICER, build_app
 
     ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, logging_level=logging.WARNING)
     grpc = gRPCOptions(port=args.grpc_port, grpc_servicer_functions=[GRPC_SERVICER]) if args.grpc_port else None
@@ -107,20 +121,25 @@ def cmd_decode(args: argparse.Namespace) -> None:
             sys.exit(str(exc))
     for i, blob in enumerate(resp.output):
         (out / f"{i:03d}.{fmt}").write_bytes(blob)
-    print(f"wrote {len(resp.output)} {fmt} file(s) to {out}/ in {time.perf_counter() - start:.2f} s "
-          f"(model {resp.model}, {resp.quality}, {resp.precision}, timing {resp.timing})")
+    print(
+        f"wrote {len(resp.output)} {fmt} file(s) to {out}/ in {time.perf_counter() - start:.2f} s "
+        f"(model {resp.model}, {resp.quality}, {resp.precision}, timing {resp.timing})"
+    )
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
     import torch
 
-    from vae_service.engine import DecodeEngine
-    from vae_service.protocol.decode_schema import DecodeParams
+    from vae_service.engine import DecodeEngine, DecodeRequest
 
     engine = DecodeEngine(_config_from(args))
     lat = args.size // engine.spec.spatial_scale
-    shape = [args.batch, engine.spec.latent_channels] + ([args.frames] if engine.spec.family == "video" else []) + [lat, lat]
-    prepared = engine.prepare(DecodeParams(latents=torch.randn(shape), quality=args.quality, output="float"))
+    shape = (
+        [args.batch, engine.spec.latent_channels]
+        + ([args.frames] if engine.spec.family == "video" else [])
+        + [lat, lat]
+    )
+    prepared = engine.prepare(DecodeRequest(torch.randn(shape), quality=args.quality, output="float"))
     engine.decode([prepared])  # warm-up
     times = []
     for _ in range(args.repeat):
@@ -128,8 +147,10 @@ def cmd_bench(args: argparse.Namespace) -> None:
         engine.decode([prepared])
         times.append(time.perf_counter() - t)
     times.sort()
-    print(f"{engine.spec.name} {shape} {args.quality} {engine.precision} on {engine.device}: "
-          f"median {times[len(times) // 2] * 1e3:.1f} ms over {args.repeat}")
+    print(
+        f"{engine.spec.name} {shape} {args.quality} {engine.precision} on {engine.device}: "
+        f"median {times[len(times) // 2] * 1e3:.1f} ms over {args.repeat}"
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -138,10 +159,18 @@ def main(argv: list[str] | None = None) -> None:
     sub = parser.add_subparsers(dest="command", required=True)
 
     def model_args(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--model", default=ServiceConfig.model_fields["model"].default,
-                       help="preset (sd, sdxl, flux, wan2.1, tiny-kl, tiny-wan), local diffusers folder, or hub id")
-        p.add_argument("--precision", default="auto", help="auto | fp32 | fp16 | bf16")
-        p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+        p.add_argument(
+            "--config",
+            metavar="FILE",
+            help="a ServiceConfig as YAML or JSON (limits, batching, fast_path, ...); the flags below override it",
+        )
+        p.add_argument(
+            "--model",
+            help="preset (sd, sdxl, flux, wan2.1, tiny-kl, tiny-wan), local diffusers folder, "
+            f"or hub id (default: {ServiceConfig.model_fields['model'].default})",
+        )
+        p.add_argument("--precision", help="auto | fp32 | fp16 | bf16 (default: auto)")
+        p.add_argument("--device", help="auto | cpu | cuda | cuda:N (default: auto)")
 
     serve_p = sub.add_parser("serve", help="start a local Ray (or join RAY_ADDRESS) and serve POST /decode")
     model_args(serve_p)

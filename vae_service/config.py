@@ -1,13 +1,19 @@
-"""The one service configuration, shared by the CLI, Serve `user_config`, YAML files and tests.
+"""The one service configuration, shared by the CLI (`--config`), Serve deployment arguments,
+YAML files and tests.
 
-Invalid values fail at startup with pydantic's message, which names the field and the allowed values.
+A replica's model, precision, device and fast path are fixed when it is built (deployment
+arguments): changing them rolls replicas. Only `limits` and `batching` are live (`LiveConfig`,
+Serve's `user_config`). Invalid values fail at startup with pydantic's message, which names the
+field and the allowed values.
 """
 
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from vae_service.fastpath.rewrites import REWRITE_NAMES
 
 Precision = Literal["auto", "fp32", "fp16", "bf16"]
 
@@ -25,12 +31,15 @@ class Limits(BaseModel):
 
 
 class Batching(BaseModel):
-    """Dynamic batching per (tier, latent shape, dtype) key; applied live by `reconfigure`."""
+    """Dynamic batching per (tier, latent shape, dtype) key; applied live by `reconfigure`.
+    Batches form while the device is busy: a request arriving at an idle replica decodes at once."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     max_batch_size: int = Field(8, gt=0, description="latent items per decoder call")
-    batch_wait_ms: float = Field(5.0, ge=0, description="longest wait for a batch to fill")
+    batch_wait_ms: float = Field(
+        0.0, ge=0, description="extra wait for company when the device is idle (0: decode at once)"
+    )
     max_queued_items: int = Field(256, gt=0, description="items waiting in the replica before 429")
     request_timeout_s: float = Field(120.0, gt=0, description="a request not done by then gets 504")
 
@@ -46,22 +55,56 @@ class Serving(BaseModel):
     retry_after_s: float = Field(1.0, ge=0)
 
 
+class FastPath(BaseModel):
+    """The `high` tier's rewrites (fastpath/rewrites.py); fixed per replica."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    disable: tuple[str, ...] = Field((), description=f"rewrites to leave out, of {list(REWRITE_NAMES)}")
+
+    @field_validator("disable")
+    @classmethod
+    def _known(cls, names: tuple[str, ...]) -> tuple[str, ...]:
+        unknown = sorted(set(names) - set(REWRITE_NAMES))
+        if unknown:
+            raise ValueError(f"unknown rewrites {unknown}; allowed: {list(REWRITE_NAMES)}")
+        return names
+
+
+class LiveConfig(BaseModel):
+    """What `reconfigure` (Serve's `user_config`) may change on running replicas."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    limits: Limits = Limits()
+    batching: Batching = Batching()
+
+
+LIVE_FIELDS = tuple(LiveConfig.model_fields)
+
+
 class ServiceConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     model: str = Field(
         "sd",
-        description="preset name (sd, sdxl, flux, wan2.1, tiny-kl, tiny-wan), a local diffusers "
-        "folder, or a hub id",
+        description="preset name (sd, sdxl, flux, wan2.1, tiny-kl, tiny-wan), a local diffusers folder, or a hub id",
     )
     model_name: str | None = Field(None, description="name reported to clients; default: `model`")
     decode_precision: Precision = "auto"
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
     seed: int = Field(0, description="seed for preset random weights")
     cpu_threads: int | None = Field(None, gt=0, description="torch threads on CPU; default: all cores")
+    fast_path: FastPath = FastPath()
     limits: Limits = Limits()
     batching: Batching = Batching()
     serving: Serving = Serving()
+
+    def live(self) -> LiveConfig:
+        return LiveConfig(limits=self.limits, batching=self.batching)
+
+    def with_live(self, live: LiveConfig) -> ServiceConfig:
+        return self.model_copy(update=dict(live))
 
     def deployment_options(self) -> dict:
         """Serve options that follow from the config. Serve's default of 5 ongoing requests would
@@ -69,8 +112,10 @@ class ServiceConfig(BaseModel):
         return {
             "max_ongoing_requests": self.batching.max_batch_size * self.serving.concurrent_keys,
             "max_queued_requests": self.serving.max_queued_requests,
-            "backpressure_config": {"status_code": self.serving.backpressure_status,
-                                    "retry_after_s": self.serving.retry_after_s},
+            "backpressure_config": {
+                "status_code": self.serving.backpressure_status,
+                "retry_after_s": self.serving.retry_after_s,
+            },
         }
 
     @property

@@ -1,10 +1,8 @@
-"""Python clients for vae-service (no server imports: only the shared wire formats)."""
+"""Python clients for vae-service: HTTP and gRPC, sync and async, and the wire codec they share
+with the server. Depends on numpy, msgpack, httpx, grpcio and protobuf only; torch tensors are
+accepted when torch is installed. The gRPC clients load grpc on first use."""
 
-from vae_service.protocol.decode_schema import UNSET
-from vae_service_client.grpc_client import AsyncVaeGrpcClient, VaeGrpcClient
-from vae_service_client.http_client import AsyncVaeClient, VaeClient
-from vae_service_client.wire import (
-    DecodeResponse,
+from vae_service_client.errors import (
     DecodeTimeout,
     InvalidRequest,
     Overloaded,
@@ -12,6 +10,31 @@ from vae_service_client.wire import (
     ServerError,
     VaeServiceError,
 )
+from vae_service_client.http_client import AsyncVaeClient, VaeClient
+from vae_service_client.messages import UNSET, DecodeResponse
 
-__all__ = ["AsyncVaeClient", "AsyncVaeGrpcClient", "DecodeResponse", "DecodeTimeout", "InvalidRequest", "Overloaded",
-           "PayloadTooLarge", "ServerError", "UNSET", "VaeClient", "VaeGrpcClient", "VaeServiceError"]
+_GRPC = ("AsyncVaeGrpcClient", "VaeGrpcClient")
+
+
+def __getattr__(name: str):
+    if name in _GRPC:
+        from vae_service_client import grpc_client
+
+        return getattr(grpc_client, name)
+    raise AttributeError(f"module 'vae_service_client' has no attribute {name!r}")
+
+
+__all__ = [
+    "UNSET",
+    "AsyncVaeClient",
+    "AsyncVaeGrpcClient",
+    "DecodeResponse",
+    "DecodeTimeout",
+    "InvalidRequest",
+    "Overloaded",
+    "PayloadTooLarge",
+    "ServerError",
+    "VaeClient",
+    "VaeGrpcClient",
+    "VaeServiceError",
+]

@@ -4,47 +4,52 @@ from __future__ import annotations
 
 import httpx
 
-from vae_service_client.wire import (
-    MSGPACK,
-    DecodeResponse,
-    decode_body,
-    error_from,
-    parse_response,
-    with_retries,
-    with_retries_async,
-)
+from vae_service_client.errors import error_from_http
+from vae_service_client.messages import MSGPACK, DecodeResponse, pack, request_map
+from vae_service_client.retries import with_retries, with_retries_async
+
+
+def _response(r: httpx.Response) -> DecodeResponse:
+    import msgpack
+
+    if r.status_code != 200:
+        raise error_from_http(r.status_code, r.headers, r.content)
+    return DecodeResponse.from_map(msgpack.unpackb(r.content, raw=False))
+
+
+def _health(r: httpx.Response) -> dict:
+    if r.status_code != 200:
+        raise error_from_http(r.status_code, r.headers, r.content)
+    return r.json()
 
 
 class VaeClient:
     """`retries`: extra attempts on 429/503 (backoff doubling from `backoff_s`, at least the
     server's Retry-After); `timeout`: seconds per attempt."""
 
-    def __init__(self, base_url: str = "http://127.0.0.1:8000", timeout: float = 120.0, retries: int = 3,
-                 backoff_s: float = 0.5):
+    def __init__(
+        self, base_url: str = "http://127.0.0.1:8000", timeout: float = 120.0, retries: int = 3, backoff_s: float = 0.5
+    ):
         self._http = httpx.Client(base_url=base_url, timeout=timeout)
         self.retries, self.backoff_s = retries, backoff_s
 
     def decode(self, latents, quality: str = "lossless", output: str = "uint8", **options) -> DecodeResponse:
-        """latents: torch tensor or numpy array. options: scaling_factor, shift_factor (None = already
-        scaled), height, width, request_id, model."""
-        body = decode_body(latents, quality, output, **options)
+        """latents: numpy array or torch tensor. options: scaling_factor, shift_factor (None = already
+        scaled), height, width (packed latents), request_id, model."""
+        body = pack(request_map(latents, quality, output, **options))
 
         def attempt() -> DecodeResponse:
-            r = self._http.post("/decode", content=body, headers={"content-type": MSGPACK})
-            return parse_response(r.status_code, r.headers, r.content)
+            return _response(self._http.post("/decode", content=body, headers={"content-type": MSGPACK}))
 
         return with_retries(attempt, self.retries, self.backoff_s)
 
     def health(self) -> dict:
-        r = self._http.get("/health")
-        if r.status_code != 200:
-            raise error_from(r.status_code, r.headers, r.content)
-        return r.json()
+        return _health(self._http.get("/health"))
 
     def close(self) -> None:
         self._http.close()
 
-    def __enter__(self) -> "VaeClient":
+    def __enter__(self) -> VaeClient:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -52,30 +57,27 @@ class VaeClient:
 
 
 class AsyncVaeClient:
-    def __init__(self, base_url: str = "http://127.0.0.1:8000", timeout: float = 120.0, retries: int = 3,
-                 backoff_s: float = 0.5):
+    def __init__(
+        self, base_url: str = "http://127.0.0.1:8000", timeout: float = 120.0, retries: int = 3, backoff_s: float = 0.5
+    ):
         self._http = httpx.AsyncClient(base_url=base_url, timeout=timeout)
         self.retries, self.backoff_s = retries, backoff_s
 
     async def decode(self, latents, quality: str = "lossless", output: str = "uint8", **options) -> DecodeResponse:
-        body = decode_body(latents, quality, output, **options)
+        body = pack(request_map(latents, quality, output, **options))
 
         async def attempt() -> DecodeResponse:
-            r = await self._http.post("/decode", content=body, headers={"content-type": MSGPACK})
-            return parse_response(r.status_code, r.headers, r.content)
+            return _response(await self._http.post("/decode", content=body, headers={"content-type": MSGPACK}))
 
         return await with_retries_async(attempt, self.retries, self.backoff_s)
 
     async def health(self) -> dict:
-        r = await self._http.get("/health")
-        if r.status_code != 200:
-            raise error_from(r.status_code, r.headers, r.content)
-        return r.json()
+        return _health(await self._http.get("/health"))
 
     async def aclose(self) -> None:
         await self._http.aclose()
 
-    async def __aenter__(self) -> "AsyncVaeClient":
+    async def __aenter__(self) -> AsyncVaeClient:
         return self
 
     async def __aexit__(self, *exc) -> None:

@@ -8,21 +8,23 @@ import torch
 
 from tests.models import reference_decode
 from vae_service.config import ServiceConfig
-from vae_service.engine import DecodeEngine
+from vae_service.engine import DecodeEngine, DecodeRequest
 from vae_service.fastpath.fused_norms import GroupNormSiLU, WanRMSNormSiLU
-from vae_service.protocol.decode_schema import DecodeParams
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
 @pytest.fixture(scope="module")
 def engines(kl_dir, wan_dir):
-    return {kind: DecodeEngine(ServiceConfig(model=str(folder), model_name=kind, device="cuda"))
-            for kind, folder in (("kl", kl_dir), ("wan", wan_dir))}
+    return {
+        kind: DecodeEngine(ServiceConfig(model=str(folder), model_name=kind, device="cuda"))
+        for kind, folder in (("kl", kl_dir), ("wan", wan_dir))
+    }
 
 
 def decode(engine, z, quality):
-    return engine.decode([engine.prepare(DecodeParams(latents=z, quality=quality, output="float", scaling_factor=None))])[0].output
+    request = DecodeRequest(z, quality=quality, output="float", scaling_factor=None)
+    return engine.decode([engine.prepare(request)])[0].output
 
 
 def test_auto_precision_is_bf16_on_cuda(engines):
@@ -38,7 +40,7 @@ def test_lossless_is_bit_identical_to_diffusers_on_cuda(engines, kind, shape, kl
 
 
 @pytest.mark.parametrize("kind, shape", [("kl", (2, 4, 6, 5)), ("wan", (1, 4, 2, 4, 6))])
-def test_high_uses_triton_and_stays_within_bound(engines, kind, shape, kl_vae, wan_vae, monkeypatch):
+def test_high_uses_triton_and_stays_within_bound(kind, shape, kl_dir, wan_dir, kl_vae, wan_vae, monkeypatch):
     op = GroupNormSiLU if kind == "kl" else WanRMSNormSiLU
     launched, original = [], op.forward_triton
 
@@ -47,9 +49,15 @@ def test_high_uses_triton_and_stays_within_bound(engines, kind, shape, kl_vae, w
         launched.append(out is not None)
         return out
 
-    monkeypatch.setattr(op, "forward_triton", staticmethod(counting))
+    monkeypatch.setattr(op, "forward_triton", staticmethod(counting))  # before install: the backend binds then
+    folder = {"kl": kl_dir, "wan": wan_dir}[kind]
+    engine = DecodeEngine(ServiceConfig(model=str(folder), model_name=kind, device="cuda"))
+    assert all(
+        r["backend"] == "triton"
+        for name, r in engine.describe()["fast_path"]["rewrites"].items()
+        if name in ("group_norm_silu", "rms_norm_silu", "conv_bias_fold")
+    )
     z = torch.randn(shape, generator=torch.Generator().manual_seed(1))
-    engine = engines[kind]
     high, lossless = decode(engine, z, "high"), decode(engine, z, "lossless")
     assert launched and all(launched)  # every fused norm ran as a kernel, none fell back
     fp32_vae = copy.deepcopy({"kl": kl_vae, "wan": wan_vae}[kind]).to("cuda")

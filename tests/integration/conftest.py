@@ -26,15 +26,25 @@ def ray_cluster():
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     repo = str(Path(__file__).resolve().parents[2])  # replicas import deploy/ modules from the checkout
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"RAY_AUTH_MODE": "disabled",
-                                       "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))}})
+    ray.init(
+        num_cpus=8,
+        include_dashboard=False,
+        log_to_driver=False,
+        runtime_env={
+            "env_vars": {
+                "RAY_AUTH_MODE": "disabled",
+                "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")])),
+            }
+        },
+    )
     from ray.serve.config import gRPCOptions
 
     port = free_port()
     PORTS["grpc"] = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port},
-                grpc_options=gRPCOptions(port=PORTS["grpc"], grpc_servicer_functions=[GRPC_SERVICER]))
+    serve.start(
+        http_options={"host": "127.0.0.1", "port": port},
+        grpc_options=gRPCOptions(port=PORTS["grpc"], grpc_servicer_functions=[GRPC_SERVICER]),
+    )
     yield f"http://127.0.0.1:{port}"
     serve.shutdown()
     ray.shutdown()
@@ -46,8 +56,12 @@ def kl_url(ray_cluster, kl_dir):
 
     from vae_service.serving.app import build_app
 
-    config = {"model": str(kl_dir), "model_name": "kl", "cpu_threads": 1,
-              "limits": {"max_request_bytes": 4 * 2**20, "max_output_pixels": 2**22}}
+    config = {
+        "model": str(kl_dir),
+        "model_name": "kl",
+        "cpu_threads": 1,
+        "limits": {"max_request_bytes": 4 * 2**20, "max_output_pixels": 2**22},
+    }
     serve.run(build_app(config, **TEST_DEPLOYMENT), name="kl", route_prefix="/kl")
     return f"{ray_cluster}/kl"
 
@@ -59,8 +73,10 @@ def multi_url(ray_cluster, kl_dir, flux_dir, wan_dir):
 
     from vae_service.serving.app import build_multi_app
 
-    models = [{"model": str(folder), "model_name": name, "cpu_threads": 1}
-              for name, folder in (("kl", kl_dir), ("flux", flux_dir), ("wan", wan_dir))]
+    models = [
+        {"model": str(folder), "model_name": name, "cpu_threads": 1}
+        for name, folder in (("kl", kl_dir), ("flux", flux_dir), ("wan", wan_dir))
+    ]
     serve.run(build_multi_app({"models": models}, **TEST_DEPLOYMENT), name="multi", route_prefix="/multi")
     return f"{ray_cluster}/multi"
 
@@ -68,3 +84,27 @@ def multi_url(ray_cluster, kl_dir, flux_dir, wan_dir):
 @pytest.fixture(scope="session")
 def grpc_target(ray_cluster):
     return f"127.0.0.1:{PORTS['grpc']}"
+
+
+@pytest.fixture
+def app(ray_cluster, kl_dir):
+    """Deploys tiny-kl apps with a config of the test's own; deletes them afterwards."""
+    from ray import serve
+
+    from vae_service.serving.app import build_app
+
+    names = []
+
+    def deploy(name, autoscaling_config=None, **config):
+        options = dict(TEST_DEPLOYMENT, **({"autoscaling_config": autoscaling_config} if autoscaling_config else {}))
+        serve.run(
+            build_app({"model": str(kl_dir), "model_name": name, "cpu_threads": 1, **config}, **options),
+            name=name,
+            route_prefix=f"/{name}",
+        )
+        names.append(name)
+        return f"{ray_cluster}/{name}"
+
+    yield deploy
+    for name in names:
+        serve.delete(name)

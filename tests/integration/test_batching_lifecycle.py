@@ -1,10 +1,12 @@
 """Batching, backpressure, timeouts, live reconfigure and scaling on the real local Serve."""
 
 import asyncio
+import copy
 import glob
 import os
 import re
 import time
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -12,10 +14,10 @@ import pytest
 import torch
 from ray import serve
 
-from tests.integration.conftest import TEST_DEPLOYMENT
 from tests.models import reference_decode, torch_threads
 from vae_service.serving.app import build_app
 from vae_service_client import AsyncVaeClient, VaeClient, VaeServiceError
+from vae_service_client.messages import pack, request_map
 
 pytestmark = pytest.mark.integration
 FP32_MAX_ABS = 1e-3  # high vs lossless, as in tests/unit/test_fastpath.py
@@ -23,11 +25,14 @@ FP32_MAX_ABS = 1e-3  # high vs lossless, as in tests/unit/test_fastpath.py
 
 async def test_mixed_tier_load_is_answered_exactly_once_and_correctly(kl_url, kl_vae):
     gen = torch.Generator().manual_seed(21)
-    jobs = [(f"r{i}", "lossless" if i % 3 else "high", torch.randn(1 + i % 2, 4, 5, 6, generator=gen)) for i in range(24)]
+    jobs = [
+        (f"r{i}", "lossless" if i % 3 else "high", torch.randn(1 + i % 2, 4, 5, 6, generator=gen)) for i in range(24)
+    ]
     async with AsyncVaeClient(kl_url) as client:
         threads = (await client.health())["cpu_threads"]
-        responses = await asyncio.gather(*(client.decode(z, quality=q, output="float", scaling_factor=None,
-                                                         request_id=rid) for rid, q, z in jobs))
+        responses = await asyncio.gather(
+            *(client.decode(z, quality=q, output="float", scaling_factor=None, request_id=rid) for rid, q, z in jobs)
+        )
     assert sorted(r.request_id for r in responses) == sorted(rid for rid, _, _ in jobs)
     assert max(r.timing["batch_size"] for r in responses) > 2  # requests were batched together
     for (rid, quality, z), resp in zip(jobs, responses):
@@ -40,36 +45,21 @@ async def test_mixed_tier_load_is_answered_exactly_once_and_correctly(kl_url, kl
             assert np.abs(resp.output - solo).max() <= FP32_MAX_ABS
 
 
-def _deploy(name, kl_dir, autoscaling_config=None, **config):
-    options = dict(TEST_DEPLOYMENT, **({"autoscaling_config": autoscaling_config} if autoscaling_config else {}))
-    serve.run(build_app({"model": str(kl_dir), "model_name": name, "cpu_threads": 1, **config}, **options),
-              name=name, route_prefix=f"/{name}")
-
-
-@pytest.fixture
-def app(ray_cluster, kl_dir):
-    names = []
-
-    def deploy(name, **config):
-        _deploy(name, kl_dir, **config)
-        names.append(name)
-        return f"{ray_cluster}/{name}"
-
-    yield deploy
-    for name in names:
-        serve.delete(name)
-
-
 async def test_overload_gets_429_with_retry_after_and_never_500(app):
-    url = app("tight", batching={"max_batch_size": 1, "batch_wait_ms": 0, "max_queued_items": 2},
-              serving={"concurrent_keys": 1, "max_queued_requests": 2, "retry_after_s": 2})
+    url = app(
+        "tight",
+        batching={"max_batch_size": 1, "batch_wait_ms": 0, "max_queued_items": 2},
+        serving={"concurrent_keys": 1, "max_queued_requests": 2, "retry_after_s": 2},
+    )
     z = torch.randn(1, 4, 48, 48)  # ~0.3 s per decode here
     async with httpx.AsyncClient(timeout=120) as http:
-        from vae_service_client.wire import decode_body
-
-        body = decode_body(z)
-        rs = await asyncio.gather(*(http.post(f"{url}/decode", content=body,
-                                              headers={"content-type": "application/msgpack"}) for _ in range(16)))
+        body = pack(request_map(z))
+        rs = await asyncio.gather(
+            *(
+                http.post(f"{url}/decode", content=body, headers={"content-type": "application/msgpack"})
+                for _ in range(16)
+            )
+        )
     codes = [r.status_code for r in rs]
     assert 500 not in codes and set(codes) <= {200, 429}
     assert codes.count(200) >= 1 and codes.count(429) >= 1
@@ -111,10 +101,19 @@ def _wait(predicate, timeout_s=60, every=0.5):
 
 
 def test_autoscaling_1_2_1_and_the_removed_replica_releases_its_folded_buffers(app):
-    url = app("scale", autoscaling_config={"min_replicas": 1, "max_replicas": 2, "initial_replicas": 1,
-                                           "target_ongoing_requests": 1, "upscale_delay_s": 0.5,
-                                           "downscale_delay_s": 3, "look_back_period_s": 1},
-              batching={"max_batch_size": 1})
+    url = app(
+        "scale",
+        autoscaling_config={
+            "min_replicas": 1,
+            "max_replicas": 2,
+            "initial_replicas": 1,
+            "target_ongoing_requests": 1,
+            "upscale_delay_s": 0.5,
+            "downscale_delay_s": 3,
+            "look_back_period_s": 1,
+        },
+        batching={"max_batch_size": 1},
+    )
     seen = {}
 
     async def load_until_two_replicas_hold_folds():
@@ -135,7 +134,7 @@ def test_autoscaling_1_2_1_and_the_removed_replica_releases_its_folded_buffers(a
 
     def released_bytes():
         for path in _replica_logs(removed):
-            match = re.search(r"released (\d+) bytes of folded buffers", open(path).read())
+            match = re.search(r"released (\d+) bytes of folded buffers", Path(path).read_text())
             if match:
                 return int(match.group(1))
         return None
@@ -146,3 +145,55 @@ def test_autoscaling_1_2_1_and_the_removed_replica_releases_its_folded_buffers(a
 def _running_replicas(app_name):
     status = serve.status().applications[app_name].deployments["VaeDecoder"]
     return status.replica_states.get("RUNNING", 0)
+
+
+async def test_a_precision_change_rolls_replicas_without_failing_a_request(ray_cluster, kl_dir, kl_vae):
+    """Precision is a deployment argument: redeploying with another rolls replicas through Serve.
+    Requests in flight meanwhile all succeed (no retries), and each lossless reply is bit-identical
+    to the solo decode at the precision it names."""
+    name = "roll"
+    options = dict(graceful_shutdown_wait_loop_s=0.05, graceful_shutdown_timeout_s=30)
+
+    def deploy(precision):
+        serve.run(
+            build_app(
+                {"model": str(kl_dir), "model_name": name, "cpu_threads": 1, "decode_precision": precision}, **options
+            ),
+            name=name,
+            route_prefix=f"/{name}",
+        )
+
+    deploy("fp32")
+    gen = torch.Generator().manual_seed(31)
+    latents = [torch.randn(1, 4, 3, 4, generator=gen) for _ in range(4)]
+    replies, stop = [], asyncio.Event()
+
+    async def load(worker: int):
+        async with AsyncVaeClient(f"{ray_cluster}/{name}", retries=0) as client:
+            i = worker
+            while not stop.is_set():
+                z = latents[i % len(latents)]
+                replies.append((z, await client.decode(z, output="float", scaling_factor=None)))
+                i += 1
+
+    try:
+        workers = [asyncio.create_task(load(w)) for w in range(3)]
+        while len(replies) < 6:
+            await asyncio.sleep(0.05)
+        await asyncio.to_thread(deploy, "bf16")
+        seen_bf16 = len(replies)
+        while sum(r.precision == "bf16" for _, r in replies[seen_bf16:]) < 6:
+            await asyncio.sleep(0.05)
+        stop.set()
+        await asyncio.gather(*workers)  # a failed request would raise here
+    finally:
+        stop.set()
+        serve.delete(name)
+    assert {r.precision for _, r in replies} == {"fp32", "bf16"}
+    references = {}
+    with torch_threads(1):
+        for precision, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+            vae = copy.deepcopy(kl_vae).to(dtype)
+            references[precision] = {id(z): reference_decode(vae, z.to(dtype)).float().numpy() for z in latents}
+    for z, reply in replies:
+        np.testing.assert_array_equal(reply.output, references[reply.precision][id(z)])

@@ -1,4 +1,4 @@
-"""The deploy YAMLs load into Serve's schema and into our ServiceConfig."""
+"""The deploy YAMLs load into Serve's schema and build into our applications."""
 
 from pathlib import Path
 
@@ -7,27 +7,46 @@ import yaml
 from ray.serve.schema import ServeDeploySchema
 
 from vae_service.config import ServiceConfig
+from vae_service.serving.app import GRPC_SERVICER, build_multi_app, router_options
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 
 
 @pytest.mark.parametrize("name", ["serve-cpu.yaml", "serve-gpu.yaml"])
-def test_deploy_yaml_parses_into_service_config(name):
+def test_deploy_yaml_builds_a_single_model_app(name):
     raw = yaml.safe_load((DEPLOY / name).read_text())
     schema = ServeDeploySchema.model_validate(raw)
-    (app,) = schema.applications
-    assert app.import_path == "vae_service.serving.app:app"
-    (deployment,) = raw["applications"][0]["deployments"]
+    assert schema.grpc_options.grpc_servicer_functions == [GRPC_SERVICER]
+    (app,) = raw["applications"]
+    assert app["import_path"] == "vae_service.serving.app:build_app"
+    config = ServiceConfig.model_validate(app["args"])
+    (deployment,) = app["deployments"]
     assert deployment["name"] == "VaeDecoder"
-    config = ServiceConfig.model_validate(deployment["user_config"])
-    assert config.limits.max_batch_items > 0
-    # Serve's own options agree with what the config derives (batches can fill)
-    assert deployment["max_ongoing_requests"] >= config.batching.max_batch_size * config.serving.concurrent_keys
-    assert deployment["backpressure_config"]["status_code"] in (429, 503)
+    assert "user_config" not in deployment  # the live part comes from args unless overridden
     if name == "serve-gpu.yaml":
         assert deployment["ray_actor_options"]["num_gpus"] == 1 and config.device == "cuda"
         scaling = deployment["autoscaling_config"]
         assert scaling["min_replicas"] <= scaling["initial_replicas"] <= scaling["max_replicas"]
+        # a replica at its target still accepts a full batch for every key it fills
+        assert scaling["target_ongoing_requests"] <= config.deployment_options()["max_ongoing_requests"]
+
+
+def test_deployment_options_are_derived_from_the_config():
+    config = ServiceConfig(
+        batching={"max_batch_size": 3},
+        serving={"concurrent_keys": 5, "max_queued_requests": 7, "backpressure_status": 503, "retry_after_s": 2},
+    )
+    assert config.deployment_options() == {
+        "max_ongoing_requests": 15,
+        "max_queued_requests": 7,
+        "backpressure_config": {"status_code": 503, "retry_after_s": 2.0},
+    }
+    other = ServiceConfig(model="tiny-wan", serving={"max_queued_requests": 4})
+    options = router_options([config, other])
+    assert options["max_ongoing_requests"] == 15 + other.deployment_options()["max_ongoing_requests"]
+    assert options["max_queued_requests"] == 11 and options["ray_actor_options"] == {"num_cpus": 0}
+    unbounded = ServiceConfig(serving={"max_queued_requests": -1})
+    assert router_options([config, unbounded])["max_queued_requests"] == -1
 
 
 def test_multi_model_yaml_builds_one_router_and_a_decoder_per_model():
@@ -37,9 +56,7 @@ def test_multi_model_yaml_builds_one_router_and_a_decoder_per_model():
     assert app["import_path"] == "vae_service.serving.app:build_multi_app"
     configs = [ServiceConfig.model_validate(m) for m in app["args"]["models"]]
     assert [c.served_name for c in configs] == ["flux", "wan2.1"]
-    from vae_service.serving.app import build_multi_app
-
-    built = build_multi_app(app["args"])  # binds without starting anything
-    assert built is not None
     with pytest.raises(ValueError, match="unique"):
         build_multi_app({"models": [{"model": "tiny-kl"}, {"model": "tiny-kl"}]})
+    with pytest.raises(ValueError, match="at least one"):
+        build_multi_app({"models": []})

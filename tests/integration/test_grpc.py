@@ -1,11 +1,14 @@
 """gRPC through Serve's gRPC proxy with a real grpc client."""
 
+import grpc
 import numpy as np
 import pytest
 import torch
 
 from tests.models import reference_decode, torch_threads
 from vae_service_client import AsyncVaeGrpcClient, InvalidRequest, PayloadTooLarge, VaeClient, VaeGrpcClient
+from vae_service_client.grpc_gen import decode_pb2_grpc
+from vae_service_client.messages import request_proto
 
 pytestmark = pytest.mark.integration
 
@@ -18,7 +21,9 @@ def test_unary_decode_matches_http(grpc_target, kl_url, kl_vae):
     assert floats.request_id == "g1" and floats.model == "kl" and floats.timing["batch_size"] >= 2
     with torch_threads(1):
         np.testing.assert_array_equal(floats.output, reference_decode(kl_vae, z).numpy())
-    np.testing.assert_array_equal(np.stack([np.asarray(im) for im in pngs.images()]), VaeClient(kl_url).decode(z).output)
+    np.testing.assert_array_equal(
+        np.stack([np.asarray(im) for im in pngs.images()]), VaeClient(kl_url).decode(z).output
+    )
 
 
 def test_stream_answers_one_message_per_item(grpc_target):
@@ -54,3 +59,56 @@ async def test_async_client_and_routing_by_model(grpc_target, multi_url):
     assert video.model == "wan" and video.output.shape == (1, 5, 32, 32, 3)
     assert [f.output.shape for f in frames] == [(1, 1, 16, 16, 3)] * 2
     assert "served: ['flux', 'kl', 'wan']" in err.value.message
+
+
+def raw_call(target, request, application="kl"):
+    """A plain grpc stub: what any gRPC client in any language sees."""
+    with grpc.insecure_channel(target) as channel:
+        stub = decode_pb2_grpc.VaeDecoderStub(channel)
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Decode(request, metadata=(("application", application),), timeout=60)
+    return err.value
+
+
+@pytest.mark.parametrize(
+    "request_args, code, type_, field",
+    [
+        (
+            dict(latents=np.zeros((1, 3, 2, 2), np.float32)),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "invalid_request",
+            "latents",
+        ),
+        (
+            dict(latents=np.zeros((1, 4, 2, 2), np.float32), quality="ultra"),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "invalid_request",
+            "quality",
+        ),
+        (
+            dict(latents=np.full((1, 4, 2, 2), np.nan, np.float32)),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "invalid_request",
+            "latents",
+        ),
+        (
+            dict(latents=np.zeros((17, 4, 1, 1), np.float32)),
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            "payload_too_large",
+            "latents",
+        ),
+    ],
+)
+def test_raw_status_codes_carry_type_and_field_in_trailers(grpc_target, request_args, code, type_, field):
+    err = raw_call(grpc_target, request_proto(**request_args))
+    assert err.code() == code
+    trailers = dict(err.trailing_metadata())
+    assert (trailers["error-type"], trailers["error-field"]) == (type_, field)
+    assert err.details().startswith(field)
+
+
+def test_raw_deadline_exceeded_on_request_timeout(grpc_target, app):
+    app("hasty_grpc", batching={"request_timeout_s": 0.05})
+    err = raw_call(grpc_target, request_proto(np.zeros((1, 4, 64, 64), np.float32)), application="hasty_grpc")
+    assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert dict(err.trailing_metadata())["error-type"] == "timeout"

@@ -13,9 +13,9 @@ import torch
 from PIL import Image
 
 from tests.models import reference_decode, torch_threads
-from vae_service.protocol.decode_schema import pack
-from vae_service.protocol.tensor_codec import encode_tensor
 from vae_service_client import AsyncVaeClient, VaeClient, VaeServiceError
+from vae_service_client.messages import pack
+from vae_service_client.tensors import encode_tensor
 
 pytestmark = pytest.mark.integration
 
@@ -70,12 +70,32 @@ def good(**kw):
         (b"\x93\x01\x02\x03", "application/msgpack", 400, "body"),
         (good(latents=encode_tensor(torch.zeros(1, 3, 4, 4))), "application/msgpack", 400, "latents"),
         (good(latents=encode_tensor(torch.full((1, 4, 4, 4), float("nan")))), "application/msgpack", 400, "latents"),
-        (good(latents={"dtype": "float32", "shape": [1, 4, 4, 4], "data": b"\0" * 10}), "application/msgpack", 400, "latents.data"),
-        (good(latents={"dtype": "complex64", "shape": [1], "data": b"\0" * 8}), "application/msgpack", 400, "latents.dtype"),
-        (good(latents={"dtype": "float32", "shape": [1, 4, 0, 4], "data": b""}), "application/msgpack", 400, "latents.shape"),
+        (
+            good(latents={"dtype": "float32", "shape": [1, 4, 4, 4], "data": b"\0" * 10}),
+            "application/msgpack",
+            400,
+            "latents.data",
+        ),
+        (
+            good(latents={"dtype": "complex64", "shape": [1], "data": b"\0" * 8}),
+            "application/msgpack",
+            400,
+            "latents.dtype",
+        ),
+        (
+            good(latents={"dtype": "float32", "shape": [1, 4, 0, 4], "data": b""}),
+            "application/msgpack",
+            400,
+            "latents.shape",
+        ),
         (good(quality="ultra"), "application/msgpack", 400, "quality"),
         (good(output="webp"), "application/msgpack", 400, "output"),
-        (good(latents=encode_tensor(torch.zeros(1, 4, 300, 300, dtype=torch.float16))), "application/msgpack", 413, "latents"),
+        (
+            good(latents=encode_tensor(torch.zeros(1, 4, 300, 300, dtype=torch.float16))),
+            "application/msgpack",
+            413,
+            "latents",
+        ),
         (good() + b"\0" * (4 * 2**20), "application/msgpack", 413, "body"),
     ],
 )
@@ -102,8 +122,12 @@ def test_cli_decode_writes_pngs(kl_url, tmp_path):
     latents = tmp_path / "z.npy"
     np.save(latents, np.random.default_rng(0).standard_normal((2, 4, 4, 6)).astype(np.float32))
     out = tmp_path / "png"
-    proc = subprocess.run([sys.executable, "-m", "vae_service.cli", "decode", str(latents), "--url", kl_url,
-                           "--out", str(out)], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "vae_service.cli", "decode", str(latents), "--url", kl_url, "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     files = sorted(out.glob("*.png"))
     assert [f.name for f in files] == ["000.png", "001.png"]

@@ -13,7 +13,7 @@ from PIL import Image
 from ray import serve
 
 from tests.models import reference_decode, torch_threads
-from vae_service_client import VaeClient, VaeServiceError
+from vae_service_client import InvalidRequest, PayloadTooLarge, VaeClient, VaeServiceError
 
 pytestmark = pytest.mark.integration
 
@@ -38,32 +38,60 @@ def test_remote_decode_pt_is_the_lossless_decode(kl_url, kl_vae, z):
     threads = VaeClient(kl_url).health()["cpu_threads"]
     with torch_threads(threads):
         expected = reference_decode(kl_vae, z / 0.18215)
-    out = remote_decode(endpoint=f"{kl_url}/remote-decode", tensor=z, scaling_factor=0.18215, output_type="pt",
-                        return_type="pt")
+    out = remote_decode(
+        endpoint=f"{kl_url}/remote-decode", tensor=z, scaling_factor=0.18215, output_type="pt", return_type="pt"
+    )
     assert out.dtype == torch.float32 and torch.equal(out, expected)
-    partial = remote_decode(endpoint=f"{kl_url}/remote-decode", tensor=z, scaling_factor=0.18215,
-                            output_type="pt", partial_postprocess=True, return_type="pt")
+    partial = remote_decode(
+        endpoint=f"{kl_url}/remote-decode",
+        tensor=z,
+        scaling_factor=0.18215,
+        output_type="pt",
+        partial_postprocess=True,
+        return_type="pt",
+    )
     assert partial.dtype == torch.uint8 and partial.shape == (1, 32, 48, 3)
     np.testing.assert_array_equal(partial.numpy(), VaeClient(kl_url).decode(z, scaling_factor=0.18215).output)
-    image = remote_decode(endpoint=f"{kl_url}/remote-decode", tensor=z, scaling_factor=0.18215, output_type="pt",
-                          partial_postprocess=True, return_type="pil")
+    image = remote_decode(
+        endpoint=f"{kl_url}/remote-decode",
+        tensor=z,
+        scaling_factor=0.18215,
+        output_type="pt",
+        partial_postprocess=True,
+        return_type="pil",
+    )
     np.testing.assert_array_equal(np.asarray(image), partial[0].numpy())
     # a client-side processor gets floats in [0, 1] and makes the PIL image itself
-    with_processor = remote_decode(endpoint=f"{kl_url}/remote-decode", tensor=z, scaling_factor=0.18215,
-                                   processor=VaeImageProcessor(), output_type="pil")
+    with_processor = remote_decode(
+        endpoint=f"{kl_url}/remote-decode",
+        tensor=z,
+        scaling_factor=0.18215,
+        processor=VaeImageProcessor(),
+        output_type="pil",
+    )
     assert with_processor[0].size == (48, 32)
 
 
 def test_remote_decode_quality_and_errors(kl_url, z):
-    high = remote_decode(endpoint=f"{kl_url}/remote-decode?quality=high", tensor=z, scaling_factor=0.18215,
-                         output_type="pt", return_type="pt")
-    lossless = remote_decode(endpoint=f"{kl_url}/remote-decode", tensor=z, scaling_factor=0.18215, output_type="pt",
-                             return_type="pt")
+    high = remote_decode(
+        endpoint=f"{kl_url}/remote-decode?quality=high",
+        tensor=z,
+        scaling_factor=0.18215,
+        output_type="pt",
+        return_type="pt",
+    )
+    lossless = remote_decode(
+        endpoint=f"{kl_url}/remote-decode", tensor=z, scaling_factor=0.18215, output_type="pt", return_type="pt"
+    )
     assert (high - lossless).abs().max() <= 1e-3
     with pytest.raises(RuntimeError):  # remote_decode raises on non-200; our 400 names the field
         remote_decode(endpoint=f"{kl_url}/remote-decode", tensor=torch.randn(1, 3, 4, 4), scaling_factor=1.0)
-    r = httpx.post(f"{kl_url}/remote-decode", params={"shape": [1, 4, 2, 2], "dtype": "float32"}, content=b"\0" * 8,
-                   headers={"content-type": "tensor/binary"})
+    r = httpx.post(
+        f"{kl_url}/remote-decode",
+        params={"shape": [1, 4, 2, 2], "dtype": "float32"},
+        content=b"\0" * 8,
+        headers={"content-type": "tensor/binary"},
+    )
     assert r.status_code == 400 and r.json()["error"]["field"] == "latents.data"
 
 
@@ -92,31 +120,57 @@ def test_routing_by_model_field(multi_url, flux_vae, wan_vae):
 
 def test_remote_decode_through_the_router_packed_and_video(multi_url):
     packed = torch.randn(1, 6, 32)
-    image = remote_decode(endpoint=f"{multi_url}/remote-decode?model=flux", tensor=packed, height=32, width=48,
-                          scaling_factor=0.3611, shift_factor=0.1159, image_format="png")
+    image = remote_decode(
+        endpoint=f"{multi_url}/remote-decode?model=flux",
+        tensor=packed,
+        height=32,
+        width=48,
+        scaling_factor=0.3611,
+        shift_factor=0.1159,
+        image_format="png",
+    )
     assert image.size == (48, 32)
-    mp4 = remote_decode(endpoint=f"{multi_url}/remote-decode?model=wan", tensor=torch.randn(1, 4, 2, 4, 4),
-                        output_type="mp4", return_type="mp4", do_scaling=True)
+    mp4 = remote_decode(
+        endpoint=f"{multi_url}/remote-decode?model=wan",
+        tensor=torch.randn(1, 4, 2, 4, 4),
+        output_type="mp4",
+        return_type="mp4",
+        do_scaling=True,
+    )
     import av
 
     with av.open(io.BytesIO(mp4)) as container:
         assert sum(1 for _ in container.decode(video=0)) == 5
 
 
-def test_handle_api_routes_and_validates(multi_url):
+def test_handle_api_routes_and_validates(multi_url, kl_vae):
     handle = serve.get_app_handle("multi")
-    result = handle.decode.remote(np.zeros((2, 4, 3, 3), dtype=np.float32), model="kl", output="float").result()
-    assert result["model"] == "kl" and result["output"].shape == (2, 3, 24, 24) and result["output"].dtype == np.float32
-    with pytest.raises(Exception) as err:
-        handle.decode.remote(torch.zeros(1, 3, 3, 3), model="kl").result()
-    assert "latents" in str(err.value)
+    z = np.random.default_rng(3).standard_normal((2, 4, 3, 3)).astype(np.float32)
+    result = handle.decode.remote(z, model="kl", output="float", scaling_factor=None).result()
+    assert result["model"] == "kl" and result["precision"] == "fp32" and result["output"].dtype == np.float32
+    with torch_threads(1):
+        np.testing.assert_array_equal(result["output"], reference_decode(kl_vae, torch.from_numpy(z)).numpy())
+    # bad input raises the typed error HTTP would answer, with its status, type and field
+    for kwargs, status, type_, field in (
+        (dict(model="kl"), 400, "invalid_request", "latents"),
+        (dict(model="nope"), 400, "invalid_request", "model"),
+    ):
+        with pytest.raises(InvalidRequest) as err:
+            handle.decode.remote(torch.zeros(1, 3, 3, 3), **kwargs).result()
+        assert (err.value.status, err.value.type, err.value.field) == (status, type_, field)
+    with pytest.raises(PayloadTooLarge) as err:
+        handle.decode.remote(torch.zeros(17, 4, 1, 1), model="kl").result()
+    assert (err.value.status, err.value.field) == (413, "latents")
 
 
 def test_pipeline_app_composes_denoiser_and_decoder(ray_cluster, kl_dir, kl_url):
     from deploy.pipeline_app import build
 
-    serve.run(build({"decoder": {"model": str(kl_dir), "model_name": "kl", "cpu_threads": 1}}), name="pipe",
-              route_prefix="/pipe")
+    serve.run(
+        build({"decoder": {"model": str(kl_dir), "model_name": "kl", "cpu_threads": 1}}),
+        name="pipe",
+        route_prefix="/pipe",
+    )
     try:
         r = httpx.post(f"{ray_cluster}/pipe/generate", json={"seed": 3, "height": 64, "width": 32}, timeout=60)
         assert r.status_code == 200 and r.headers["content-type"] == "image/png"

@@ -54,15 +54,22 @@ arrival = st.tuples(
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(arrivals=st.lists(arrival, min_size=1, max_size=25), max_batch=st.integers(1, 6),
-       wait_ms=st.sampled_from([0.0, 1.0, 4.0]))
+@given(
+    arrivals=st.lists(arrival, min_size=1, max_size=25),
+    max_batch=st.integers(1, 6),
+    wait_ms=st.sampled_from([0.0, 1.0, 4.0]),
+)
 def test_random_arrivals(arrivals, max_batch, wait_ms):
     recorder = Recorder(run_s=0.001)
     outcomes, cancelled_at, batches = {}, {}, []
 
     async def scenario():
-        batcher = KeyedBatcher(recorder, BatcherLimits(max_batch_size=max_batch, batch_wait_ms=wait_ms),
-                               on_batch=batches.append, clock=time.monotonic)
+        batcher = KeyedBatcher(
+            recorder,
+            BatcherLimits(max_batch_size=max_batch, batch_wait_ms=wait_ms),
+            on_batch=batches.append,
+            clock=time.monotonic,
+        )
         tasks = {}
         for seq, (key, items, gap, behaviour) in enumerate(arrivals):
             if gap:
@@ -144,8 +151,12 @@ async def test_a_steady_stream_of_one_key_does_not_starve_another():
     """The hot key arrives faster than it is served; the cold request still goes as soon as
     everything that arrived before it has gone: no batch started in between holds only newer work."""
     batches = []
-    batcher = KeyedBatcher(Recorder(run_s=0.002), BatcherLimits(max_batch_size=2, batch_wait_ms=0),
-                           on_batch=batches.append, clock=time.monotonic)
+    batcher = KeyedBatcher(
+        Recorder(run_s=0.002),
+        BatcherLimits(max_batch_size=2, batch_wait_ms=0),
+        on_batch=batches.append,
+        clock=time.monotonic,
+    )
     stop = asyncio.Event()
     hot = []
 

@@ -1,26 +1,51 @@
-"""Client-side retry policy: backoff that honours Retry-After, typed errors by status."""
+"""Client-side retry policy: backoff that honours Retry-After, typed errors by status, the
+error's type and field read from gRPC trailers (never from the message text)."""
 
 import pytest
 
-from vae_service_client.wire import (
+from vae_service_client.errors import (
+    ERROR_KINDS,
     DecodeTimeout,
     InvalidRequest,
     Overloaded,
     PayloadTooLarge,
     ServerError,
-    error_from,
-    retry_delay,
-    with_retries,
-    with_retries_async,
+    error_from_grpc,
+    error_from_http,
+    grpc_trailers,
 )
+from vae_service_client.retries import retry_delay, with_retries, with_retries_async
 
 
-@pytest.mark.parametrize("status, cls", [(400, InvalidRequest), (415, InvalidRequest), (422, InvalidRequest),
-                                         (413, PayloadTooLarge), (429, Overloaded), (503, Overloaded),
-                                         (504, DecodeTimeout), (500, ServerError)])
+@pytest.mark.parametrize(
+    "status, cls",
+    [
+        (400, InvalidRequest),
+        (415, InvalidRequest),
+        (422, InvalidRequest),
+        (413, PayloadTooLarge),
+        (429, Overloaded),
+        (503, Overloaded),
+        (504, DecodeTimeout),
+        (500, ServerError),
+    ],
+)
 def test_errors_are_typed_by_status(status, cls):
-    err = error_from(status, {"retry-after": "3"}, b'{"error": {"type": "t", "field": "f", "message": "f: m"}}')
+    err = error_from_http(status, {"retry-after": "3"}, b'{"error": {"type": "t", "field": "f", "message": "f: m"}}')
     assert type(err) is cls and (err.field, err.retry_after) == ("f", 3.0)
+
+
+@pytest.mark.parametrize("type_", sorted(ERROR_KINDS))
+def test_grpc_errors_carry_type_field_and_retry_after_in_trailers(type_):
+    kind = ERROR_KINDS[type_]
+    err = error_from_grpc(kind.grpc_code, "a message: with colons", grpc_trailers(type_, "latents.shape", 2.5))
+    assert (err.status, err.type, err.field, err.retry_after) == (kind.http_status, type_, "latents.shape", 2.5)
+    assert err.message == "a message: with colons"
+
+
+def test_grpc_errors_without_trailers_fall_back_to_the_code():
+    err = error_from_grpc("RESOURCE_EXHAUSTED", "Request dropped due to backpressure", ())
+    assert type(err) is Overloaded and err.field is None and err.type == "resource_exhausted"
 
 
 def test_backoff_doubles_but_never_undercuts_retry_after():

@@ -1,61 +1,79 @@
-"""The replica core without Ray: concurrent requests, live config changes."""
+"""The replica core without Ray: concurrent requests, live settings, fixed model and precision."""
 
 import asyncio
+import threading
 
 import pytest
 import torch
 
-from vae_service.config import Limits, ServiceConfig
-from vae_service.protocol.decode_schema import DecodeParams
-from vae_service.serving.decode_service import DecodeService, needs_new_engine
-from tests.models import reference_decode
+from tests.models import reference_decode, torch_threads
+from vae_service.config import Batching, Limits, LiveConfig, ServiceConfig
+from vae_service.engine import DecodeRequest, LimitExceeded
+from vae_service.serving.decode_service import DecodeService
+from vae_service.serving.replica import parse_live
 
 
 async def test_concurrent_lossless_requests_are_bit_identical_to_solo_decodes(kl_dir, kl_vae):
-    service = DecodeService(ServiceConfig(model=str(kl_dir), model_name="kl"))
+    service = DecodeService(ServiceConfig(model=str(kl_dir), model_name="kl", device="cpu"))
     gen = torch.Generator().manual_seed(7)
     latents = [torch.randn(b, 4, 4, 5, generator=gen) for b in (1, 3, 2, 1, 2)]
-    responses = [o.wire() for o in await asyncio.gather(
-        *(service.decode(DecodeParams(latents=z, scaling_factor=None, output="float", request_id=str(i)))
-          for i, z in enumerate(latents))
-    )]
-    for i, (z, resp) in enumerate(zip(latents, responses)):
-        assert resp["request_id"] == str(i)
-        out = torch.frombuffer(bytearray(resp["output"]["data"]), dtype=torch.float32).reshape(resp["output"]["shape"])
-        assert torch.equal(out, reference_decode(kl_vae, z))
-        assert resp["timing"]["batch_size"] >= z.shape[0] and resp["timing"]["queue_ms"] >= 0
+    results = await asyncio.gather(
+        *(
+            service.decode(DecodeRequest(z, scaling_factor=None, output="float", request_id=str(i)))
+            for i, z in enumerate(latents)
+        )
+    )
+    for i, (z, result) in enumerate(zip(latents, results)):
+        assert result.request_id == str(i) and (result.model, result.precision) == ("kl", "fp32")
+        assert torch.equal(result.output, reference_decode(kl_vae, z))
+        assert result.timing.queue_ms >= 0 and result.timing.decode_ms > 0
+    assert max(r.timing.batch_size for r in results) > max(z.shape[0] for z in latents)  # some were batched
 
 
-@pytest.mark.parametrize(
-    "change, reload",
-    [
-        (dict(limits=Limits(max_batch_items=2)), False),
-        (dict(decode_precision="bf16"), True),
-        (dict(model="tiny-wan"), True),
-        (dict(seed=5), True),
-    ],
-)
-def test_only_weight_changes_reload_the_engine(change, reload):
-    old = ServiceConfig(model="tiny-kl")
-    assert needs_new_engine(old, old.model_copy(update=change)) is reload
-
-
-async def test_precision_change_rematerialises_weights_and_drops_folded_buffers(kl_dir):
-    config = ServiceConfig(model=str(kl_dir), model_name="kl")
-    service = DecodeService(config)
-    old = service.engine
-    await service.decode(DecodeParams(latents=torch.randn(1, 4, 4, 4), quality="high"))
-    assert old.fast_path.folded.nbytes > 0
-    service.reconfigure(config.model_copy(update={"decode_precision": "bf16"}))
-    assert old.fast_path.folded.nbytes == 0 and service.engine is not old
-    assert all(p.dtype == torch.bfloat16 for p in service.engine.vae.parameters())
-    resp = (await service.decode(DecodeParams(latents=torch.randn(1, 4, 4, 4), quality="high", output="float"))).wire()
-    assert resp["precision"] == "bf16" and resp["output"]["dtype"] == "bfloat16"
-
-
-def test_limit_change_keeps_the_engine(kl_dir):
-    config = ServiceConfig(model=str(kl_dir), model_name="kl")
-    service = DecodeService(config)
+async def test_live_settings_apply_in_place(kl_dir):
+    service = DecodeService(ServiceConfig(model=str(kl_dir), model_name="kl", device="cpu"))
     engine = service.engine
-    service.reconfigure(config.model_copy(update={"limits": Limits(max_batch_items=1)}))
-    assert service.engine is engine and engine.config.limits.max_batch_items == 1
+    service.apply(LiveConfig(limits=Limits(max_batch_items=1), batching=Batching(max_batch_size=3)))
+    assert service.engine is engine and service.batcher.limits.max_batch_size == 3
+    with pytest.raises(LimitExceeded, match="max_batch_items"):
+        await service.decode(DecodeRequest(torch.zeros(2, 4, 2, 2)))
+    assert (await service.decode(DecodeRequest(torch.zeros(1, 4, 2, 2)))).output.shape == (1, 16, 16, 3)
+
+
+@pytest.mark.parametrize("field", ["decode_precision", "model", "device", "seed", "fast_path", "serving"])
+def test_user_config_cannot_change_what_is_fixed_per_replica(field):
+    with pytest.raises(ValueError, match=rf"\['{field}'\] are fixed.*roll replicas.*\['limits', 'batching'\]"):
+        parse_live({field: ServiceConfig.model_fields[field].default, "limits": {}})
+
+
+def test_user_config_takes_limits_and_batching():
+    live = parse_live({"limits": {"max_batch_items": 2}, "batching": {"batch_wait_ms": 3}})
+    assert live.limits.max_batch_items == 2 and live.batching.batch_wait_ms == 3
+    with pytest.raises(ValueError, match="max_batch_itemz"):
+        parse_live({"limits": {"max_batch_itemz": 2}})
+
+
+async def test_batches_run_on_one_device_thread_with_the_engines_thread_count(kl_dir, kl_vae):
+    """torch keeps its CPU thread count per thread: the device thread must decode with the
+    configured count whatever the thread that built the service uses (lossless bits depend on it)."""
+    before = torch.get_num_threads()
+    try:
+        service = DecodeService(ServiceConfig(model=str(kl_dir), model_name="kl", device="cpu", cpu_threads=1))
+        torch.set_num_threads(2)  # e.g. the serving framework's own threads
+        seen = []
+        decode = service.engine.decode
+
+        def recording(batch):
+            seen.append((threading.current_thread().name, torch.get_num_threads()))
+            return decode(batch)
+
+        service.batcher.run_batch = recording
+        z = torch.randn(1, 4, 3, 3, generator=torch.Generator().manual_seed(2))
+        outs = [await service.decode(DecodeRequest(z, scaling_factor=None, output="float")) for _ in range(3)]
+    finally:
+        torch.set_num_threads(before)
+    assert {name.split("_")[0] for name, _ in seen} == {"vae-device"} and {n for _, n in seen} == {1}
+    with torch_threads(1):
+        expected = reference_decode(kl_vae, z)
+    assert all(torch.equal(o.output, expected) for o in outs)
+    assert service.describe()["cpu_threads"] == 1

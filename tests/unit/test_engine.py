@@ -8,11 +8,9 @@ from diffusers.image_processor import VaeImageProcessor
 from PIL import Image
 from pydantic import ValidationError
 
-from vae_service.config import Limits, ServiceConfig
-from vae_service.engine import DecodeEngine
-from vae_service.errors import RequestError
-from vae_service.protocol.decode_schema import DecodeParams
 from tests.models import reference_decode
+from vae_service.config import Limits, ServiceConfig
+from vae_service.engine import DecodeEngine, DecodeRequest, InvalidInput, LimitExceeded
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -25,15 +23,16 @@ def engines(kl_dir, flux_dir, wan_dir):
         key = (kind, precision, tuple(sorted(limits.items())))
         if key not in cache:
             folder = {"kl": kl_dir, "flux": flux_dir, "wan": wan_dir}[kind]
-            cache[key] = DecodeEngine(ServiceConfig(model=str(folder), model_name=kind, decode_precision=precision,
-                                                    limits=Limits(**limits)))
+            cache[key] = DecodeEngine(
+                ServiceConfig(model=str(folder), model_name=kind, decode_precision=precision, limits=Limits(**limits))
+            )
         return cache[key]
 
     return get
 
 
 def run(engine, **kw):
-    return engine.decode([engine.prepare(DecodeParams(**kw))])[0].output
+    return engine.decode([engine.prepare(DecodeRequest(**kw))])[0].output
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
@@ -44,7 +43,7 @@ def test_lossless_batch_is_bit_identical_to_diffusers_solo_decodes(engines, kl_v
     ref = reference_decode(copy.deepcopy(kl_vae).to(dtype), z)
     # one request with 3 items, plus the same latents split over a 3-request batch
     single = run(engine, latents=z, scaling_factor=None, output="float")
-    reqs = [engine.prepare(DecodeParams(latents=z[i : i + 1], scaling_factor=None, output="float")) for i in range(3)]
+    reqs = [engine.prepare(DecodeRequest(latents=z[i : i + 1], scaling_factor=None, output="float")) for i in range(3)]
     batched = torch.cat([r.output for r in engine.decode(reqs)])
     assert single.dtype == dtype
     assert torch.equal(single, ref)
@@ -133,52 +132,125 @@ def test_auto_precision_is_fp32_on_cpu(engines):
     assert DecodeEngine(ServiceConfig(model="tiny-kl")).precision == "fp32"
 
 
-@pytest.mark.parametrize("field, value", [("decode_precision", "fp64"), ("device", "tpu"), ("cpu_threads", 0)])
-def test_invalid_config_fails_at_startup_naming_the_field(field, value):
-    with pytest.raises(ValidationError, match=field):
+@pytest.mark.parametrize(
+    "field, value, allowed",
+    [
+        ("decode_precision", "fp64", "'auto', 'fp32', 'fp16' or 'bf16'"),
+        ("device", "tpu", "auto|cpu|cuda"),
+        ("cpu_threads", 0, "greater than 0"),
+        ("fast_path", {"disable": ["winogrande"]}, "unknown rewrites ['winogrande']; allowed: ['channels_last'"),
+    ],
+)
+def test_invalid_config_fails_at_startup_naming_the_field(field, value, allowed):
+    with pytest.raises(ValidationError, match=field) as err:
         ServiceConfig(**{field: value})
+    assert allowed in str(err.value)
+
+
+def one_inf(*shape):
+    z = torch.zeros(shape)
+    z.view(-1)[z.numel() // 2] = -float("inf")
+    return z
 
 
 @pytest.mark.parametrize(
-    "kind, kw, field, status, text",
+    "kind, kw, field, error, text",
     [
-        ("kl", dict(latents=torch.zeros(1, 3, 4, 4)), "latents", 400, "takes [B, 4, H, W]"),
-        ("kl", dict(latents=torch.zeros(1, 4, 2, 4, 4)), "latents", 400, "got shape [1, 4, 2, 4, 4]"),
-        ("kl", dict(latents=torch.zeros(1, 4, 4, 4), model="sdxl"), "model", 400, "served: ['kl']"),
-        ("kl", dict(latents=torch.zeros(1, 4, 4, 4), output="mp4"), "output", 400, "video models"),
-        ("flux", dict(latents=torch.zeros(1, 6, 32)), "height", 400, "required for packed"),
-        ("flux", dict(latents=torch.zeros(1, 6, 32), height=64, width=64), "latents", 400, "do not match"),
-        ("flux", dict(latents=torch.zeros(1, 6, 16), height=32, width=48), "latents", 400, "last dim 32"),
-        ("wan", dict(latents=torch.zeros(1, 4, 2, 4, 4), output="png"), "output", 400, "5 frames"),
-        ("wan", dict(latents=torch.zeros(1, 16, 1, 4, 4)), "latents", 400, "takes [B, 4, T, H, W]"),
-        ("kl", dict(latents=torch.zeros(17, 4, 1, 1)), "latents", 413, "max_batch_items"),
-        ("kl", dict(latents=torch.zeros(1, 4, 800, 800)), "latents", 413, "max_output_pixels"),
+        ("kl", dict(latents=torch.zeros(1, 3, 4, 4)), "latents", InvalidInput, "takes [B, 4, H, W]"),
+        ("kl", dict(latents=torch.zeros(1, 4, 2, 4, 4)), "latents", InvalidInput, "got shape [1, 4, 2, 4, 4]"),
+        ("kl", dict(latents=torch.zeros(1, 4, 4, 4), model="sdxl"), "model", InvalidInput, "served: ['kl']"),
+        ("kl", dict(latents=torch.zeros(1, 4, 4, 4), output="mp4"), "output", InvalidInput, "video models"),
+        ("kl", dict(latents=torch.full((1, 4, 2, 2), float("nan"))), "latents", InvalidInput, "16 NaN or Inf"),
+        ("kl", dict(latents=one_inf(1, 4, 2, 3)), "latents", InvalidInput, "1 NaN or Inf"),
+        ("flux", dict(latents=torch.zeros(1, 6, 32)), "height", InvalidInput, "required for packed"),
+        ("flux", dict(latents=torch.zeros(1, 6, 32), height=64, width=64), "latents", InvalidInput, "do not match"),
+        ("flux", dict(latents=torch.zeros(1, 6, 16), height=32, width=48), "latents", InvalidInput, "last dim 32"),
+        ("wan", dict(latents=torch.zeros(1, 4, 2, 4, 4), output="png"), "output", InvalidInput, "5 frames"),
+        ("wan", dict(latents=torch.zeros(1, 16, 1, 4, 4)), "latents", InvalidInput, "takes [B, 4, T, H, W]"),
+        ("kl", dict(latents=torch.zeros(17, 4, 1, 1)), "latents", LimitExceeded, "max_batch_items"),
+        ("kl", dict(latents=torch.zeros(1, 4, 800, 800)), "latents", LimitExceeded, "max_output_pixels"),
     ],
 )
-def test_model_checks_name_the_field(engines, kind, kw, field, status, text):
-    with pytest.raises(RequestError) as err:
-        engines(kind).prepare(DecodeParams(**kw))
-    assert (err.value.field, err.value.status) == (field, status)
-    assert text in err.value.message
+def test_model_checks_name_the_field(engines, kind, kw, field, error, text):
+    with pytest.raises(error) as err:
+        engines(kind).prepare(DecodeRequest(**kw))
+    assert err.value.field == field
+    assert text in err.value.message and err.value.message.startswith(field)
+
+
+@pytest.mark.parametrize(
+    "kw, field, text",
+    [
+        (dict(quality="best"), "quality", "allowed: ['lossless', 'high']"),
+        (dict(output="gif"), "output", "allowed"),
+        (dict(quality=1), "quality", "unknown value 1"),
+        (dict(scaling_factor=0), "scaling_factor", "non-zero"),
+        (dict(scaling_factor="0.18"), "scaling_factor", "number"),
+        (dict(scaling_factor=float("nan")), "scaling_factor", "finite"),
+        (dict(shift_factor=True), "shift_factor", "number"),
+        (dict(height=0), "height", "positive int"),
+        (dict(width=8.5), "width", "positive int"),
+        (dict(request_id=5), "request_id", "string"),
+        (dict(model="x" * 300), "model", "string"),
+        (dict(latents=torch.zeros(2, dtype=torch.float64)), "latents.dtype", "float64"),
+        (dict(latents=torch.zeros(1, 0, 2)), "latents.shape", "non-empty"),
+        (dict(latents=[1.0, 2.0]), "latents", "must be a tensor"),
+    ],
+)
+def test_request_fields_are_checked_on_construction(kw, field, text):
+    with pytest.raises(InvalidInput) as err:
+        DecodeRequest(**{"latents": torch.zeros(1, 4, 2, 2), **kw})
+    assert err.value.field == field and text in err.value.message
 
 
 def test_engine_refuses_mixed_tiers_and_shapes(engines):
     engine = engines("kl")
-    a = engine.prepare(DecodeParams(latents=torch.zeros(1, 4, 4, 4)))
-    b = engine.prepare(DecodeParams(latents=torch.zeros(1, 4, 4, 4), quality="high"))
-    c = engine.prepare(DecodeParams(latents=torch.zeros(1, 4, 4, 6)))
+    a = engine.prepare(DecodeRequest(latents=torch.zeros(1, 4, 4, 4)))
+    b = engine.prepare(DecodeRequest(latents=torch.zeros(1, 4, 4, 4), quality="high"))
+    c = engine.prepare(DecodeRequest(latents=torch.zeros(1, 4, 4, 6)))
     for batch in ([a, b], [a, c]):
         with pytest.raises(ValueError, match="one \\(tier, shape, dtype\\) key"):
             engine.decode(batch)
 
 
-def test_high_tier_decodes_a_batch_in_one_call(engines, kl_vae, gen):
-    z = torch.randn(2, 4, 4, 4, generator=gen)
+def _count_decoder_calls(engine, monkeypatch) -> list[int]:
+    calls, decode = [], engine.vae.decode
+
+    def counting(z, *args, **kwargs):
+        calls.append(z.shape[0])
+        return decode(z, *args, **kwargs)
+
+    monkeypatch.setattr(engine.vae, "decode", counting)
+    return calls
+
+
+def test_high_tier_decodes_a_batch_in_one_call(engines, kl_vae, gen, monkeypatch):
+    z = torch.randn(3, 4, 4, 4, generator=gen)
     engine = engines("kl")
-    results = engine.decode([engine.prepare(DecodeParams(latents=z[i : i + 1], quality="high", output="float")) for i in range(2)])
-    assert [r.batch_size for r in results] == [2, 2]
+    calls = _count_decoder_calls(engine, monkeypatch)
+    requests = [
+        DecodeRequest(z[:1], quality="high", output="float"),
+        DecodeRequest(z[1:], quality="high", output="float"),
+    ]
+    results = engine.decode([engine.prepare(r) for r in requests])
+    assert calls == [3]  # one decoder call for the whole batch
+    assert [r.timing.batch_size for r in results] == [3, 3]
     ref = reference_decode(kl_vae, z / 0.18215)
     assert torch.allclose(torch.cat([r.output for r in results]), ref, atol=1e-5)
+
+
+def test_lossless_tier_decodes_every_item_alone(engines, gen, monkeypatch):
+    engine = engines("kl")
+    calls = _count_decoder_calls(engine, monkeypatch)
+    z = torch.randn(3, 4, 4, 4, generator=gen)
+    engine.decode([engine.prepare(DecodeRequest(z[:2])), engine.prepare(DecodeRequest(z[2:]))])
+    assert calls == [1, 1, 1]
+
+
+def test_results_name_the_model_and_precision_that_decoded_them(engines, gen):
+    engine = engines("kl", "bf16")
+    (result,) = engine.decode([engine.prepare(DecodeRequest(torch.randn(1, 4, 2, 2, generator=gen), request_id="x"))])
+    assert (result.model, result.precision, result.quality, result.request_id) == ("kl", "bf16", "lossless", "x")
 
 
 def test_health_check_fails_when_the_weights_are_gone():

@@ -11,8 +11,11 @@ from torch import nn
 
 from tests.models import build_full_vae
 from vae_service.fastpath import install_fast_path
+from vae_service.fastpath.fused_norms import GroupNormSiLU, WanRMSNormSiLU
 from vae_service.fastpath.gate import FastPathGate
+from vae_service.fastpath.kernels.support import interpreting
 from vae_service.fastpath.patching import Patch
+from vae_service.fastpath.rewrites import REWRITES
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # Documented bounds of `high` (README "Quality tiers"). fp32: against lossless, on the [-1, 1]
@@ -109,11 +112,20 @@ def _swap_first_resnet(vae, make):
 @pytest.mark.parametrize(
     "mutate, reason",
     [
-        (lambda v: _swap_first_resnet(v, lambda old: CustomResnet(in_channels=old.in_channels, out_channels=old.out_channels,
-                                                                   temb_channels=None, groups=8)), "CustomResnet"),
+        (
+            lambda v: _swap_first_resnet(
+                v,
+                lambda old: CustomResnet(
+                    in_channels=old.in_channels, out_channels=old.out_channels, temb_channels=None, groups=8
+                ),
+            ),
+            "CustomResnet",
+        ),
         (lambda v: setattr(v.decoder.mid_block.attentions[0], "heads", 2) or v, "heads 2"),
-        (lambda v: setattr(v.decoder.up_blocks[1].resnets[0], "nonlinearity", nn.SiLU(inplace=True)) or v,
-         "up_blocks.1.resnets.0"),
+        (
+            lambda v: setattr(v.decoder.up_blocks[1].resnets[0], "nonlinearity", nn.SiLU(inplace=True)) or v,
+            "up_blocks.1.resnets.0",
+        ),
         (lambda v: setattr(v.decoder, "conv_act", nn.ReLU()) or v, "output head"),
     ],
 )
@@ -190,11 +202,70 @@ def test_folded_buffers_follow_a_dtype_change():
     decode(fast, z, fp, high=True)
     fast.to(torch.bfloat16)
     decode(fast, z.to(torch.bfloat16), fp, high=True)
-    dtypes = {k[2] for k in fp.folded._tensors}
+    dtypes = {k[3] for k in fp.folded._tensors}
     assert dtypes == {torch.bfloat16}  # the fp32 folds were dropped, not kept alongside
 
 
 def test_wide_model_runs_winograd_on_cpu():
     fast, fp = installed_copy(build_full_vae("kl64"))
     decode(fast, latents_for("kl64", (4, 4), seed=0), fp, high=True)
-    assert any(name.endswith(".conv1.winograd") for name, *_ in fp.folded._tensors)
+    assert any(name.endswith(".conv1") for name in fp.folded.names("winograd"))
+
+
+IMAGE_REWRITES = [n for n, r in REWRITES.items() if r.family == "image"]
+
+
+@pytest.mark.parametrize("disabled", [[name] for name in IMAGE_REWRITES] + [["winograd", "upsample_fold"]])
+def test_each_rewrite_can_be_disabled_and_high_stays_within_its_bound(disabled):
+    vae = build_full_vae("kl64")
+    fast = copy.deepcopy(vae)
+    fp = install_fast_path(fast, disabled=tuple(disabled))
+    z = latents_for("kl64", (5, 3), seed=4)
+    high = decode(fast, z, fp, high=True)
+    assert (high - decode(vae, z)).abs().max().item() <= FP32_MAX_ABS
+    described = fp.describe()
+    for name in disabled:
+        assert name not in described["rewrites"] and "disabled by config" in described["not_applied"][name]
+        assert fp.folded.names(name) == []  # a disabled rewrite folds nothing
+    assert sum(r["folded_bytes"] for r in described["rewrites"].values()) == fp.folded.nbytes > 0
+
+
+def test_health_lists_the_folded_bytes_of_each_rewrite():
+    fast, fp = installed_copy(build_full_vae("kl64"))
+    decode(fast, latents_for("kl64", (4, 4), seed=0), fp, high=True)
+    rewrites = fp.describe()["rewrites"]
+    assert rewrites["winograd"]["folded_bytes"] > rewrites["attention_fold"]["folded_bytes"] > 0
+    assert rewrites["upsample_fold"]["folded_bytes"] > 0 and rewrites["channels_last"]["folded_bytes"] == 0
+    assert set(rewrites) == {"channels_last", "group_norm_silu", "upsample_fold", "attention_fold", "winograd"}
+
+
+def test_disabling_every_rewrite_installs_nothing():
+    vae = build_full_vae("wan")
+    fp = install_fast_path(vae, disabled=("channels_last_3d", "rms_norm_silu"))
+    assert not fp.installed and "every rewrite" in fp.skipped_because[0]
+    assert all("forward" not in m.__dict__ for m in vae.modules())
+
+
+@pytest.mark.skipif(not interpreting(), reason="runs the Triton kernels on CPU under TRITON_INTERPRET=1")
+@pytest.mark.parametrize("kind", ["kl", "wan"])
+def test_triton_backend_bound_at_install_runs_the_kernels(kind, monkeypatch):
+    """The backend a rewrite binds at install is what runs: forced to Triton (interpreted), every
+    fused norm launches a kernel, conv1's bias rides into norm2's, and high keeps its bound."""
+    op = GroupNormSiLU if kind == "kl" else WanRMSNormSiLU
+    launched, original = [], op.forward_triton
+
+    def counting(*args, **kwargs):
+        out = original(*args, **kwargs)
+        launched.append(out is not None)
+        return out
+
+    monkeypatch.setattr(op, "forward_triton", staticmethod(counting))
+    vae = build_full_vae(kind)
+    fast = copy.deepcopy(vae)
+    fp = install_fast_path(fast, norm_backend="triton")
+    assert fp.describe()["rewrites"]["group_norm_silu" if kind == "kl" else "rms_norm_silu"]["backend"] == "triton"
+    assert ("conv_bias_fold" in fp.plan) is (kind == "kl")
+    z = latents_for(kind, (3, 2), seed=5)
+    high = decode(fast, z, fp, high=True)
+    assert launched and all(launched)
+    assert (high - decode(vae, z)).abs().max().item() <= FP32_MAX_ABS

@@ -22,11 +22,15 @@ def channels_last(x):
 def assert_matches_reference(out, ref_fp32, dtype):
     """Kernel output in `dtype` vs the fp32 reference rounded to `dtype` (torch's per-dtype tolerances)."""
     assert out.dtype == dtype and out.shape == ref_fp32.shape
-    torch.testing.assert_close(out, ref_fp32.to(dtype), **({"atol": 2e-5, "rtol": 2e-5} if dtype == torch.float32 else {}))
+    torch.testing.assert_close(
+        out, ref_fp32.to(dtype), **({"atol": 2e-5, "rtol": 2e-5} if dtype == torch.float32 else {})
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("n, c, groups, h, w", [(1, 32, 8, 4, 4), (2, 24, 6, 3, 5), (3, 12, 4, 1, 1), (1, 20, 5, 7, 2), (2, 8, 8, 2, 3)])
+@pytest.mark.parametrize(
+    "n, c, groups, h, w", [(1, 32, 8, 4, 4), (2, 24, 6, 3, 5), (3, 12, 4, 1, 1), (1, 20, 5, 7, 2), (2, 8, 8, 2, 3)]
+)
 @pytest.mark.parametrize("silu", [True, False])
 def test_group_norm_kernel(dtype, n, c, groups, h, w, silu):
     g = torch.Generator().manual_seed(n * c * h * w)
@@ -78,7 +82,7 @@ def test_rms_norm_silu_kernel(dtype, shape, with_bias, layout):
     assert_matches_reference(out, ref, dtype)
 
 
-def test_kernels_refuse_what_they_do_not_support(monkeypatch):
+def test_kernels_refuse_what_they_do_not_support():
     x = torch.randn(1, 8, 4, 4, device=DEVICE)
     w, b = torch.ones(8, device=DEVICE), torch.zeros(8, device=DEVICE)
     assert gn_kernel.group_norm_silu_channels_last(x, 4, w, b, 1e-6) is None  # NCHW, not channels-last
@@ -88,9 +92,20 @@ def test_kernels_refuse_what_they_do_not_support(monkeypatch):
     assert gn_kernel.group_norm_silu_channels_last(xc.to(torch.float64), 4, w, b, 1e-6) is None
     assert rms_norm_silu(x.transpose(2, 3), w, 0.0, 8**0.5) is None  # neither layout
     assert rms_norm_silu(xc, w, 0.5, 8**0.5) is None  # non-zero scalar bias
-    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)  # never launch while tracing
-    assert gn_kernel.group_norm_silu_channels_last(xc, 4, w, b, 1e-6) is None
-    assert rms_norm_silu(xc, w, 0.0, 8**0.5) is None
+
+
+def test_a_bound_triton_op_never_launches_while_torch_compile_traces(monkeypatch):
+    launched = []
+    monkeypatch.setattr(GroupNormSiLU, "forward_triton", staticmethod(lambda *a, **k: launched.append(1)))
+    op = GroupNormSiLU.bind("triton")
+    norm = torch.nn.GroupNorm(4, 8).to(DEVICE)
+    x = channels_last(torch.randn(1, 8, 2, 2)).to(DEVICE)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    with torch.no_grad():
+        assert torch.equal(op(x, norm), GroupNormSiLU.forward_native(x, norm))
+    assert launched == []
+    with pytest.raises(ValueError, match="unknown norm backend"):
+        GroupNormSiLU.bind("cuda")
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="CPU check: without the interpreter the kernels step aside")
@@ -106,8 +121,12 @@ def test_fused_ops_triton_and_native_agree():
     with torch.no_grad():
         norm.weight.normal_(generator=None), norm.bias.normal_()
     x = channels_last(torch.randn(2, 16, 3, 6, generator=g)).to(DEVICE)
-    torch.testing.assert_close(GroupNormSiLU.forward_triton(x, norm, True), GroupNormSiLU.forward_native(x.clone(), norm, True),
-                               atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(
+        GroupNormSiLU.forward_triton(x, norm, True),
+        GroupNormSiLU.forward_native(x.clone(), norm, True),
+        atol=2e-5,
+        rtol=2e-5,
+    )
 
     from diffusers.models.autoencoders.autoencoder_kl_wan import WanRMS_norm
 
@@ -115,8 +134,9 @@ def test_fused_ops_triton_and_native_agree():
     with torch.no_grad():
         rms.gamma.normal_()
     x5 = channels_last(torch.randn(1, 16, 2, 3, 4, generator=g)).to(DEVICE)
-    torch.testing.assert_close(WanRMSNormSiLU.forward_triton(x5, rms), WanRMSNormSiLU.forward_native(x5, rms),
-                               atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(
+        WanRMSNormSiLU.forward_triton(x5, rms), WanRMSNormSiLU.forward_native(x5, rms), atol=2e-5, rtol=2e-5
+    )
     # the native op is exactly diffusers' norm followed by SiLU
     assert torch.equal(WanRMSNormSiLU.forward_native(x5, rms), F.silu(rms(x5)))
 
@@ -131,8 +151,9 @@ def test_group_norm_kernel_folds_an_input_bias(dtype):
     shifted = x.float() + in_bias.float().view(1, -1, 1, 1)
     ref = F.silu(F.group_norm(shifted, 4, weight.to(dtype).float(), bias.to(dtype).float(), 1e-6))
     assert_matches_reference(out, ref, dtype)
-    native = GroupNormSiLU.forward_native(x.float(), _norm(weight.to(dtype).float(), bias.to(dtype).float()), True,
-                                          in_bias.float())
+    native = GroupNormSiLU.forward_native(
+        x.float(), _norm(weight.to(dtype).float(), bias.to(dtype).float()), True, in_bias.float()
+    )
     torch.testing.assert_close(native, ref, atol=2e-5, rtol=2e-5)
 
 

@@ -4,8 +4,7 @@ import logging
 import pytest
 import torch
 
-from vae_service.errors import ModelLoadError
-from vae_service.models import PRESETS, load_vae
+from vae_service.models import PRESETS, ModelLoadError, load_vae
 
 
 def test_loads_decoder_only_from_a_saved_folder(kl_vae, kl_dir):
@@ -15,7 +14,9 @@ def test_loads_decoder_only_from_a_saved_folder(kl_vae, kl_dir):
     mine = loaded.vae.state_dict()
     assert set(mine) == {k for k in full if k.startswith(("decoder.", "post_quant_conv."))}
     assert all(torch.equal(mine[k], full[k]) for k in mine)
-    encoder_params = sum(p.numel() for p in kl_vae.encoder.parameters()) + sum(p.numel() for p in kl_vae.quant_conv.parameters())
+    encoder_params = sum(p.numel() for p in kl_vae.encoder.parameters()) + sum(
+        p.numel() for p in kl_vae.quant_conv.parameters()
+    )
     assert loaded.spec.skipped_params == encoder_params
     assert not loaded.spec.random_weights
     assert loaded.spec.scaling_factor == pytest.approx(0.18215) and loaded.spec.spatial_scale == 8
@@ -66,7 +67,7 @@ def test_hub_id_without_network_is_a_clear_error(monkeypatch):
     import huggingface_hub.constants
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-    with pytest.raises(ModelLoadError, match="could not fetch 'no-such-org/no-such-vae'.*local diffusers folder"):
+    with pytest.raises(ModelLoadError, match=r"could not fetch 'no-such-org/no-such-vae'.*local diffusers folder"):
         load_vae("no-such-org/no-such-vae")
 
 

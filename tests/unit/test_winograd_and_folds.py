@@ -57,8 +57,9 @@ def test_winograd_only_where_it_applies(conv, x, applies):
 @pytest.mark.parametrize("h, w", [(1, 1), (3, 5), (8, 8), (7, 2)])
 def test_upsample_fold_equals_nearest_upsample_then_conv(h, w):
     conv, x = conv_case(8, 6, h, w, n=2, seed=h * w)
-    exact = F.conv2d(F.interpolate(x.double(), scale_factor=2.0, mode="nearest"), conv.weight.double(),
-                     conv.bias.double(), padding=1)
+    exact = F.conv2d(
+        F.interpolate(x.double(), scale_factor=2.0, mode="nearest"), conv.weight.double(), conv.bias.double(), padding=1
+    )
     folded = F.conv_transpose2d(x, fold_upsample_conv(conv.weight), conv.bias, stride=2, padding=1)
     assert folded.shape == exact.shape == (2, 6, 2 * h, 2 * w)
     assert (folded.double() - exact).abs().max().item() < 1e-5

@@ -1,4 +1,32 @@
-from vae_service.engine.engine import DecodeEngine, DecodeResult
-from vae_service.engine.latents import PreparedRequest
+from vae_service.engine.engine import DecodeEngine
+from vae_service.engine.errors import (
+    DecodeError,
+    DecodeFailed,
+    DecodeTimeout,
+    InvalidInput,
+    LimitExceeded,
+    OutOfMemory,
+    Overloaded,
+)
+from vae_service.engine.latents import BatchKey, PreparedRequest
+from vae_service.engine.request import MODEL_DEFAULT, OUTPUTS, QUALITIES, DecodeRequest
+from vae_service.engine.result import DecodeResult, Timing
 
-__all__ = ["DecodeEngine", "DecodeResult", "PreparedRequest"]
+__all__ = [
+    "MODEL_DEFAULT",
+    "OUTPUTS",
+    "QUALITIES",
+    "BatchKey",
+    "DecodeEngine",
+    "DecodeError",
+    "DecodeFailed",
+    "DecodeRequest",
+    "DecodeResult",
+    "DecodeTimeout",
+    "InvalidInput",
+    "LimitExceeded",
+    "OutOfMemory",
+    "Overloaded",
+    "PreparedRequest",
+    "Timing",
+]

@@ -1,4 +1,5 @@
-"""DecodeEngine: one VAE on one device at one precision; decodes homogeneous batches.
+"""DecodeEngine: one VAE on one device at one precision, fixed for its lifetime; decodes
+homogeneous batches.
 
 Tier decisions live here and only here:
 - `lossless` decodes every latent alone (a batch of one) with diffusers' own modules, so each
@@ -12,41 +13,42 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
 
 import torch
 
-from vae_service.config import ServiceConfig
-from vae_service.engine.latents import PreparedRequest, prepare
+from vae_service.config import Limits, ServiceConfig
+from vae_service.engine.errors import DecodeFailed
+from vae_service.engine.latents import LatentScaling, PreparedRequest, prepare, to_decoder_input
 from vae_service.engine.postprocess import postprocess
 from vae_service.engine.precision import PRECISION_NAMES, resolve_device, resolve_dtype
-from vae_service.errors import DecodeFailed, RequestError
+from vae_service.engine.request import QUALITIES, DecodeRequest
+from vae_service.engine.result import DecodeResult, Timing
 from vae_service.fastpath import install_fast_path
 from vae_service.models import LoadedVae, load_vae
-from vae_service.protocol.decode_schema import DecodeParams
-
-
-@dataclass
-class DecodeResult:
-    output: torch.Tensor | list[bytes]
-    decode_ms: float
-    batch_size: int  # latent items decoded in the same engine call
 
 
 class DecodeEngine:
     def __init__(self, config: ServiceConfig, loaded: LoadedVae | None = None):
-        self.config = config
         self.device = resolve_device(config.device)
-        if self.device.type == "cpu":
-            # CPU kernels split reductions by thread count, so results (and lossless bit-identity
-            # with a reference) depend on it: fix it per deployment.
-            torch.set_num_threads(config.cpu_threads or os.cpu_count() or 1)
+        self.cpu_threads = (config.cpu_threads or os.cpu_count() or 1) if self.device.type == "cpu" else None
+        self.bind_thread()
         self.dtype = resolve_dtype(config.decode_precision, self.device)
+        self.limits: Limits = config.limits  # the only live setting: budgets checked in `prepare`
         loaded = loaded or load_vae(config.model, name=config.served_name, seed=config.seed)
         self.spec = loaded.spec
         # nn.Module.to, not ModelMixin.to: the latter warns about fp32-pinned modules these VAEs lack
         self.vae = torch.nn.Module.to(loaded.vae, device=self.device, dtype=self.dtype)
-        self.fast_path = install_fast_path(self.vae)
+        self.fast_path = install_fast_path(self.vae, disabled=config.fast_path.disable)
+        self._scaling = LatentScaling(self.spec, self.device, self.dtype)
+
+    def bind_thread(self) -> None:
+        """Make the calling thread decode like every other one of this engine. CPU kernels split
+        reductions by torch's thread count, so results (and lossless bit-identity with a reference)
+        depend on it; torch keeps the count per thread, fixed when a thread first runs a kernel."""
+        if self.cpu_threads is not None:
+            torch.set_num_threads(self.cpu_threads)
+        elif self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
 
     @property
     def precision(self) -> str:
@@ -61,17 +63,15 @@ class DecodeEngine:
             "latent_channels": self.spec.latent_channels,
             "precision": self.precision,
             "device": str(self.device),
-            "cpu_threads": torch.get_num_threads() if self.device.type == "cpu" else None,
-            "tiers": ["lossless", "high"],
+            "cpu_threads": self.cpu_threads,
+            "tiers": list(QUALITIES),
             "fast_path": self.fast_path.describe(),
-            "limits": self.config.limits.model_dump(),
+            "limits": self.limits.model_dump(),
         }
 
-    def prepare(self, params: DecodeParams) -> PreparedRequest:
-        """Validate against this model and move to the device. Raises RequestError (4xx)."""
-        if params.model is not None and params.model != self.spec.name:
-            raise RequestError("model", f"unknown model {params.model!r}; served: ['{self.spec.name}']")
-        return prepare(params, self.spec, self.device, self.dtype, self.config.limits)
+    def prepare(self, request: DecodeRequest) -> PreparedRequest:
+        """Check against this model and the limits; no tensor is moved or cast yet. Raises InvalidInput."""
+        return prepare(request, self.spec, self.limits)
 
     def decode(self, batch: list[PreparedRequest]) -> list[DecodeResult | DecodeFailed]:
         """Decode requests that share one batch key; results come back in order. A request whose
@@ -79,31 +79,39 @@ class DecodeEngine:
         keys = {r.batch_key for r in batch}
         if len(keys) != 1:
             raise ValueError(f"a batch must share one (tier, shape, dtype) key, got {sorted(map(str, keys))}")
-        quality = batch[0].quality
-        # prepared under an earlier precision or device (a reconfigure in between): follow the engine
-        latents = [r.latents.to(device=self.device, dtype=self.dtype) for r in batch]
+        quality = batch[0].request.quality
         start = time.perf_counter()
+        latents = [to_decoder_input(r, self._scaling, self.device, self.dtype) for r in batch]
         with torch.inference_mode(), self.fast_path.gate.use(quality == "high"):
             if quality == "lossless":
                 decoded = [self._decode_each_alone(z) for z in latents]
             else:
                 decoded = self._decode_together(latents)
             outputs = [self._finish(d, r) for d, r in zip(decoded, batch)]
-        ms = (time.perf_counter() - start) * 1e3
-        items = sum(r.items for r in batch)
-        return [o if isinstance(o, DecodeFailed) else DecodeResult(o, ms, items) for o in outputs]
+        timing = Timing(0.0, (time.perf_counter() - start) * 1e3, sum(r.items for r in batch))
+        return [
+            o
+            if isinstance(o, DecodeFailed)
+            else DecodeResult(o, self.spec.name, self.precision, quality, r.request.request_id, timing)
+            for o, r in zip(outputs, batch)
+        ]
 
     @staticmethod
-    def _finish(decoded: torch.Tensor, request: PreparedRequest):
+    def _finish(decoded: torch.Tensor, prepared: PreparedRequest):
         if not bool(torch.isfinite(decoded).all()):
-            return DecodeFailed("latents", "the decoder produced NaN/Inf for these latents (overflow at this "
-                                "precision?); try fp32 or check the latents' scaling")
-        return postprocess(decoded, request.output)
+            return DecodeFailed(
+                "latents",
+                "the decoder produced NaN/Inf for these latents (overflow at this "
+                "precision?); try fp32 or check the latents' scaling",
+            )
+        return postprocess(decoded, prepared.request.output)
 
     def _vae_decode(self, z: torch.Tensor) -> torch.Tensor:
         return self.vae.decode(z).sample
 
     def _decode_each_alone(self, z: torch.Tensor) -> torch.Tensor:
+        if z.shape[0] == 1:
+            return self._vae_decode(z)
         return torch.cat([self._vae_decode(item) for item in z.split(1)])
 
     def _decode_together(self, latents: list[torch.Tensor]) -> list[torch.Tensor]:

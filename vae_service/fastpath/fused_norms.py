@@ -1,19 +1,31 @@
 """Norm + SiLU as one op, in the style of vLLM's custom ops: `forward_native` is the exact torch
-composition, `forward_triton` the fused kernel, and `dispatch` picks one in a single place."""
+composition, `forward_triton` the fused kernel, and `bind` picks one backend, once, at install.
+A bound Triton op still falls back per call where its kernel declines the input (returns None)
+or while torch.compile traces (an eager launch there would break the graph)."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vae_service.fastpath.kernels.support import triton_usable
 
+def _bind(native: Callable, triton_op: Callable, backend: str) -> Callable:
+    if backend == "torch":
+        return native
+    if backend != "triton":
+        raise ValueError(f"unknown norm backend {backend!r}; allowed: ['triton', 'torch']")
 
-def _triton_kernels():
-    from vae_service.fastpath.kernels import group_norm, rms_norm
+    def triton_or_native(*args, **kwargs):
+        if not torch.compiler.is_compiling():
+            y = triton_op(*args, **kwargs)
+            if y is not None:
+                return y
+        return native(*args, **kwargs)
 
-    return group_norm, rms_norm
+    return triton_or_native
 
 
 class GroupNormSiLU:
@@ -21,26 +33,25 @@ class GroupNormSiLU:
     the preceding conv (added inside the kernel instead of in a pass of its own)."""
 
     @staticmethod
-    def forward_native(x: torch.Tensor, norm: nn.GroupNorm, silu: bool, in_bias: torch.Tensor | None = None) -> torch.Tensor:
+    def forward_native(
+        x: torch.Tensor, norm: nn.GroupNorm, silu: bool = True, in_bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
         if in_bias is not None:
             x = x + in_bias.view(1, -1, *([1] * (x.dim() - 2)))
         y = F.group_norm(x, norm.num_groups, norm.weight, norm.bias, norm.eps)
         return F.silu(y, inplace=True) if silu else y
 
     @staticmethod
-    def forward_triton(x: torch.Tensor, norm: nn.GroupNorm, silu: bool, in_bias: torch.Tensor | None = None) -> torch.Tensor | None:
-        group_norm, _ = _triton_kernels()
-        return group_norm.group_norm_silu_channels_last(x, norm.num_groups, norm.weight, norm.bias, norm.eps, silu,
-                                                        in_bias)
+    def forward_triton(
+        x: torch.Tensor, norm: nn.GroupNorm, silu: bool = True, in_bias: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        from vae_service.fastpath.kernels.group_norm import group_norm_silu_channels_last
+
+        return group_norm_silu_channels_last(x, norm.num_groups, norm.weight, norm.bias, norm.eps, silu, in_bias)
 
     @classmethod
-    def dispatch(cls, x: torch.Tensor, norm: nn.GroupNorm, silu: bool = True,
-                 in_bias: torch.Tensor | None = None) -> torch.Tensor:
-        if x.is_cuda and triton_usable(x):
-            y = cls.forward_triton(x, norm, silu, in_bias)
-            if y is not None:
-                return y
-        return cls.forward_native(x, norm, silu, in_bias)
+    def bind(cls, backend: str) -> Callable[..., torch.Tensor]:
+        return _bind(cls.forward_native, cls.forward_triton, backend)
 
 
 class WanRMSNormSiLU:
@@ -56,13 +67,10 @@ class WanRMSNormSiLU:
 
     @staticmethod
     def forward_triton(x: torch.Tensor, norm: nn.Module) -> torch.Tensor | None:
-        _, rms_norm = _triton_kernels()
-        return rms_norm.rms_norm_silu(x, norm.gamma, norm.bias, norm.scale)
+        from vae_service.fastpath.kernels.rms_norm import rms_norm_silu
+
+        return rms_norm_silu(x, norm.gamma, norm.bias, norm.scale)
 
     @classmethod
-    def dispatch(cls, x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
-        if x.is_cuda and triton_usable(x):
-            y = cls.forward_triton(x, norm)
-            if y is not None:
-                return y
-        return cls.forward_native(x, norm)
+    def bind(cls, backend: str) -> Callable[..., torch.Tensor]:
+        return _bind(cls.forward_native, cls.forward_triton, backend)

@@ -3,8 +3,8 @@ state dicts load strictly before and after; with the gate off the original bound
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from torch import nn
 

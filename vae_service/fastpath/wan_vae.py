@@ -1,9 +1,9 @@
 """Fast forwards for diffusers' AutoencoderKLWan decoder.
 
 Every RMSNorm in the decoder's residual blocks and output head is immediately followed by that
-block's own SiLU instance and nothing else uses it, so while the gate is on the norm computes
-RMSNorm+SiLU in one op and the SiLU passes through: the blocks' feature-cache logic stays
-diffusers' own. Activations are channels-last-3d while fast.
+block's own SiLU instance and nothing else uses it, so while the gate is on (`rms_norm_silu`) the
+norm computes RMSNorm+SiLU in one op and the SiLU passes through: the blocks' feature-cache logic
+stays diffusers' own. With `channels_last_3d`, activations are channels-last-3d while fast.
 """
 
 from __future__ import annotations
@@ -24,10 +24,26 @@ from torch import nn
 
 from vae_service.fastpath.fused_norms import WanRMSNormSiLU
 from vae_service.fastpath.patching import Patch
+from vae_service.fastpath.rewrites import RewritePlan
 from vae_service.fastpath.structure import exact_type, plain_silu, unknown_modules
 
-_ALLOWED = {WanDecoder3d, WanMidBlock, WanUpBlock, WanResidualBlock, WanAttentionBlock, WanResample, WanUpsample,
-            WanCausalConv3d, WanRMS_norm, nn.ModuleList, nn.Sequential, nn.SiLU, nn.Dropout, nn.Conv2d, nn.Identity}
+_ALLOWED = {
+    WanDecoder3d,
+    WanMidBlock,
+    WanUpBlock,
+    WanResidualBlock,
+    WanAttentionBlock,
+    WanResample,
+    WanUpsample,
+    WanCausalConv3d,
+    WanRMS_norm,
+    nn.ModuleList,
+    nn.Sequential,
+    nn.SiLU,
+    nn.Dropout,
+    nn.Conv2d,
+    nn.Identity,
+}
 
 
 def _channel_first_rms(norm: nn.Module) -> bool:
@@ -48,8 +64,8 @@ def check_wan_decoder(decoder: nn.Module) -> list[str]:
     return reasons
 
 
-def _fused(norm: nn.Module):
-    return lambda x: WanRMSNormSiLU.dispatch(x, norm)
+def _fused(norm: nn.Module, op):
+    return lambda x: op(x, norm)
 
 
 def _identity(x: torch.Tensor) -> torch.Tensor:
@@ -65,14 +81,22 @@ def _fast_decoder(d: WanDecoder3d):
     return forward
 
 
-def wan_patches(vae: nn.Module) -> list[Patch]:
+def wan_patches(vae: nn.Module, plan: RewritePlan) -> list[Patch]:
     decoder = vae.decoder
     patches = []
-    for m in decoder.modules():
-        if exact_type(m, WanResidualBlock):
-            patches += [Patch(m.norm1, "forward", _fused(m.norm1)), Patch(m.norm2, "forward", _fused(m.norm2)),
-                        Patch(m.nonlinearity, "forward", _identity)]
-    patches += [Patch(decoder.norm_out, "forward", _fused(decoder.norm_out)),
-                Patch(decoder.nonlinearity, "forward", _identity),
-                Patch(decoder, "forward", _fast_decoder(decoder))]
+    if "rms_norm_silu" in plan:
+        op = WanRMSNormSiLU.bind(plan.active["rms_norm_silu"])
+        for m in decoder.modules():
+            if exact_type(m, WanResidualBlock):
+                patches += [
+                    Patch(m.norm1, "forward", _fused(m.norm1, op)),
+                    Patch(m.norm2, "forward", _fused(m.norm2, op)),
+                    Patch(m.nonlinearity, "forward", _identity),
+                ]
+        patches += [
+            Patch(decoder.norm_out, "forward", _fused(decoder.norm_out, op)),
+            Patch(decoder.nonlinearity, "forward", _identity),
+        ]
+    if "channels_last_3d" in plan:
+        patches.append(Patch(decoder, "forward", _fast_decoder(decoder)))
     return patches

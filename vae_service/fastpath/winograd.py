@@ -18,12 +18,31 @@ import torch.nn.functional as F
 from torch import nn
 
 _M, _A = 4, 6  # output tile, input tile
-_BT = torch.tensor([[4, 0, -5, 0, 1, 0], [0, -4, -4, 1, 1, 0], [0, 4, -4, -1, 1, 0],
-                    [0, -2, -1, 2, 1, 0], [0, 2, -1, -2, 1, 0], [0, 4, 0, -5, 0, 1]], dtype=torch.float64)
-_G = torch.tensor([[1 / 4, 0, 0], [-1 / 6, -1 / 6, -1 / 6], [-1 / 6, 1 / 6, -1 / 6],
-                   [1 / 24, 1 / 12, 1 / 6], [1 / 24, -1 / 12, 1 / 6], [0, 0, 1]], dtype=torch.float64)
-_AT = torch.tensor([[1, 1, 1, 1, 1, 0], [0, 1, -1, 2, -2, 0], [0, 1, 1, 4, 4, 0], [0, 1, -1, 8, -8, 1]],
-                   dtype=torch.float64)
+_BT = torch.tensor(
+    [
+        [4, 0, -5, 0, 1, 0],
+        [0, -4, -4, 1, 1, 0],
+        [0, 4, -4, -1, 1, 0],
+        [0, -2, -1, 2, 1, 0],
+        [0, 2, -1, -2, 1, 0],
+        [0, 4, 0, -5, 0, 1],
+    ],
+    dtype=torch.float64,
+)
+_G = torch.tensor(
+    [
+        [1 / 4, 0, 0],
+        [-1 / 6, -1 / 6, -1 / 6],
+        [-1 / 6, 1 / 6, -1 / 6],
+        [1 / 24, 1 / 12, 1 / 6],
+        [1 / 24, -1 / 12, 1 / 6],
+        [0, 0, 1],
+    ],
+    dtype=torch.float64,
+)
+_AT = torch.tensor(
+    [[1, 1, 1, 1, 1, 0], [0, 1, -1, 2, -2, 0], [0, 1, 1, 4, 4, 0], [0, 1, -1, 8, -8, 1]], dtype=torch.float64
+)
 _INPUT_TRANSFORM = torch.kron(_BT, _BT).float()  # (36, 36) on flattened 6x6 tiles
 _OUTPUT_TRANSFORM = torch.kron(_AT, _AT).float()  # (16, 36)
 _CHUNK_BYTES = 9 * 2**20
@@ -31,10 +50,18 @@ MIN_CHANNELS = 64  # below this the tile GEMMs are too thin to beat the direct c
 
 
 def winograd_applies(conv: nn.Conv2d, x: torch.Tensor) -> bool:
-    return (x.device.type == "cpu" and x.dtype == torch.float32 and type(conv) is nn.Conv2d
-            and conv.kernel_size == (3, 3) and conv.stride == (1, 1) and conv.padding == (1, 1)
-            and conv.dilation == (1, 1) and conv.groups == 1 and conv.padding_mode == "zeros"
-            and min(conv.in_channels, conv.out_channels) >= MIN_CHANNELS)
+    return (
+        x.device.type == "cpu"
+        and x.dtype == torch.float32
+        and type(conv) is nn.Conv2d
+        and conv.kernel_size == (3, 3)
+        and conv.stride == (1, 1)
+        and conv.padding == (1, 1)
+        and conv.dilation == (1, 1)
+        and conv.groups == 1
+        and conv.padding_mode == "zeros"
+        and min(conv.in_channels, conv.out_channels) >= MIN_CHANNELS
+    )
 
 
 def transform_filter(weight: torch.Tensor) -> torch.Tensor:

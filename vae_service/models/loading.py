@@ -19,7 +19,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from vae_service.errors import ModelLoadError
+from vae_service.models.errors import ModelLoadError
 from vae_service.models.presets import PRESETS
 from vae_service.models.spec import SUPPORTED_CLASSES, ModelSpec
 
@@ -44,7 +44,9 @@ def load_vae(source: str, *, name: str | None = None, seed: int = 0) -> LoadedVa
         log.warning(
             "\n%s\n!! Model '%s' uses SEEDED RANDOM WEIGHTS: it decodes NOISE, not images.\n"
             "!! Pass a local diffusers VAE folder (--model PATH) for real outputs.\n%s",
-            "!" * 78, source, "!" * 78,
+            "!" * 78,
+            source,
+            "!" * 78,
         )
         config, class_name, random_weights = preset.config, preset.class_name, True
     else:
@@ -124,8 +126,14 @@ def _download_from_hub(repo_id: str) -> Path:
         root = Path(
             snapshot_download(
                 repo_id,
-                allow_patterns=["config.json", "*.safetensors", "*.safetensors.index.json",
-                                "vae/config.json", "vae/*.safetensors", "vae/*.safetensors.index.json"],
+                allow_patterns=[
+                    "config.json",
+                    "*.safetensors",
+                    "*.safetensors.index.json",
+                    "vae/config.json",
+                    "vae/*.safetensors",
+                    "vae/*.safetensors.index.json",
+                ],
             )
         )
     except Exception as exc:  # offline, unknown repo, gated, ...: all mean "cannot load"
@@ -155,7 +163,7 @@ def _load_decoder_weights(vae: nn.Module, folder: Path) -> None:
     state = {}
     for file in _weight_files(folder):
         with safe_open(str(file), framework="pt") as f:
-            for key in f.keys():
+            for key in f.keys():  # noqa: SIM118 (safe_open has keys(), not __contains__)
                 if key.startswith(_DECODER_PREFIXES):
                     state[key] = f.get_tensor(key).float()
     try:

@@ -29,9 +29,15 @@ class ModelSpec:
 
     @classmethod
     def from_config(
-        cls, name: str, class_name: str, config: dict, *, random_weights: bool, decoder_params: int,
+        cls,
+        name: str,
+        class_name: str,
+        config: dict,
+        *,
+        random_weights: bool,
+        decoder_params: int,
         skipped_params: int,
-    ) -> "ModelSpec":
+    ) -> ModelSpec:
         family = SUPPORTED_CLASSES[class_name]
         if family == "video":
             return cls(

@@ -13,11 +13,12 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-import torch
-
-from vae_service.errors import RequestError, UnsupportedMediaType
-from vae_service.protocol.decode_schema import QUALITIES, UNSET, DecodeParams
-from vae_service.protocol.tensor_codec import LATENT_DTYPES, decode_tensor, encode_tensor, require_finite
+from vae_service.engine.errors import InvalidInput
+from vae_service.engine.request import MODEL_DEFAULT, DecodeRequest
+from vae_service.engine.result import DecodeResult
+from vae_service.protocol.errors import UnsupportedMediaType
+from vae_service.protocol.tensors import to_torch
+from vae_service_client.tensors import LATENT_DTYPES, decode_tensor, encode_tensor
 
 TENSOR_TYPES = ("tensor/binary", "application/octet-stream")
 Reply = Literal["image", "tensor", "tensor01", "mp4"]
@@ -25,7 +26,7 @@ Reply = Literal["image", "tensor", "tensor01", "mp4"]
 
 @dataclass(frozen=True)
 class RemoteDecodePlan:
-    params: DecodeParams
+    request: DecodeRequest
     reply: Reply  # image: one encoded image; tensor: raw output; tensor01: float in [0, 1]; mp4
 
 
@@ -40,7 +41,7 @@ def _get(query: Query, key: str, default: str | None = None) -> str | None:
 def _flag(query: Query, key: str) -> bool:
     value = _get(query, key, "False")
     if value not in ("True", "False", "true", "false", "1", "0"):
-        raise RequestError(key, f"must be True or False, got {value!r}")
+        raise InvalidInput(key, f"must be True or False, got {value!r}")
     return value in ("True", "true", "1")
 
 
@@ -51,9 +52,9 @@ def _number(query: Query, key: str, cast=float):
     try:
         value = cast(raw)
     except ValueError:
-        raise RequestError(key, f"must be a number, got {raw!r}") from None
+        raise InvalidInput(key, f"must be a number, got {raw!r}") from None
     if cast is float and not math.isfinite(value):
-        raise RequestError(key, f"must be finite, got {raw!r}")
+        raise InvalidInput(key, f"must be finite, got {raw!r}")
     return value
 
 
@@ -63,25 +64,27 @@ def parse_remote_decode(body: bytes, content_type: str | None, accept: str | Non
     try:
         shape = [int(d) for d in query.get("shape", [])]
     except ValueError:
-        raise RequestError("shape", f"must be ints, got {query.get('shape')}") from None
+        raise InvalidInput("shape", f"must be ints, got {query.get('shape')}") from None
     if not shape:
-        raise RequestError("shape", "is required (one query parameter per dimension)")
-    latents = decode_tensor({"dtype": _get(query, "dtype", "float32"), "shape": shape, "data": body}, "latents",
-                            LATENT_DTYPES)
-    require_finite(latents, "latents")
+        raise InvalidInput("shape", "is required (one query parameter per dimension)")
+    latents = to_torch(
+        decode_tensor(
+            {"dtype": _get(query, "dtype", "float32"), "shape": shape, "data": body}, "latents", LATENT_DTYPES
+        )
+    )
 
     output_type = _get(query, "output_type", "pil")
     image_format = _get(query, "image_format", "jpg")
     partial = _flag(query, "partial_postprocess")
     if output_type not in ("pil", "pt", "mp4"):
-        raise RequestError("output_type", f"unknown value {output_type!r}; allowed: ['pil', 'pt', 'mp4']")
+        raise InvalidInput("output_type", f"unknown value {output_type!r}; allowed: ['pil', 'pt', 'mp4']")
     if image_format not in ("jpg", "png"):
-        raise RequestError("image_format", f"unknown value {image_format!r}; allowed: ['jpg', 'png']")
+        raise InvalidInput("image_format", f"unknown value {image_format!r}; allowed: ['jpg', 'png']")
     wants_tensor = (accept or "").startswith("tensor/binary")
     if output_type == "mp4":
         output, reply = "mp4", "mp4"
         if latents.shape[0] != 1:
-            raise RequestError("shape", "output_type mp4 answers one video: send a batch of 1")
+            raise InvalidInput("shape", "output_type mp4 answers one video: send a batch of 1")
     elif output_type == "pt":
         output, reply = ("uint8" if partial else "float"), "tensor"
     elif wants_tensor:  # pil with a client-side processor: it expects floats in [0, 1]
@@ -89,29 +92,33 @@ def parse_remote_decode(body: bytes, content_type: str | None, accept: str | Non
     else:
         output, reply = ("jpeg" if image_format == "jpg" else "png"), "image"
         if latents.shape[0] != 1:
-            raise RequestError("shape", "output_type pil answers one image: send a batch of 1, or use pt")
+            raise InvalidInput("shape", "output_type pil answers one image: send a batch of 1, or use pt")
 
     scaling, shift = _number(query, "scaling_factor"), _number(query, "shift_factor")
     if scaling is None and shift is None:
         # do_scaling=True without factors: the model's own; neither: the latents are already scaled
-        scaling = shift = UNSET if _flag(query, "do_scaling") else None
-    quality = _get(query, "quality", "lossless")
-    if quality not in QUALITIES:
-        raise RequestError("quality", f"unknown value {quality!r}; allowed: {list(QUALITIES)}")
-    params = DecodeParams(
-        latents=latents, quality=quality, output=output, scaling_factor=scaling, shift_factor=shift,
-        height=_number(query, "height", int), width=_number(query, "width", int), model=_get(query, "model"),
+        scaling = shift = MODEL_DEFAULT if _flag(query, "do_scaling") else None
+    request = DecodeRequest(
+        latents=latents,
+        quality=_get(query, "quality", "lossless"),
+        output=output,
+        scaling_factor=scaling,
+        shift_factor=shift,
+        height=_number(query, "height", int),
+        width=_number(query, "width", int),
+        model=_get(query, "model"),
     )
-    return RemoteDecodePlan(params, reply)
+    return RemoteDecodePlan(request, reply)
 
 
-def remote_decode_reply(plan: RemoteDecodePlan, output: torch.Tensor | list[bytes]) -> tuple[bytes, str, dict]:
+def remote_decode_reply(plan: RemoteDecodePlan, result: DecodeResult) -> tuple[bytes, str, dict]:
     """(body, media type, headers) for the decoded output."""
+    output = result.output
     if plan.reply == "image":
-        return output[0], "image/jpeg" if plan.params.output == "jpeg" else "image/png", {}
+        return output[0], "image/jpeg" if plan.request.output == "jpeg" else "image/png", {}
     if plan.reply == "mp4":
         return output[0], "video/mp4", {}
     if plan.reply == "tensor01":
         output = (output / 2 + 0.5).clamp(0, 1)  # what VaeImageProcessor.postprocess(output_type="pt") gives
     wire = encode_tensor(output)
-    return wire["data"], "tensor/binary", {"shape": json.dumps(wire["shape"]), "dtype": wire["dtype"]}
+    return bytes(wire["data"]), "tensor/binary", {"shape": json.dumps(wire["shape"]), "dtype": wire["dtype"]}

@@ -1,9 +1,13 @@
-"""Serve applications.
+"""Serve applications. Each decode deployment is built with its ServiceConfig as deployment
+arguments (model, precision, device and fast path fixed per replica: changing them rolls
+replicas) and the config's live part as `user_config` (limits and batching, applied in place).
 
 - `build_app(args)`: one model; the decode deployment is its own HTTP ingress (fewest hops).
 - `build_decoder(args)`: one model to bind into your own ingress (see deploy/pipeline_app.py).
 - `build_multi_app({"models": [args, ...]})`: several models behind one routing ingress.
-- `app`: one model with the default config, for YAML files whose `user_config` carries it.
+- `app`: one model with the default config (`serve run vae_service.serving.app:app`).
+
+YAML files use the builders as `import_path` and the config as `args`.
 """
 
 from __future__ import annotations
@@ -15,24 +19,38 @@ from vae_service.serving.deployment import VaeDecoder, VaeDecoderHttp
 from vae_service.serving.router import VaeRouter
 
 # what Serve's gRPC proxy needs in `grpc_servicer_functions` (serve.start, YAML grpc_options)
-GRPC_SERVICER = "vae_service.protocol.grpc_gen.decode_pb2_grpc.add_VaeDecoderServicer_to_server"
+GRPC_SERVICER = "vae_service_client.grpc_gen.decode_pb2_grpc.add_VaeDecoderServicer_to_server"
 
 
-def _decoder(config: ServiceConfig, deployment=VaeDecoder, **deployment_options):
+def _decoder(config: ServiceConfig, deployment=VaeDecoder, **deployment_options) -> Application:
     """`deployment_options` (num_replicas, autoscaling_config, ray_actor_options, ...) override
     the options derived from the config (max_ongoing_requests, max_queued_requests, backpressure)."""
     options = {**config.deployment_options(), **deployment_options}
-    return deployment.options(user_config=config.model_dump(), **options)
+    return deployment.options(user_config=config.live().model_dump(), **options).bind(config.model_dump())
 
 
 def build_app(args: dict | None = None, **deployment_options) -> Application:
     """One model, serving HTTP itself."""
-    return _decoder(ServiceConfig.model_validate(args or {}), VaeDecoderHttp, **deployment_options).bind()
+    return _decoder(ServiceConfig.model_validate(args or {}), VaeDecoderHttp, **deployment_options)
 
 
 def build_decoder(args: dict | None = None, **deployment_options) -> Application:
     """One model without HTTP routes: to bind into another ingress (composition)."""
-    return _decoder(ServiceConfig.model_validate(args or {}), **deployment_options).bind()
+    return _decoder(ServiceConfig.model_validate(args or {}), **deployment_options)
+
+
+def router_options(configs: list[ServiceConfig]) -> dict:
+    """The router holds each request while a decoder works on it, so it accepts as many ongoing
+    and queued requests as its decoders together, answers overload like them, and needs no CPU
+    (like Serve's own proxy; on a 2-CPU machine a CPU for it would leave a decoder unscheduled)."""
+    decoder_options = [c.deployment_options() for c in configs]
+    queued = [o["max_queued_requests"] for o in decoder_options]
+    return {
+        "max_ongoing_requests": sum(o["max_ongoing_requests"] for o in decoder_options),
+        "max_queued_requests": -1 if -1 in queued else sum(queued),
+        "backpressure_config": decoder_options[0]["backpressure_config"],
+        "ray_actor_options": {"num_cpus": 0},
+    }
 
 
 def build_multi_app(args: dict, **deployment_options) -> Application:
@@ -42,9 +60,9 @@ def build_multi_app(args: dict, **deployment_options) -> Application:
     names = [c.served_name for c in configs]
     if len(set(names)) != len(names):
         raise ValueError(f"models: served names must be unique (set model_name), got {names}")
-    decoders = {c.served_name: _decoder(c, name=f"VaeDecoder-{c.served_name}", **deployment_options).bind()
-                for c in configs}
-    return VaeRouter.bind(decoders, max(c.limits.max_request_bytes for c in configs))
+    decoders = {c.served_name: _decoder(c, name=f"VaeDecoder-{c.served_name}", **deployment_options) for c in configs}
+    router = VaeRouter.options(**router_options(configs))
+    return router.bind(decoders, max(c.limits.max_request_bytes for c in configs))
 
 
 app = build_app()

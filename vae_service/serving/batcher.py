@@ -5,7 +5,8 @@
   stream of one key cannot starve another and every item's wait is bounded.
 - A batch fills up to `max_batch_size` items (a request with batch dim B counts B) or waits at
   most `batch_wait_ms` after its oldest item arrived.
-- Device work is serialised: one batch runs at a time, in a worker thread.
+- Device work is serialised: one batch runs at a time, in a worker thread (the caller's
+  executor, e.g. one dedicated device thread).
 - A request whose caller went away or whose deadline passed is dropped before decode.
 - A failing batch is retried item by item, so one bad request fails alone.
 """
@@ -15,8 +16,10 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
+from collections.abc import Callable, Hashable
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Generic, Hashable, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 
 class Batchable(Protocol):
@@ -70,7 +73,7 @@ class _Pending(Generic[T]):
 @dataclass
 class BatcherLimits:
     max_batch_size: int = 8
-    batch_wait_ms: float = 5.0
+    batch_wait_ms: float = 0.0
     max_queued_items: int = 256
 
 
@@ -83,6 +86,7 @@ class KeyedBatcher(Generic[T]):
     limits: BatcherLimits = field(default_factory=BatcherLimits)
     on_batch: Callable[[BatchStats], None] | None = None
     clock: Callable[[], float] = time.monotonic
+    executor: Executor | None = None  # where batches run (default: the loop's default executor)
     _queues: dict[Hashable, collections.deque] = field(default_factory=dict, init=False)
     _wakeup: asyncio.Event | None = field(default=None, init=False)
     _worker: asyncio.Task | None = field(default=None, init=False)
@@ -95,21 +99,34 @@ class KeyedBatcher(Generic[T]):
             raise QueueFull(waiting, self.limits.max_queued_items, self._retry_after())
         self._ensure_worker()
         now = self.clock()
-        pending = _Pending(request, asyncio.get_running_loop().create_future(), now,
-                           None if timeout_s is None else now + timeout_s, asyncio.current_task())
+        pending = _Pending(
+            request,
+            asyncio.get_running_loop().create_future(),
+            now,
+            None if timeout_s is None else now + timeout_s,
+            asyncio.current_task(),
+        )
         self._queues.setdefault(request.batch_key, collections.deque()).append(pending)
         self._wakeup.set()
         try:
             return await asyncio.wait_for(asyncio.shield(pending.future), timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise DeadlineExceeded(f"no result within {timeout_s:.3g} s") from None
         finally:
             if not pending.future.done():  # cancelled or timed out: never decode it
                 pending.future.cancel()
 
     def queued_items(self, key_filter: Callable[[Hashable], bool] | None = None) -> int:
-        return sum(p.request.items for k, q in self._queues.items() if key_filter is None or key_filter(k)
-                   for p in q if not p.future.done())
+        return sum(
+            p.request.items
+            for k, q in self._queues.items()
+            if key_filter is None or key_filter(k)
+            for p in q
+            if not p.future.done()
+        )
+
+    def _queued_for(self, key: Hashable) -> int:
+        return sum(p.request.items for p in self._queues.get(key, ()) if not p.future.done())
 
     def update(self, limits: BatcherLimits) -> None:
         self.limits = limits
@@ -189,11 +206,11 @@ class KeyedBatcher(Generic[T]):
                 continue
             key, head = chosen
             remaining = head.arrived + self.limits.batch_wait_ms / 1e3 - self.clock()
-            if remaining > 0 and self.queued_items(lambda k: k == key) < self.limits.max_batch_size:
+            if remaining > 0 and self._queued_for(key) < self.limits.max_batch_size:
                 self._wakeup.clear()
                 try:
                     await asyncio.wait_for(self._wakeup.wait(), remaining)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     pass
                 continue  # re-evaluate: the queue may have filled, or an older key arrived
             batch = self._take(key)
@@ -215,19 +232,30 @@ class KeyedBatcher(Generic[T]):
             else:
                 pending.future.set_result(result)
         if self.on_batch is not None:
-            self.on_batch(BatchStats(key, [p.request for p in batch], sum(p.request.items for p in batch),
-                                     [started - p.arrived for p in batch], started, self.clock() - started))
+            self.on_batch(
+                BatchStats(
+                    key,
+                    [p.request for p in batch],
+                    sum(p.request.items for p in batch),
+                    [started - p.arrived for p in batch],
+                    started,
+                    self.clock() - started,
+                )
+            )
+
+    def _in_executor(self, requests: list[T]) -> asyncio.Future:
+        return asyncio.get_running_loop().run_in_executor(self.executor, self.run_batch, requests)
 
     async def _decode_isolating_failures(self, requests: list[T]) -> list[Any]:
         try:
-            return await asyncio.to_thread(self.run_batch, requests)
+            return await self._in_executor(requests)
         except Exception as exc:
             if len(requests) == 1:
                 return [exc]
         results = []
         for request in requests:  # the batch failed as a whole: each request gets one try alone
             try:
-                results.extend(await asyncio.to_thread(self.run_batch, [request]))
+                results.extend(await self._in_executor([request]))
             except Exception as exc:
                 results.append(exc)
         return results

@@ -1,92 +1,106 @@
-"""The framework-free core of a decode replica: validation, tier-keyed batching with serialised
-device work off the event loop, timing, error mapping, response building. The Serve deployment
-and the tests both drive this class."""
+"""The framework-free core of a decode replica: one engine (model, precision and device fixed
+for the replica's life), tier-keyed batching with serialised device work off the event loop,
+timing, and the live settings (limits, batching). The Serve deployment and the tests drive it."""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
-from typing import Callable
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import torch
 
-from vae_service.config import ServiceConfig
-from vae_service.engine import DecodeEngine, DecodeResult, PreparedRequest
-from vae_service.errors import DecodeTimeout, Overloaded
-from vae_service.protocol.decode_schema import DecodeParams, response_map
+from vae_service.config import LiveConfig, ServiceConfig
+from vae_service.engine import DecodeEngine, DecodeRequest, DecodeResult, PreparedRequest
+from vae_service.engine.errors import DecodeTimeout, OutOfMemory, Overloaded
 from vae_service.serving.batcher import BatcherLimits, BatchStats, DeadlineExceeded, KeyedBatcher, QueueFull
 
-_LIVE_FIELDS = {"limits", "batching", "serving"}
+# Inputs above this size are parsed and checked off the event loop (a thread hop costs about as
+# much as parsing and checking this many bytes inline; see bench/bench_spine.py)
+INLINE_BYTES = 256 * 1024
 
 
-@dataclass
-class DecodeOutcome:
-    output: torch.Tensor | list[bytes]
-    model: str
-    quality: str
-    precision: str
-    request_id: str | None
-    timing: dict
-
-    def wire(self) -> dict:
-        """The /decode response map (tensor outputs as tensor maps)."""
-        return response_map(self.output, model=self.model, quality=self.quality, precision=self.precision,
-                            request_id=self.request_id, timing=self.timing)
-
-
-def needs_new_engine(old: ServiceConfig, new: ServiceConfig) -> bool:
-    """Limits and batching change live; anything that changes the weights or their placement reloads."""
-    return old.model_copy(update={f: getattr(new, f) for f in _LIVE_FIELDS}) != new
-
-
-def batcher_limits(config: ServiceConfig) -> BatcherLimits:
-    b = config.batching
-    return BatcherLimits(max_batch_size=b.max_batch_size, batch_wait_ms=b.batch_wait_ms,
-                         max_queued_items=b.max_queued_items)
+def batcher_limits(live: LiveConfig) -> BatcherLimits:
+    b = live.batching
+    return BatcherLimits(
+        max_batch_size=b.max_batch_size, batch_wait_ms=b.batch_wait_ms, max_queued_items=b.max_queued_items
+    )
 
 
 class DecodeService:
-    def __init__(self, config: ServiceConfig, engine: DecodeEngine | None = None,
-                 on_batch: Callable[[BatchStats], None] | None = None):
+    def __init__(
+        self,
+        config: ServiceConfig,
+        engine: DecodeEngine | None = None,
+        on_batch: Callable[[BatchStats], None] | None = None,
+        on_rejected: Callable[[BaseException], None] | None = None,
+    ):
         self.config = config
         self.engine = engine or DecodeEngine(config)
-        self.batcher: KeyedBatcher[PreparedRequest] = KeyedBatcher(self._run_batch, batcher_limits(config), on_batch)
+        # one thread feeds the device, set up once like the engine wants (torch's CPU thread count)
+        self.device_thread = ThreadPoolExecutor(1, thread_name_prefix="vae-device", initializer=self.engine.bind_thread)
+        self.batcher: KeyedBatcher[PreparedRequest] = KeyedBatcher(
+            self.engine.decode, batcher_limits(config.live()), on_batch, executor=self.device_thread
+        )
+        self.on_rejected = on_rejected
 
-    def _run_batch(self, batch: list[PreparedRequest]) -> list[DecodeResult | Exception]:
-        return self.engine.decode(batch)  # the engine current when the batch runs
+    def rejected(self, exc: BaseException) -> BaseException:
+        """Every request answered with an error passes here (metrics count them by type)."""
+        if self.on_rejected is not None:
+            self.on_rejected(exc)
+        return exc
 
-    def reconfigure(self, config: ServiceConfig) -> None:
-        """Limits and batching apply in place; a new model, precision or device re-materialises
-        the weights and drops the old engine's folded buffers (in-flight work keeps its refs)."""
-        if needs_new_engine(self.config, config):
-            self.engine.release_folded()
-            self.engine = DecodeEngine(config)
-        else:
-            self.engine.config = config
-        self.batcher.update(batcher_limits(config))
-        self.config = config
+    @property
+    def live(self) -> LiveConfig:
+        return self.config.live()
 
-    def release_folded(self) -> int:
-        return self.engine.release_folded()
+    def apply(self, live: LiveConfig) -> None:
+        """Limits and batching, in place; every other setting is fixed for the replica's life."""
+        self.config = self.config.with_live(live)
+        self.engine.limits = live.limits
+        self.batcher.update(batcher_limits(live))
 
-    async def decode(self, params: DecodeParams) -> DecodeOutcome:
+    async def decode(self, request: DecodeRequest) -> DecodeResult:
+        return await self.decode_from(lambda: request, request.latents.nbytes)
+
+    async def decode_from(self, parse: Callable[[], DecodeRequest], size: int) -> DecodeResult:
+        """Parse and check a request (off the event loop when `size` bytes are many), then queue it
+        for its batch. Raises the engine's DecodeError kinds."""
         arrived = time.perf_counter()
-        prepared = await asyncio.to_thread(self.engine.prepare, params)
-        result = await self.submit(prepared)
-        total_ms = (time.perf_counter() - arrived) * 1e3
-        timing = {
-            "queue_ms": round(max(0.0, total_ms - result.decode_ms), 3),
-            "decode_ms": round(result.decode_ms, 3),
-            "batch_size": result.batch_size,
-        }
-        return DecodeOutcome(result.output, self.engine.spec.name, prepared.quality, self.engine.precision,
-                             prepared.request_id, timing)
 
-    async def submit(self, prepared: PreparedRequest) -> DecodeResult:
+        def prepare() -> PreparedRequest:
+            return self.engine.prepare(parse())
+
+        prepared = prepare() if size <= INLINE_BYTES else await asyncio.to_thread(prepare)
         try:
-            return await self.batcher.submit(prepared, timeout_s=self.config.batching.request_timeout_s)
+            result = await self.batcher.submit(prepared, timeout_s=self.config.batching.request_timeout_s)
         except QueueFull as exc:
             raise Overloaded("body", f"decode queue is full ({exc}); retry later", exc.retry_after_s) from None
         except DeadlineExceeded as exc:
             raise DecodeTimeout("body", f"not decoded within request_timeout_s: {exc}") from None
+        except torch.OutOfMemoryError:
+            raise OutOfMemory(
+                "latents",
+                "the device ran out of memory for this request; retry later or send fewer items",
+                self.config.serving.retry_after_s,
+            ) from None
+        total_ms = (time.perf_counter() - arrived) * 1e3
+        return replace(result, timing=replace(result.timing, queue_ms=max(0.0, total_ms - result.timing.decode_ms)))
+
+    def describe(self) -> dict:
+        return {
+            **self.engine.describe(),
+            "batching": self.config.batching.model_dump(),
+            "queued_items": self.batcher.queued_items(),
+        }
+
+    def release_folded(self) -> int:
+        return self.engine.release_folded()
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Let queued and running batches finish (shutdown); False if they did not in time."""
+        drained = await self.batcher.drain(timeout_s)
+        self.device_thread.shutdown(wait=False)
+        return drained

@@ -7,7 +7,9 @@ from functools import lru_cache
 
 from ray.serve.metrics import Counter, Gauge, Histogram
 
-from vae_service.serving.batcher import BatchStats
+from vae_service.engine.request import QUALITIES
+from vae_service.protocol.errors import error_type
+from vae_service.serving.batcher import BatchStats, KeyedBatcher
 
 _BATCH_BOUNDARIES = [1, 2, 4, 8, 16, 32, 64]
 _LATENCY_MS_BOUNDARIES = [5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000]
@@ -16,33 +18,47 @@ _LATENCY_MS_BOUNDARIES = [5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000,
 @lru_cache(maxsize=1)
 def _metrics() -> dict:
     return {
-        "queue": Gauge("vae_queue_depth", description="latent items waiting for a batch, per tier",
-                       tag_keys=("model", "tier")),
-        "batch": Histogram("vae_batch_size", description="latent items per decoder call, per tier",
-                           boundaries=_BATCH_BOUNDARIES, tag_keys=("model", "tier")),
-        "latency": Histogram("vae_decode_latency_ms", description="decoder call time per batch, per tier",
-                             boundaries=_LATENCY_MS_BOUNDARIES, tag_keys=("model", "tier")),
-        "rejected": Counter("vae_rejected_requests", description="requests answered with an error, by reason",
-                            tag_keys=("model", "reason")),
-        "folded": Gauge("vae_folded_buffer_bytes", description="bytes held by the fast path's folded weights",
-                        tag_keys=("model",)),
+        "queue": Gauge(
+            "vae_queue_depth", description="latent items waiting for a batch, per tier", tag_keys=("model", "tier")
+        ),
+        "batch": Histogram(
+            "vae_batch_size",
+            description="latent items per decoder call, per tier",
+            boundaries=_BATCH_BOUNDARIES,
+            tag_keys=("model", "tier"),
+        ),
+        "latency": Histogram(
+            "vae_decode_latency_ms",
+            description="decoder call time per batch, per tier",
+            boundaries=_LATENCY_MS_BOUNDARIES,
+            tag_keys=("model", "tier"),
+        ),
+        "rejected": Counter(
+            "vae_rejected_requests",
+            description="requests answered with an error, by reason",
+            tag_keys=("model", "reason"),
+        ),
+        "folded": Gauge(
+            "vae_folded_buffer_bytes", description="bytes held by the fast path's folded weights", tag_keys=("model",)
+        ),
     }
 
 
 def report_batch(model: str, stats: BatchStats) -> None:
-    tier = stats.key[0]
+    tier = stats.key.quality
     m = _metrics()
     m["batch"].observe(stats.items, tags={"model": model, "tier": tier})
     m["latency"].observe(stats.run_s * 1e3, tags={"model": model, "tier": tier})
 
 
-def report_queue(model: str, depth_by_tier: dict[str, int]) -> None:
-    for tier, depth in depth_by_tier.items():
+def report_queue(model: str, batcher: KeyedBatcher) -> None:
+    for tier in QUALITIES:
+        depth = batcher.queued_items(lambda key, t=tier: key.quality == t)
         _metrics()["queue"].set(depth, tags={"model": model, "tier": tier})
 
 
-def report_rejected(model: str, reason: str) -> None:
-    _metrics()["rejected"].inc(tags={"model": model, "reason": reason})
+def report_rejected(model: str, exc: BaseException) -> None:
+    _metrics()["rejected"].inc(tags={"model": model, "reason": error_type(exc)})
 
 
 def report_folded_bytes(engine) -> None:

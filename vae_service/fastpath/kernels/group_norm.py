@@ -13,15 +13,27 @@ import torch
 import triton
 import triton.language as tl
 
-from vae_service.fastpath.kernels.support import channels_last_rows, triton_usable
+from vae_service.fastpath.kernels.support import channels_last_rows, kernel_takes
 
 _MAX_CHUNKS = 1024  # per (sample, group): bounds the finalize kernel's single tile
 _TILE_ELEMS = 2048  # elements one program loads at a time
 
 
 @triton.jit
-def _gn_partial_kernel(x_ptr, in_bias_ptr, mean_ptr, m2_ptr, rows, C, group_size, chunk_rows, num_chunks,
-                       HAS_IN_BIAS: tl.constexpr, SUB_R: tl.constexpr, BLOCK_G: tl.constexpr):
+def _gn_partial_kernel(
+    x_ptr,
+    in_bias_ptr,
+    mean_ptr,
+    m2_ptr,
+    rows,
+    C,
+    group_size,
+    chunk_rows,
+    num_chunks,
+    HAS_IN_BIAS: tl.constexpr,
+    SUB_R: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+):
     n = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
     chunk = tl.program_id(2)
@@ -55,8 +67,22 @@ def _gn_partial_kernel(x_ptr, in_bias_ptr, mean_ptr, m2_ptr, rows, C, group_size
 
 
 @triton.jit
-def _gn_finalize_kernel(mean_ptr, m2_ptr, w_ptr, b_ptr, scale_ptr, shift_ptr, rows, C, group_size,
-                        chunk_rows, num_chunks, eps, BLOCK_K: tl.constexpr, BLOCK_G: tl.constexpr):
+def _gn_finalize_kernel(
+    mean_ptr,
+    m2_ptr,
+    w_ptr,
+    b_ptr,
+    scale_ptr,
+    shift_ptr,
+    rows,
+    C,
+    group_size,
+    chunk_rows,
+    num_chunks,
+    eps,
+    BLOCK_K: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+):
     n = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
     base = (n * tl.num_programs(1) + g) * num_chunks
@@ -81,8 +107,19 @@ def _gn_finalize_kernel(mean_ptr, m2_ptr, w_ptr, b_ptr, scale_ptr, shift_ptr, ro
 
 
 @triton.jit
-def _gn_apply_kernel(x_ptr, in_bias_ptr, y_ptr, scale_ptr, shift_ptr, rows, C, HAS_IN_BIAS: tl.constexpr,
-                     SILU: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+def _gn_apply_kernel(
+    x_ptr,
+    in_bias_ptr,
+    y_ptr,
+    scale_ptr,
+    shift_ptr,
+    rows,
+    C,
+    HAS_IN_BIAS: tl.constexpr,
+    SILU: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
     n = tl.program_id(0).to(tl.int64)
     r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -101,12 +138,17 @@ def _gn_apply_kernel(x_ptr, in_bias_ptr, y_ptr, scale_ptr, shift_ptr, rows, C, H
 
 
 def group_norm_silu_channels_last(
-    x: torch.Tensor, num_groups: int, weight: torch.Tensor | None, bias: torch.Tensor | None,
-    eps: float, silu: bool = True, in_bias: torch.Tensor | None = None,
+    x: torch.Tensor,
+    num_groups: int,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+    silu: bool = True,
+    in_bias: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """GroupNorm(+SiLU) of a channels-last tensor, or None when unsupported (caller falls back).
     `in_bias` (per channel) is added to x first: a preceding conv's bias, folded in for free."""
-    if not triton_usable(x) or not channels_last_rows(x) or weight is None or bias is None:
+    if not kernel_takes(x) or not channels_last_rows(x) or weight is None or bias is None:
         return None
     n, c = x.shape[:2]
     if c % num_groups or x.numel() == 0 or (in_bias is not None and in_bias.numel() != c):
@@ -123,14 +165,36 @@ def group_norm_silu_channels_last(
     means = torch.empty(n * num_groups * num_chunks, **stats)
     m2s = torch.empty_like(means)
     _gn_partial_kernel[(n, num_groups, num_chunks)](
-        x, in_bias, means, m2s, rows, c, group_size, chunk_rows, num_chunks, HAS_IN_BIAS=has_in_bias,
-        SUB_R=sub_r, BLOCK_G=block_g
+        x,
+        in_bias,
+        means,
+        m2s,
+        rows,
+        c,
+        group_size,
+        chunk_rows,
+        num_chunks,
+        HAS_IN_BIAS=has_in_bias,
+        SUB_R=sub_r,
+        BLOCK_G=block_g,
     )
     scale = torch.empty(n * c, **stats)
     shift = torch.empty_like(scale)
     _gn_finalize_kernel[(n, num_groups)](
-        means, m2s, weight, bias, scale, shift, rows, c, group_size, chunk_rows, num_chunks, eps,
-        BLOCK_K=triton.next_power_of_2(num_chunks), BLOCK_G=block_g,
+        means,
+        m2s,
+        weight,
+        bias,
+        scale,
+        shift,
+        rows,
+        c,
+        group_size,
+        chunk_rows,
+        num_chunks,
+        eps,
+        BLOCK_K=triton.next_power_of_2(num_chunks),
+        BLOCK_G=block_g,
     )
     y = torch.empty_like(x)  # keeps the channels-last strides
     block_c = min(triton.next_power_of_2(c), 128)

@@ -12,15 +12,32 @@ import torch
 import triton
 import triton.language as tl
 
-from vae_service.fastpath.kernels.support import triton_usable
+from vae_service.fastpath.kernels.support import kernel_takes
 
 _MAX_CHANNELS = 4096
 _TILE_ELEMS = 4096
 
 
 @triton.jit
-def _rms_silu_kernel(x_ptr, y_ptr, gamma_ptr, bias_ptr, T, S, C, stride_n, stride_c, stride_t, stride_s, scale, eps,
-                     HAS_BIAS: tl.constexpr, SILU: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_C: tl.constexpr):
+def _rms_silu_kernel(
+    x_ptr,
+    y_ptr,
+    gamma_ptr,
+    bias_ptr,
+    T,
+    S,
+    C,
+    stride_n,
+    stride_c,
+    stride_t,
+    stride_s,
+    scale,
+    eps,
+    HAS_BIAS: tl.constexpr,
+    SILU: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
     nt = tl.program_id(0).to(tl.int64)
     n, t = nt // T, nt % T
     s = tl.program_id(1).to(tl.int64) * BLOCK_S + tl.arange(0, BLOCK_S)
@@ -65,11 +82,15 @@ def _ncts_strides(x: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]] | 
 
 
 def rms_norm_silu(
-    x: torch.Tensor, gamma: torch.Tensor, bias: torch.Tensor | float, scale: float, silu: bool = True,
+    x: torch.Tensor,
+    gamma: torch.Tensor,
+    bias: torch.Tensor | float,
+    scale: float,
+    silu: bool = True,
     eps: float = 1e-12,
 ) -> torch.Tensor | None:
     """Returns None for unsupported inputs (caller falls back). eps matches F.normalize's default."""
-    if not triton_usable(x) or x.dim() not in (4, 5) or x.numel() == 0:
+    if not kernel_takes(x) or x.dim() not in (4, 5) or x.numel() == 0:
         return None
     view = _ncts_strides(x)
     if view is None:
@@ -86,7 +107,19 @@ def rms_norm_silu(
     gamma = gamma.reshape(-1).contiguous()
     bias_arg = bias.reshape(-1).contiguous() if has_bias else gamma  # never read without HAS_BIAS
     _rms_silu_kernel[(n * frames, triton.cdiv(spatial, block_s))](
-        x, y, gamma, bias_arg, frames, spatial, c, *strides, float(scale), eps,
-        HAS_BIAS=has_bias, SILU=silu, BLOCK_S=block_s, BLOCK_C=block_c,
+        x,
+        y,
+        gamma,
+        bias_arg,
+        frames,
+        spatial,
+        c,
+        *strides,
+        float(scale),
+        eps,
+        HAS_BIAS=has_bias,
+        SILU=silu,
+        BLOCK_S=block_s,
+        BLOCK_C=block_c,
     )
     return y

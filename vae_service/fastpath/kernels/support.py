@@ -1,5 +1,6 @@
-"""When a Triton kernel may run: CUDA tensors, or any tensor under TRITON_INTERPRET=1 (tests on CPU),
-never while torch.compile is tracing (an eager launch there would break the graph)."""
+"""Which tensors a Triton kernel entry point takes: CUDA tensors, or CPU tensors under
+TRITON_INTERPRET=1 (tests), in a float dtype. The backend itself is chosen once, at install
+(fastpath/rewrites.py); an entry point only declines inputs it cannot compute (returns None)."""
 
 from __future__ import annotations
 
@@ -14,16 +15,8 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def triton_usable(x: torch.Tensor) -> bool:
-    if torch.compiler.is_compiling():
-        return False
-    if not (x.is_cuda or interpreting()):
-        return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return x.dtype in KERNEL_DTYPES
+def kernel_takes(x: torch.Tensor) -> bool:
+    return (x.is_cuda or interpreting()) and x.dtype in KERNEL_DTYPES
 
 
 def channels_last_rows(x: torch.Tensor) -> bool:

@@ -1,0 +1,129 @@
+"""The error table of the wire: each error `type` with its HTTP status and gRPC code, the JSON
+body and gRPC trailers that carry it, and the typed exceptions clients raise.
+
+Server and clients share this module, so a type, its status and its code are written once.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ErrorKind:
+    http_status: int
+    grpc_code: str  # a grpc.StatusCode name: this module imports no grpc
+
+
+ERROR_KINDS: dict[str, ErrorKind] = {
+    "invalid_request": ErrorKind(400, "INVALID_ARGUMENT"),
+    "payload_too_large": ErrorKind(413, "RESOURCE_EXHAUSTED"),
+    "unsupported_media_type": ErrorKind(415, "INVALID_ARGUMENT"),
+    "decode_failed": ErrorKind(422, "INVALID_ARGUMENT"),
+    "overloaded": ErrorKind(429, "RESOURCE_EXHAUSTED"),
+    "out_of_memory": ErrorKind(503, "RESOURCE_EXHAUSTED"),
+    "timeout": ErrorKind(504, "DEADLINE_EXCEEDED"),
+    "internal": ErrorKind(500, "INTERNAL"),
+}
+# gRPC answers that carry no `error-type` trailer (Serve's own backpressure, transport errors)
+_GRPC_FALLBACK_STATUS = {
+    "INVALID_ARGUMENT": 400,
+    "NOT_FOUND": 404,
+    "RESOURCE_EXHAUSTED": 429,
+    "UNAVAILABLE": 503,
+    "DEADLINE_EXCEEDED": 504,
+}
+TYPE_TRAILER, FIELD_TRAILER, RETRY_TRAILER = "error-type", "error-field", "retry-after"
+
+
+class VaeServiceError(Exception):
+    """A non-200 answer: the server's error `type`, the request `field` at fault and its message.
+    `status` is the HTTP status (gRPC answers carry the same type, hence the same status)."""
+
+    def __init__(
+        self, status: int, type_: str, message: str, field: str | None = None, retry_after: float | None = None
+    ):
+        super().__init__(f"HTTP {status} {type_}: {message}")
+        self.status, self.type, self.message, self.field, self.retry_after = status, type_, message, field, retry_after
+
+    def __reduce__(self):  # crosses Ray handles intact
+        return type(self), (self.status, self.type, self.message, self.field, self.retry_after)
+
+
+class InvalidRequest(VaeServiceError):
+    """400/415/422: fix the request; retrying will not help."""
+
+
+class PayloadTooLarge(VaeServiceError):
+    """413: over a byte, pixel or batch limit."""
+
+
+class Overloaded(VaeServiceError):
+    """429/503: retried with backoff (honouring Retry-After) before it reaches you."""
+
+
+class DecodeTimeout(VaeServiceError):
+    """504: the server did not finish within its request timeout."""
+
+
+class ServerError(VaeServiceError):
+    """Any other 5xx: a server bug."""
+
+
+def error_class(status: int) -> type[VaeServiceError]:
+    if status in (429, 503):
+        return Overloaded
+    if status == 413:
+        return PayloadTooLarge
+    if status == 504:
+        return DecodeTimeout
+    if 400 <= status < 500:
+        return InvalidRequest
+    return ServerError
+
+
+def make_error(type_: str, field: str | None, message: str, retry_after: float | None = None) -> VaeServiceError:
+    """The typed exception for a server-side error of `type_` (the handle API raises these too)."""
+    status = ERROR_KINDS[type_].http_status
+    return error_class(status)(status, type_, message, field, retry_after)
+
+
+def error_json(type_: str, field: str | None, message: str) -> bytes:
+    return json.dumps({"error": {"type": type_, "field": field, "message": message}}).encode()
+
+
+def grpc_trailers(type_: str, field: str | None, retry_after: float | None) -> list[tuple[str, str]]:
+    """The error's type and field as trailing metadata (Serve's gRPC proxy forwards a list)."""
+    trailers = [(TYPE_TRAILER, type_)]
+    if field:
+        trailers.append((FIELD_TRAILER, field))
+    if retry_after is not None:
+        trailers.append((RETRY_TRAILER, f"{retry_after:g}"))
+    return trailers
+
+
+def error_from_http(status: int, headers, content: bytes) -> VaeServiceError:
+    retry = headers.get("retry-after")
+    try:
+        err = json.loads(content)["error"]
+        type_, message, field = err.get("type", "error"), err.get("message", ""), err.get("field")
+    except (ValueError, KeyError, TypeError):
+        type_, message, field = "error", content[:500].decode(errors="replace"), None
+    return error_class(status)(status, type_, message, field, _seconds(retry))
+
+
+def error_from_grpc(code_name: str, details: str | None, trailers) -> VaeServiceError:
+    meta = dict(trailers or ())
+    type_ = meta.get(TYPE_TRAILER)
+    status = ERROR_KINDS[type_].http_status if type_ in ERROR_KINDS else _GRPC_FALLBACK_STATUS.get(code_name, 500)
+    return error_class(status)(
+        status, type_ or code_name.lower(), details or "", meta.get(FIELD_TRAILER), _seconds(meta.get(RETRY_TRAILER))
+    )
+
+
+def _seconds(value: str | None) -> float | None:
+    try:
+        return float(value) if value else None
+    except ValueError:
+        return None

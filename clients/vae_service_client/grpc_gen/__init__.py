@@ -1,0 +1,1 @@
+"""Generated from decode.proto by clients/gen_grpc.py; do not edit."""

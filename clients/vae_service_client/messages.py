@@ -1,0 +1,223 @@
+"""The decode request and response, field by field: the one place that defines the wire schema
+of `POST /decode` (msgpack) and of `vae_service.v1.VaeDecoder` (protobuf, `grpc_gen/decode.proto`).
+Clients build requests and read responses with it; the server reads requests and builds
+responses with the same functions.
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from vae_service_client.tensors import LATENT_DTYPES, WireError, WireTensor, decode_tensor, encode_tensor
+
+MSGPACK = "application/msgpack"
+MSGPACK_TYPES = (MSGPACK, "application/x-msgpack", "application/vnd.msgpack")
+REQUEST_KEYS = (
+    "latents",
+    "quality",
+    "output",
+    "scaling_factor",
+    "shift_factor",
+    "height",
+    "width",
+    "request_id",
+    "model",
+)
+TIMING_KEYS = ("queue_ms", "decode_ms", "batch_size")
+
+
+class _Unset:
+    def __repr__(self) -> str:
+        return "UNSET"
+
+    def __reduce__(self):
+        return "UNSET"
+
+
+UNSET: Any = _Unset()  # a factor not given: the model's own applies (None means "already scaled")
+
+
+def pack(obj: Any) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)
+
+
+# ---- requests ---------------------------------------------------------------------------------
+def request_map(
+    latents,
+    quality: str = "lossless",
+    output: str = "uint8",
+    *,
+    scaling_factor=UNSET,
+    shift_factor=UNSET,
+    height: int | None = None,
+    width: int | None = None,
+    request_id: str | None = None,
+    model: str | None = None,
+) -> dict:
+    """The /decode body as a map. Factors: UNSET (key absent) = the model's own, None = already scaled."""
+    body = {"latents": encode_tensor(latents), "quality": quality, "output": output}
+    body.update(
+        {k: v for k, v in (("scaling_factor", scaling_factor), ("shift_factor", shift_factor)) if v is not UNSET}
+    )
+    body.update(
+        {
+            k: v
+            for k, v in (("height", height), ("width", width), ("request_id", request_id), ("model", model))
+            if v is not None
+        }
+    )
+    return body
+
+
+def request_fields(obj: object) -> dict:
+    """A /decode body map -> the fields it sets, `latents` as a validated WireTensor. Absent keys are
+    absent here too; value checks (allowed qualities, finite factors, ...) are the server's."""
+    if not isinstance(obj, dict):
+        raise WireError("body", f"must be a msgpack map, got {type(obj).__name__}")
+    unknown = sorted(repr(k) if not isinstance(k, str) else k for k in obj if k not in REQUEST_KEYS)
+    if unknown:
+        raise WireError(unknown[0], f"unknown key; allowed keys: {sorted(REQUEST_KEYS)}")
+    if "latents" not in obj:
+        raise WireError("latents", "is required")
+    return {**obj, "latents": decode_tensor(obj["latents"], "latents", LATENT_DTYPES)}
+
+
+def request_proto(
+    latents,
+    quality: str = "lossless",
+    output: str = "uint8",
+    *,
+    scaling_factor=UNSET,
+    shift_factor=UNSET,
+    height: int | None = None,
+    width: int | None = None,
+    request_id: str | None = None,
+    model: str | None = None,
+):
+    from vae_service_client.grpc_gen import decode_pb2
+
+    t = encode_tensor(latents)
+    msg = decode_pb2.DecodeRequest(
+        latents=decode_pb2.Tensor(dtype=t["dtype"], shape=t["shape"], data=bytes(t["data"])),
+        quality=quality,
+        output=output,
+        height=height or 0,
+        width=width or 0,
+        request_id=request_id or "",
+        model=model or "",
+    )
+    if scaling_factor is None:
+        msg.latents_scaled = True
+    elif scaling_factor is not UNSET:
+        msg.scaling_factor = scaling_factor
+    if shift_factor not in (None, UNSET):
+        msg.shift_factor = shift_factor
+    return msg
+
+
+def request_fields_from_proto(msg) -> dict:
+    """A DecodeRequest message -> the same fields as `request_fields` (proto3 zero values = absent)."""
+    if not msg.HasField("latents"):
+        raise WireError("latents", "is required")
+    t = msg.latents
+    fields: dict = {
+        "latents": decode_tensor({"dtype": t.dtype, "shape": list(t.shape), "data": t.data}, "latents", LATENT_DTYPES)
+    }
+    if msg.latents_scaled:
+        fields["scaling_factor"] = fields["shift_factor"] = None
+    for key in ("scaling_factor", "shift_factor"):
+        if msg.HasField(key):
+            fields[key] = getattr(msg, key)
+    for key in ("quality", "output", "height", "width", "request_id", "model"):
+        if getattr(msg, key):
+            fields[key] = getattr(msg, key)
+    return fields
+
+
+# ---- responses --------------------------------------------------------------------------------
+@dataclass
+class DecodeResponse:
+    output: Any  # numpy array (bf16 arrives as float32) or encoded files, one per batch item
+    model: str
+    quality: str
+    precision: str
+    request_id: str | None
+    timing: dict = field(default_factory=dict)  # TIMING_KEYS
+    item_index: int = 0  # DecodeStream: which batch item this message carries
+
+    def to_map(self) -> dict:
+        output = self.output if isinstance(self.output, list) else encode_tensor(self.output)
+        return {
+            "output": output,
+            "model": self.model,
+            "quality": self.quality,
+            "precision": self.precision,
+            "request_id": self.request_id,
+            "timing": {k: self.timing[k] for k in TIMING_KEYS},
+        }
+
+    @classmethod
+    def from_map(cls, obj: dict) -> DecodeResponse:
+        output = obj["output"]
+        if isinstance(output, dict):
+            output = decode_tensor(output, "output").to_numpy()
+        return cls(output, obj["model"], obj["quality"], obj["precision"], obj.get("request_id"), obj["timing"])
+
+    def to_proto(self):
+        from vae_service_client.grpc_gen import decode_pb2
+
+        msg = decode_pb2.DecodeResponse(
+            model=self.model,
+            quality=self.quality,
+            precision=self.precision,
+            request_id=self.request_id or "",
+            item_index=self.item_index,
+            timing=decode_pb2.Timing(**{k: self.timing[k] for k in TIMING_KEYS}),
+        )
+        if isinstance(self.output, list):
+            msg.files.extend(self.output)
+        else:
+            t = encode_tensor(self.output)
+            msg.tensor.CopyFrom(decode_pb2.Tensor(dtype=t["dtype"], shape=t["shape"], data=bytes(t["data"])))
+        return msg
+
+    @classmethod
+    def from_proto(cls, msg) -> DecodeResponse:
+        if msg.HasField("tensor"):
+            t = msg.tensor
+            output = decode_tensor({"dtype": t.dtype, "shape": list(t.shape), "data": t.data}, "output").to_numpy()
+        else:
+            output = list(msg.files)
+        timing = {k: getattr(msg.timing, k) for k in TIMING_KEYS}
+        return cls(output, msg.model, msg.quality, msg.precision, msg.request_id or None, timing, msg.item_index)
+
+    def images(self) -> list:
+        """PIL images (needs pillow) for png/jpeg outputs and for uint8 image outputs."""
+        from PIL import Image
+
+        if isinstance(self.output, list):
+            return [Image.open(io.BytesIO(b)) for b in self.output]
+        if self.output.dtype != np.uint8 or self.output.ndim != 4:
+            raise ValueError("images() needs output='uint8', 'png' or 'jpeg' from an image model")
+        return [Image.fromarray(a) for a in self.output]
+
+
+__all__ = [
+    "MSGPACK",
+    "MSGPACK_TYPES",
+    "REQUEST_KEYS",
+    "TIMING_KEYS",
+    "UNSET",
+    "DecodeResponse",
+    "WireTensor",
+    "pack",
+    "request_fields",
+    "request_fields_from_proto",
+    "request_map",
+    "request_proto",
+]

@@ -1,0 +1,83 @@
+"""DESIGN.md's layering, read from the source: imports point down only."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def imported_modules(package_dir: Path, top_level_only: bool = False) -> dict[str, set[str]]:
+    """file -> the modules it imports anywhere (or at import time only), by absolute name."""
+    found = {}
+    for path in sorted(package_dir.rglob("*.py")):
+        if "grpc_gen" in path.parts:
+            continue
+        tree = ast.parse(path.read_text())
+        names = set()
+        for node in tree.body if top_level_only else ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names.add(node.module)
+        found[str(path.relative_to(ROOT))] = names
+    return found
+
+
+def offenders(package: str, forbidden: tuple[str, ...], top_level_only: bool = False) -> list[str]:
+    return [
+        f"{file} imports {name}"
+        for file, names in imported_modules(ROOT / package, top_level_only).items()
+        for name in sorted(names)
+        if name.startswith(forbidden)
+    ]
+
+
+@pytest.mark.parametrize(
+    "package, forbidden",
+    [
+        (
+            "vae_service/engine",
+            (
+                "vae_service.protocol",
+                "vae_service.serving",
+                "ray",
+                "fastapi",
+                "starlette",
+                "grpc",
+                "vae_service_client",
+            ),
+        ),
+        ("vae_service/models", ("vae_service.protocol", "vae_service.serving", "vae_service.engine", "ray", "fastapi")),
+        (
+            "vae_service/fastpath",
+            (
+                "vae_service.protocol",
+                "vae_service.serving",
+                "vae_service.engine",
+                "vae_service.config",
+                "ray",
+                "fastapi",
+            ),
+        ),
+        (
+            "vae_service/protocol",
+            ("vae_service.serving", "vae_service.fastpath", "vae_service.models", "ray", "fastapi", "starlette"),
+        ),
+        ("clients/vae_service_client", ("vae_service.", "ray", "diffusers", "pydantic", "fastapi", "triton")),
+    ],
+)
+def test_imports_point_down_only(package, forbidden):
+    assert offenders(package, forbidden) == []
+
+
+def test_the_client_accepts_torch_tensors_without_importing_torch_at_import_time():
+    assert offenders("clients/vae_service_client", ("torch", "PIL", "grpc"), top_level_only=True) == [
+        "clients/vae_service_client/grpc_client.py imports grpc"
+    ]  # loaded on first use of a gRPC client
+
+
+def test_the_checker_sees_imports():
+    """The scan above would catch a violation: it finds the serving layer's own imports."""
+    assert offenders("vae_service/serving", ("vae_service.protocol",))

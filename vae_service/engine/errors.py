@@ -1,0 +1,41 @@
+"""The engine's domain errors. Each names the request field at fault; none carries a transport
+code: the protocol layer maps them to HTTP statuses and gRPC codes in one table."""
+
+from __future__ import annotations
+
+
+class DecodeError(Exception):
+    """A request the service answers with an error instead of an output. Never a server bug."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = f"{field}: {message}"
+
+
+class InvalidInput(DecodeError):
+    """Bad input: the client can fix it."""
+
+
+class LimitExceeded(InvalidInput):
+    """Over a configured budget (bytes, pixels, batch items); refused before any tensor work."""
+
+
+class DecodeFailed(DecodeError):
+    """The decoder produced no usable output for these latents (NaN/Inf, e.g. overflow)."""
+
+
+class Overloaded(DecodeError):
+    """Too much queued work: retry after `retry_after_s`."""
+
+    def __init__(self, field: str, message: str, retry_after_s: float):
+        super().__init__(field, message)
+        self.retry_after_s = retry_after_s
+
+
+class OutOfMemory(Overloaded):
+    """The device ran out of memory for this request; another attempt (or fewer items) may fit."""
+
+
+class DecodeTimeout(DecodeError):
+    """Not decoded within the request timeout."""

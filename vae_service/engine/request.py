@@ -1,0 +1,85 @@
+"""What the engine decodes: latents plus plain fields, checked on construction so that every way
+in (msgpack, gRPC, Hugging Face remote-decode, handles, in-process callers) shares one set of
+rules and one set of messages. Checks against the model (channels, budgets) are the engine's."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from vae_service.engine.errors import InvalidInput
+
+QUALITIES = ("lossless", "high")
+OUTPUTS = ("uint8", "float", "png", "jpeg", "mp4")
+LATENT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+MAX_LATENT_DIMS = 6
+_MAX_ID_CHARS = 256
+
+
+class _ModelDefault:
+    def __repr__(self) -> str:
+        return "MODEL_DEFAULT"
+
+    def __reduce__(self):
+        return "MODEL_DEFAULT"
+
+
+MODEL_DEFAULT: Any = _ModelDefault()  # a factor not given: the model's own (None: latents already scaled)
+
+
+@dataclass(frozen=True)
+class DecodeRequest:
+    latents: torch.Tensor  # [B, C, H, W], [B, C, T, H, W] or packed [B, L, C*4]; float32/float16/bfloat16
+    quality: str = "lossless"
+    output: str = "uint8"
+    scaling_factor: float | None = MODEL_DEFAULT
+    shift_factor: float | None = MODEL_DEFAULT
+    height: int | None = None  # pixels; required for packed latents
+    width: int | None = None
+    request_id: str | None = None
+    model: str | None = None  # when given, must name the served model
+
+    def __post_init__(self) -> None:
+        _check_latents(self.latents)
+        _check_choice("quality", self.quality, QUALITIES)
+        _check_choice("output", self.output, OUTPUTS)
+        for key, nonzero in (("scaling_factor", True), ("shift_factor", False)):
+            object.__setattr__(self, key, _factor(key, getattr(self, key), nonzero))
+        for key in ("height", "width"):
+            value = getattr(self, key)
+            if value is not None and (type(value) is not int or value <= 0):
+                raise InvalidInput(key, f"must be a positive int, got {value!r}")
+        for key in ("request_id", "model"):
+            value = getattr(self, key)
+            if value is not None and (not isinstance(value, str) or len(value) > _MAX_ID_CHARS):
+                raise InvalidInput(key, f"must be a string of at most {_MAX_ID_CHARS} characters")
+
+    @property
+    def items(self) -> int:
+        return self.latents.shape[0]
+
+
+def _check_latents(z: object) -> None:
+    if not isinstance(z, torch.Tensor):
+        raise InvalidInput("latents", f"must be a tensor, got {type(z).__name__}")
+    if z.dtype not in LATENT_DTYPES:
+        names = [str(d).removeprefix("torch.") for d in LATENT_DTYPES]
+        raise InvalidInput("latents.dtype", f"unknown dtype {str(z.dtype).removeprefix('torch.')}; allowed: {names}")
+    if not 1 <= z.dim() <= MAX_LATENT_DIMS or z.numel() == 0:
+        raise InvalidInput("latents.shape", f"must have 1 to {MAX_LATENT_DIMS} non-empty dims, got {list(z.shape)}")
+
+
+def _check_choice(key: str, value: object, allowed: tuple[str, ...]) -> None:
+    if not isinstance(value, str) or value not in allowed:
+        raise InvalidInput(key, f"unknown value {value!r}; allowed: {list(allowed)}")
+
+
+def _factor(key: str, value: object, nonzero: bool) -> float | None:
+    if value is MODEL_DEFAULT or value is None:
+        return value
+    if type(value) not in (int, float) or not math.isfinite(value) or (nonzero and value == 0):
+        raise InvalidInput(key, f"must be a finite {'non-zero ' if nonzero else ''}number or nil, got {value!r}")
+    return float(value)

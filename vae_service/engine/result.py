@@ -1,0 +1,24 @@
+"""What the engine answers: the output and the facts of the decode that produced it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Timing:
+    queue_ms: float  # arrival to the start of its batch's decode (filled in by whoever queued it)
+    decode_ms: float  # the engine call that decoded it, postprocessing included
+    batch_size: int  # latent items decoded in that call
+
+
+@dataclass(frozen=True)
+class DecodeResult:
+    output: torch.Tensor | list[bytes]  # uint8 [B,(T,)H,W,3] or float [B,3,(T,)H,W] on the CPU; or files
+    model: str  # the model and precision that decoded it
+    precision: str
+    quality: str
+    request_id: str | None
+    timing: Timing

@@ -1,0 +1,81 @@
+"""The one table from exception classes to wire error types; the type's HTTP status and gRPC
+code come from the wire's own table (vae_service_client.errors). Also the protocol's own error:
+a wrong Content-Type."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vae_service.engine.errors import (
+    DecodeFailed,
+    DecodeTimeout,
+    InvalidInput,
+    LimitExceeded,
+    OutOfMemory,
+    Overloaded,
+)
+from vae_service_client.errors import ERROR_KINDS, VaeServiceError, error_json, grpc_trailers, make_error
+from vae_service_client.tensors import WireError
+
+
+class UnsupportedMediaType(InvalidInput):
+    """The body's Content-Type is not one this route reads."""
+
+
+# most specific first: the first class an exception is an instance of decides its type
+WIRE_TYPES: tuple[tuple[type[Exception], str], ...] = (
+    (UnsupportedMediaType, "unsupported_media_type"),
+    (LimitExceeded, "payload_too_large"),
+    (InvalidInput, "invalid_request"),
+    (WireError, "invalid_request"),
+    (DecodeFailed, "decode_failed"),
+    (OutOfMemory, "out_of_memory"),
+    (Overloaded, "overloaded"),
+    (DecodeTimeout, "timeout"),
+)
+ANSWERABLE = tuple({cls for cls, _ in WIRE_TYPES})  # what becomes a 4xx/503/504 answer, never a 500
+
+
+@dataclass(frozen=True)
+class WireErrorInfo:
+    type: str
+    field: str | None
+    message: str
+    retry_after_s: float | None
+
+    @property
+    def http_status(self) -> int:
+        return ERROR_KINDS[self.type].http_status
+
+    @property
+    def grpc_code(self) -> str:
+        return ERROR_KINDS[self.type].grpc_code
+
+    def http_body(self) -> bytes:
+        return error_json(self.type, self.field, self.message)
+
+    def http_headers(self) -> dict[str, str]:
+        return {} if self.retry_after_s is None else {"Retry-After": str(max(1, round(self.retry_after_s)))}
+
+    def grpc_trailers(self) -> list[tuple[str, str]]:
+        return grpc_trailers(self.type, self.field, self.retry_after_s)
+
+    def client_error(self) -> VaeServiceError:
+        """What a client would raise for this answer (the handle API raises it directly)."""
+        return make_error(self.type, self.field, self.message, self.retry_after_s)
+
+
+def error_type(exc: BaseException) -> str:
+    for cls, type_ in WIRE_TYPES:
+        if isinstance(exc, cls):
+            return type_
+    raise TypeError(f"{type(exc).__name__} is not an answerable error") from exc
+
+
+def wire_error(exc: BaseException) -> WireErrorInfo:
+    return WireErrorInfo(
+        error_type(exc),
+        getattr(exc, "field", None),
+        getattr(exc, "message", str(exc)),
+        getattr(exc, "retry_after_s", None),
+    )

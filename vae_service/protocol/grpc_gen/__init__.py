@@ -1,1 +1,0 @@
-"""Generated from ../decode.proto by gen_grpc.py; do not edit."""

@@ -1,0 +1,88 @@
+"""`POST /decode` (msgpack): a body -> DecodeRequest, a DecodeResult -> a body. The fields are the
+wire schema's (vae_service_client.messages); values are checked by DecodeRequest itself."""
+
+from __future__ import annotations
+
+import msgpack
+
+from vae_service.engine.errors import InvalidInput, LimitExceeded
+from vae_service.engine.request import DecodeRequest
+from vae_service.engine.result import DecodeResult
+from vae_service.protocol.errors import UnsupportedMediaType
+from vae_service.protocol.tensors import to_torch
+from vae_service_client.messages import MSGPACK, MSGPACK_TYPES, DecodeResponse, pack, request_fields
+
+CONTENT_TYPE = MSGPACK
+
+
+def check_content_type(content_type: str | None) -> None:
+    media = (content_type or "").split(";")[0].strip().lower()
+    if media not in MSGPACK_TYPES:
+        raise UnsupportedMediaType("Content-Type", f"must be application/msgpack, got {content_type or 'nothing'!r}")
+
+
+def check_body_size(size: int, max_request_bytes: int) -> None:
+    if size > max_request_bytes:
+        raise LimitExceeded("body", f"{size} bytes is over the limit of {max_request_bytes} (max_request_bytes)")
+
+
+def _refuse_ext(code: int, data: bytes) -> None:
+    raise InvalidInput("body", f"msgpack extension types are not accepted (ext code {code})")
+
+
+def unpack_body(body: bytes, max_request_bytes: int) -> object:
+    check_body_size(len(body), max_request_bytes)
+    try:
+        return msgpack.unpackb(
+            body, raw=False, ext_hook=_refuse_ext, strict_map_key=True, max_bin_len=max_request_bytes
+        )
+    except InvalidInput:
+        raise
+    except Exception as exc:  # truncated, extra data, bad utf-8, over-deep nesting: all malformed input
+        raise InvalidInput("body", f"is not valid msgpack ({type(exc).__name__}: {exc})") from None
+
+
+def request_from_fields(fields: dict) -> DecodeRequest:
+    """Wire fields (`latents` a WireTensor) -> DecodeRequest; shared by every wire format."""
+    return DecodeRequest(**{**fields, "latents": to_torch(fields["latents"])})
+
+
+def parse_decode_body(body: bytes, content_type: str | None, max_request_bytes: int) -> DecodeRequest:
+    check_content_type(content_type)
+    return request_from_fields(request_fields(unpack_body(body, max_request_bytes)))
+
+
+def response_of(result: DecodeResult, output=None, item_index: int = 0) -> DecodeResponse:
+    """The wire response for a result (`output` overrides it, e.g. one streamed item)."""
+    t = result.timing
+    timing = {"queue_ms": round(t.queue_ms, 3), "decode_ms": round(t.decode_ms, 3), "batch_size": t.batch_size}
+    return DecodeResponse(
+        result.output if output is None else output,
+        result.model,
+        result.quality,
+        result.precision,
+        result.request_id,
+        timing,
+        item_index,
+    )
+
+
+def encode_decode_response(result: DecodeResult) -> bytes:
+    return pack(response_of(result).to_map())
+
+
+def peek_model(body: bytes) -> str | None:
+    """The `model` key of a msgpack /decode body, read without unpacking the latents (routing).
+    None when absent or when the body is malformed: the decoder then answers the precise 400."""
+    unpacker = msgpack.Unpacker(raw=False, strict_map_key=False)
+    unpacker.feed(body)
+    try:
+        for _ in range(unpacker.read_map_header()):
+            key = unpacker.unpack()
+            if key == "model":
+                value = unpacker.unpack()
+                return value if isinstance(value, str) else None
+            unpacker.skip()
+    except Exception:  # malformed: not the router's to judge
+        return None
+    return None

@@ -1,0 +1,93 @@
+"""HTTP answers of a decode replica as plain data (`HttpAnswer` crosses handles, so a routing
+ingress can forward raw bodies and return the decoder's answer), and the FastAPI glue."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from fastapi.responses import Response
+from starlette.requests import Request
+
+from vae_service.engine.errors import InvalidInput
+from vae_service.protocol.errors import ANSWERABLE, wire_error
+from vae_service.protocol.hf_remote import parse_remote_decode, remote_decode_reply
+from vae_service.protocol.msgpack_decode import CONTENT_TYPE, check_body_size, encode_decode_response, parse_decode_body
+from vae_service.serving.decode_service import DecodeService
+
+
+@dataclass
+class HttpAnswer:
+    status: int
+    body: bytes
+    media_type: str
+    headers: dict = field(default_factory=dict)
+
+    def response(self) -> Response:
+        return Response(self.body, status_code=self.status, media_type=self.media_type, headers=self.headers)
+
+
+def error_answer(exc: BaseException) -> HttpAnswer:
+    info = wire_error(exc)
+    return HttpAnswer(info.http_status, info.http_body(), "application/json", info.http_headers())
+
+
+async def decode_answer(service: DecodeService, body: bytes, content_type: str | None) -> HttpAnswer:
+    max_bytes = service.config.limits.max_request_bytes
+    try:
+        result = await service.decode_from(lambda: parse_decode_body(body, content_type, max_bytes), len(body))
+    except ANSWERABLE as exc:
+        return error_answer(service.rejected(exc))
+    return HttpAnswer(200, encode_decode_response(result), CONTENT_TYPE)
+
+
+async def remote_decode_answer(
+    service: DecodeService, body: bytes, content_type: str | None, accept: str | None, query: dict[str, list[str]]
+) -> HttpAnswer:
+    try:
+        plan = parse_remote_decode(body, content_type, accept, query)
+        result = await service.decode(plan.request)
+    except ANSWERABLE as exc:
+        return error_answer(service.rejected(exc))
+    data, media_type, headers = remote_decode_reply(plan, result)
+    return HttpAnswer(200, data, media_type, headers)
+
+
+async def decode_http(service: DecodeService, request: Request) -> HttpAnswer:
+    try:
+        body = await read_body(request, service.config.limits.max_request_bytes)
+    except ANSWERABLE as exc:
+        return error_answer(service.rejected(exc))
+    return await decode_answer(service, body, request.headers.get("content-type"))
+
+
+async def remote_decode_http(service: DecodeService, request: Request) -> HttpAnswer:
+    try:
+        body = await read_body(request, service.config.limits.max_request_bytes)
+    except ANSWERABLE as exc:
+        return error_answer(service.rejected(exc))
+    return await remote_decode_answer(
+        service, body, request.headers.get("content-type"), request.headers.get("accept"), query_lists(request)
+    )
+
+
+async def read_body(request: Request, max_request_bytes: int) -> bytes:
+    """The body under the byte budget: a declared or actual size over it is refused early."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not declared.isdigit():
+            raise InvalidInput("Content-Length", f"must be an integer, got {declared!r}")
+        check_body_size(int(declared), max_request_bytes)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        check_body_size(size, max_request_bytes)  # a body longer than declared is cut off early, too
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def query_lists(request: Request) -> dict[str, list[str]]:
+    """Starlette QueryParams -> plain data that crosses a handle."""
+    out: dict[str, list[str]] = {}
+    for key, value in request.query_params.multi_items():
+        out.setdefault(key, []).append(value)
+    return out

@@ -1,0 +1,114 @@
+"""A decode replica's behaviour, shared by the plain deployment (handles, gRPC, a routing ingress
+in front) and the one that is its own HTTP ingress (deployment.py). Thin: every answer is built
+by http_routes, grpc_servicer or handle_api over one DecodeService.
+
+The model, precision, device and fast path are deployment arguments, fixed for the replica's
+life: changing them makes Serve roll replicas, so a reply always names the model and precision
+that decoded it. `reconfigure` (Serve's user_config) applies limits and batching only.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from ray import serve
+
+from vae_service.config import LIVE_FIELDS, LiveConfig, ServiceConfig
+from vae_service.serving import metrics
+from vae_service.serving.decode_service import DecodeService
+from vae_service.serving.grpc_servicer import GrpcAnswer, grpc_answer
+from vae_service.serving.handle_api import handle_decode
+from vae_service.serving.http_routes import HttpAnswer, decode_answer, remote_decode_answer
+
+log = logging.getLogger("ray.serve")  # Serve writes it to the replica's own log file
+DRAIN_TIMEOUT_S = 30.0
+
+
+def replica_id() -> str:
+    try:
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # outside a replica (local testing mode)
+        return "local"
+
+
+def parse_live(user_config: dict) -> LiveConfig:
+    fixed = sorted(k for k in user_config if k in ServiceConfig.model_fields and k not in LIVE_FIELDS)
+    if fixed:
+        raise ValueError(
+            f"user_config: {fixed} are fixed for a replica's life (deployment arguments); change the "
+            f"application's args to roll replicas. user_config takes only {list(LIVE_FIELDS)}"
+        )
+    return LiveConfig.model_validate(user_config)
+
+
+class DecoderReplica:
+    def __init__(self, config: dict | ServiceConfig):
+        config = ServiceConfig.model_validate(config)
+        self.service = DecodeService(config, on_batch=self._observe_batch, on_rejected=self._count_rejected)
+        self.model = self.service.engine.spec.name
+        log.info("serving %s", self.service.engine.describe())
+        metrics.report_folded_bytes(self.service.engine)
+
+    @property
+    def config(self) -> ServiceConfig:
+        return self.service.config
+
+    def reconfigure(self, user_config: dict) -> None:
+        self.service.apply(parse_live(user_config))
+        log.info("live settings now %s", self.service.live.model_dump())
+
+    def _observe_batch(self, stats) -> None:
+        metrics.report_batch(self.model, stats)
+        metrics.report_folded_bytes(self.service.engine)
+        metrics.report_queue(self.model, self.service.batcher)
+
+    def _count_rejected(self, exc: BaseException) -> None:
+        metrics.report_rejected(self.model, exc)
+
+    def check_health(self) -> None:
+        self.service.engine.check_device()
+
+    def describe(self) -> dict:
+        return {"replica": replica_id(), **self.service.describe()}
+
+    # ---- bodies, also called through handles by the routing ingress ----------------------------
+    async def decode_body(self, body: bytes, content_type: str | None) -> HttpAnswer:
+        return await decode_answer(self.service, body, content_type)
+
+    async def remote_decode_body(
+        self, body: bytes, content_type: str | None, accept: str | None, query: dict[str, list[str]]
+    ) -> HttpAnswer:
+        return await remote_decode_answer(self.service, body, content_type, accept, query)
+
+    # ---- gRPC: methods named like the RPCs of vae_service.v1.VaeDecoder ----------------------
+    async def grpc_messages(self, request, stream: bool) -> GrpcAnswer:
+        return await grpc_answer(self.service, request, stream)
+
+    async def Decode(self, request, grpc_context):  # noqa: N802 (the RPC's name)
+        return (await self.grpc_messages(request, False)).unary(grpc_context)
+
+    async def DecodeStream(self, request, grpc_context):  # noqa: N802
+        for message in (await self.grpc_messages(request, True)).stream(grpc_context):
+            yield message
+
+    # ---- composition -----------------------------------------------------------------------
+    async def decode(self, latents, quality: str = "lossless", output: str = "uint8", **options) -> dict:
+        """`latents` a torch tensor or numpy array; options are the /decode keys (scaling_factor,
+        shift_factor, height, width, request_id, model). Returns the /decode response fields with
+        `output` as a numpy array (bf16 as float32) or a list of bytes."""
+        return await handle_decode(self.service, latents, quality=quality, output=output, **options)
+
+    def release_folded(self) -> int:
+        """Drop the fast path's folded weights now (the next `high` decode rebuilds them)."""
+        freed = self.service.release_folded()
+        metrics.report_folded_bytes(self.service.engine)
+        return freed
+
+    async def __del__(self) -> None:
+        # Serve calls this on scale-down, redeploy, delete and shutdown (not on a hard kill):
+        # let queued and running batches finish, then give the folded buffers back.
+        drained = await self.service.drain(DRAIN_TIMEOUT_S)
+        freed = self.release_folded()
+        log.info(
+            "replica %s shutting down: drained=%s, released %d bytes of folded buffers", replica_id(), drained, freed
+        )
