@@ -8,7 +8,7 @@ COPY pyproject.toml README.md ./
 COPY vae_service ./vae_service
 COPY clients ./clients
 COPY deploy ./deploy
-RUN pip install --no-cache-dir .
+RUN pip install --no-cache-dir ./clients .
 EXPOSE 8000 9000
 # Mount a local diffusers VAE folder and pass --model /models/vae for real weights;
 # the default preset has seeded random weights and decodes noise.
