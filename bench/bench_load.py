@@ -1,7 +1,9 @@
 """Load generator against a local Serve (loopback only; bounded in count and time).
 
 Prints, in one run: throughput and p50/p99 latency at concurrency 1, 8, 32 with mixed tiers
-(alternating lossless/high), batching on (max_batch_size 8) vs max_batch_size=1, for tiny-kl
+(alternating lossless/high), batching on (max_batch_size 8) vs max_batch_size=1 with Serve's
+admission held equal (max_ongoing_requests, max_queued_requests: otherwise the derived
+max_ongoing_requests of the unbatched mode would throttle it, not its lack of batching), for tiny-kl
 (64 px outputs: per-request overhead dominates) and sd at 256 px; errors (target 0 under the
 queue limit) and rejections (429/503) in an overload cell above it.
 Usage: python bench/bench_load.py [--quick] [--cell-seconds 60]
@@ -67,6 +69,33 @@ async def run_cell(url: str, channels: int, side: int, concurrency: int, count: 
     }
 
 
+HELD_EQUAL = {"max_ongoing_requests": 32, "max_queued_requests": 64}  # Serve's admission, both modes
+MODES = {"batched": 8, "max_batch_size=1": 1}
+
+
+def run_mode(base: str, model: str, mode: str, cell_seconds: float) -> dict[int, dict]:
+    from ray import serve
+
+    from vae_service.serving.app import decoder_app
+
+    name = f"{model}-{MODES[mode]}"
+    config = {"model": model, "batching": {"max_batch_size": MODES[mode]}}
+    serve.run(decoder_app(config, **HELD_EQUAL), name=name, route_prefix=f"/{name}")
+    asyncio.run(run_cell(f"{base}/{name}", 4, LATENT[model], 2, 4, cell_seconds))  # warm-up
+    cells = {}
+    for conc in (1, 8, 32):
+        count = 40 * conc if model == "tiny-kl" else 2 * conc
+        cells[conc] = asyncio.run(run_cell(f"{base}/{name}", 4, LATENT[model], conc, count, cell_seconds))
+        print(f"  {model} {mode} c={conc}: {cells[conc]}", flush=True)
+    serve.delete(name)
+    return cells
+
+
+def row(model: str, mode: str, conc: int | str, cell: dict) -> list:
+    keys = ("ok", "rps", "p50", "p99", "errors", "rejected", "cut")
+    return [model, mode, conc, *(cell[k] for k in keys)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="tiny-kl only")
@@ -74,76 +103,31 @@ def main() -> None:
     args = parser.parse_args()
     from ray import serve
 
-    from vae_service.serving.app import build_app
+    from vae_service.serving.app import decoder_app
 
     models = ["tiny-kl"] if args.quick else ["tiny-kl", "sd"]
     rows = []
     with local_serve() as base:
         for model in models:
-            channels = 4
-            results = {}
-            for mode, batch in (("batched", 8), ("max_batch_size=1", 1)):
-                name = f"{model}-{batch}"
-                serve.run(
-                    build_app({"model": model, "batching": {"max_batch_size": batch, "batch_wait_ms": 5}}),
-                    name=name,
-                    route_prefix=f"/{name}",
-                )
-                asyncio.run(run_cell(f"{base}/{name}", channels, LATENT[model], 2, 4, args.cell_seconds))  # warm-up
-                for conc in (1, 8, 32):
-                    count = 40 * conc if model == "tiny-kl" else 2 * conc
-                    cell = asyncio.run(
-                        run_cell(f"{base}/{name}", channels, LATENT[model], conc, count, args.cell_seconds)
-                    )
-                    results[(mode, conc)] = cell
-                    rows.append(
-                        [
-                            model,
-                            mode,
-                            conc,
-                            cell["ok"],
-                            cell["rps"],
-                            cell["p50"],
-                            cell["p99"],
-                            cell["errors"],
-                            cell["rejected"],
-                            cell["cut"],
-                        ]
-                    )
-                    print(f"  {model} {mode} c={conc}: {cell}", flush=True)
-                serve.delete(name)
+            results = {mode: run_mode(base, model, mode, args.cell_seconds) for mode in MODES}
+            for mode, cells in results.items():
+                rows += [row(model, mode, conc, cell) for conc, cell in cells.items()]
             for conc in (1, 8, 32):
-                b, u = results[("batched", conc)]["rps"], results[("max_batch_size=1", conc)]["rps"]
+                b, u = results["batched"][conc]["rps"], results["max_batch_size=1"][conc]["rps"]
                 rows.append([model, "batched / unbatched", conc, "", b / u if u else float("nan"), "", "", "", "", ""])
         # above the queue limit: rejections, never errors
-        serve.run(
-            build_app(
-                {
-                    "model": "tiny-kl",
-                    "serving": {"max_queued_requests": 16, "concurrent_keys": 1},
-                    "batching": {"max_batch_size": 4},
-                }
-            ),
-            name="overload",
-            route_prefix="/overload",
-        )
+        overload = {
+            "model": "tiny-kl",
+            "serving": {"max_queued_requests": 16, "concurrent_keys": 1},
+            "batching": {"max_batch_size": 4},
+        }
+        serve.run(decoder_app(overload), name="overload", route_prefix="/overload")
         cell = asyncio.run(run_cell(f"{base}/overload", 4, 32, 200, 400, args.cell_seconds))
-        rows.append(
-            [
-                "tiny-kl 256px",
-                "overload (queue 16)",
-                200,
-                cell["ok"],
-                cell["rps"],
-                cell["p50"],
-                cell["p99"],
-                cell["errors"],
-                cell["rejected"],
-                cell["cut"],
-            ]
-        )
+        rows.append(row("tiny-kl 256px", "overload (queue 16)", 200, cell))
+    held = ", ".join(f"{k}={v}" for k, v in HELD_EQUAL.items())
     print_table(
-        "HTTP load, mixed tiers (loopback)",
+        f"HTTP load, mixed tiers (loopback); held equal across modes: {held}, 1 replica, same model, "
+        "threads and batch_wait_ms; only max_batch_size differs",
         ["model", "mode", "concurrency", "ok", "req/s", "p50 ms", "p99 ms", "errors", "rejected", "cut off"],
         rows,
     )

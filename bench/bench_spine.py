@@ -93,12 +93,12 @@ def measure(http: httpx.Client, url: str, engine: DecodeEngine, label: str, shap
 def request_path(rounds: dict[str, int]) -> list[list]:
     from ray import serve
 
-    from vae_service.serving.app import build_app
+    from vae_service.serving.app import decoder_app
 
     engine = DecodeEngine(ServiceConfig(model=MODEL))  # the replica's config: all cores, fp32
     with local_serve() as url, httpx.Client(timeout=120) as http:
         serve.run(noop_deployment(), name="noop", route_prefix="/noop")
-        serve.run(build_app({"model": MODEL}), name="vae", route_prefix="/vae")
+        serve.run(decoder_app({"model": MODEL}), name="vae", route_prefix="/vae")
         return [measure(http, url, engine, label, shape, rounds[label]) for label, shape in SHAPES.items()]
 
 

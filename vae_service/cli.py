@@ -56,12 +56,12 @@ def cmd_serve(args: argparse.Namespace) -> None:
     from ray import serve
     from ray.serve.config import gRPCOptions
 
-    from vae_service.serving.app import GRPC_SERVICER, build_app
+    from vae_service.serving.app import GRPC_SERVICER, decoder_app
 
     ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, logging_level=logging.WARNING)
     grpc = gRPCOptions(port=args.grpc_port, grpc_servicer_functions=[GRPC_SERVICER]) if args.grpc_port else None
     serve.start(http_options={"host": args.host, "port": args.port}, grpc_options=grpc)
-    serve.run(build_app(config.model_dump()), name="vae", route_prefix="/")
+    serve.run(decoder_app(config.model_dump()), name="vae", route_prefix="/")
     url = f"http://{args.host}:{args.port}"
     print(f"\nvae-service is serving '{config.served_name}' at {url}  (POST /decode, POST /remote-decode, GET /health)")
     if args.grpc_port:

@@ -54,7 +54,7 @@ def ray_cluster():
 def kl_url(ray_cluster, kl_dir):
     from ray import serve
 
-    from vae_service.serving.app import build_app
+    from vae_service.serving.app import decoder_app
 
     config = {
         "model": str(kl_dir),
@@ -62,7 +62,7 @@ def kl_url(ray_cluster, kl_dir):
         "cpu_threads": 1,
         "limits": {"max_request_bytes": 4 * 2**20, "max_output_pixels": 2**22},
     }
-    serve.run(build_app(config, **TEST_DEPLOYMENT), name="kl", route_prefix="/kl")
+    serve.run(decoder_app(config, **TEST_DEPLOYMENT), name="kl", route_prefix="/kl")
     return f"{ray_cluster}/kl"
 
 
@@ -71,13 +71,13 @@ def multi_url(ray_cluster, kl_dir, flux_dir, wan_dir):
     """One ingress, three models: routing by `model`."""
     from ray import serve
 
-    from vae_service.serving.app import build_multi_app
+    from vae_service.serving.app import multi_model_app
 
     models = [
         {"model": str(folder), "model_name": name, "cpu_threads": 1}
         for name, folder in (("kl", kl_dir), ("flux", flux_dir), ("wan", wan_dir))
     ]
-    serve.run(build_multi_app({"models": models}, **TEST_DEPLOYMENT), name="multi", route_prefix="/multi")
+    serve.run(multi_model_app({"models": models}, **TEST_DEPLOYMENT), name="multi", route_prefix="/multi")
     return f"{ray_cluster}/multi"
 
 
@@ -91,14 +91,14 @@ def app(ray_cluster, kl_dir):
     """Deploys tiny-kl apps with a config of the test's own; deletes them afterwards."""
     from ray import serve
 
-    from vae_service.serving.app import build_app
+    from vae_service.serving.app import decoder_app
 
     names = []
 
     def deploy(name, autoscaling_config=None, **config):
         options = dict(TEST_DEPLOYMENT, **({"autoscaling_config": autoscaling_config} if autoscaling_config else {}))
         serve.run(
-            build_app({"model": str(kl_dir), "model_name": name, "cpu_threads": 1, **config}, **options),
+            decoder_app({"model": str(kl_dir), "model_name": name, "cpu_threads": 1, **config}, **options),
             name=name,
             route_prefix=f"/{name}",
         )

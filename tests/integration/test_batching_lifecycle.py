@@ -15,7 +15,7 @@ import torch
 from ray import serve
 
 from tests.models import reference_decode, torch_threads
-from vae_service.serving.app import build_app
+from vae_service.serving.app import decoder_app
 from vae_service_client import AsyncVaeClient, VaeClient, VaeServiceError
 from vae_service_client.messages import pack, request_map
 
@@ -156,7 +156,7 @@ async def test_a_precision_change_rolls_replicas_without_failing_a_request(ray_c
 
     def deploy(precision):
         serve.run(
-            build_app(
+            decoder_app(
                 {"model": str(kl_dir), "model_name": name, "cpu_threads": 1, "decode_precision": precision}, **options
             ),
             name=name,

@@ -4,12 +4,20 @@ from pathlib import Path
 
 import pytest
 import yaml
+from ray._common.utils import import_attr
+from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
 from ray.serve.schema import ServeDeploySchema
 
 from vae_service.config import ServiceConfig
 from vae_service.serving.app import GRPC_SERVICER, build_multi_app, router_options
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+
+
+def built_the_way_serve_builds_it(app: dict) -> None:
+    """Serve imports the builder and calls it with the YAML's args (exactly one parameter)."""
+    built = call_user_app_builder_with_args_if_necessary(import_attr(app["import_path"]), app.get("args", {}))
+    assert type(built).__name__ == "Application"
 
 
 @pytest.mark.parametrize("name", ["serve-cpu.yaml", "serve-gpu.yaml"])
@@ -19,6 +27,7 @@ def test_deploy_yaml_builds_a_single_model_app(name):
     assert schema.grpc_options.grpc_servicer_functions == [GRPC_SERVICER]
     (app,) = raw["applications"]
     assert app["import_path"] == "vae_service.serving.app:build_app"
+    built_the_way_serve_builds_it(app)
     config = ServiceConfig.model_validate(app["args"])
     (deployment,) = app["deployments"]
     assert deployment["name"] == "VaeDecoder"
@@ -54,6 +63,7 @@ def test_multi_model_yaml_builds_one_router_and_a_decoder_per_model():
     ServeDeploySchema.model_validate(raw)
     (app,) = raw["applications"]
     assert app["import_path"] == "vae_service.serving.app:build_multi_app"
+    built_the_way_serve_builds_it(app)
     configs = [ServiceConfig.model_validate(m) for m in app["args"]["models"]]
     assert [c.served_name for c in configs] == ["flux", "wan2.1"]
     with pytest.raises(ValueError, match="unique"):

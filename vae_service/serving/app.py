@@ -7,7 +7,9 @@ replicas) and the config's live part as `user_config` (limits and batching, appl
 - `build_multi_app({"models": [args, ...]})`: several models behind one routing ingress.
 - `app`: one model with the default config (`serve run vae_service.serving.app:app`).
 
-YAML files use the builders as `import_path` and the config as `args`.
+YAML files use the builders as `import_path` and the config as `args` (Serve calls a builder with
+exactly one argument). From Python, `decoder_app`, `decoder_deployment` and `multi_model_app` take
+Serve deployment options on top (replicas, autoscaling, actor resources, shutdown timeouts).
 """
 
 from __future__ import annotations
@@ -29,12 +31,12 @@ def _decoder(config: ServiceConfig, deployment=VaeDecoder, **deployment_options)
     return deployment.options(user_config=config.live().model_dump(), **options).bind(config.model_dump())
 
 
-def build_app(args: dict | None = None, **deployment_options) -> Application:
+def decoder_app(args: dict | None = None, **deployment_options) -> Application:
     """One model, serving HTTP itself."""
     return _decoder(ServiceConfig.model_validate(args or {}), VaeDecoderHttp, **deployment_options)
 
 
-def build_decoder(args: dict | None = None, **deployment_options) -> Application:
+def decoder_deployment(args: dict | None = None, **deployment_options) -> Application:
     """One model without HTTP routes: to bind into another ingress (composition)."""
     return _decoder(ServiceConfig.model_validate(args or {}), **deployment_options)
 
@@ -53,7 +55,7 @@ def router_options(configs: list[ServiceConfig]) -> dict:
     }
 
 
-def build_multi_app(args: dict, **deployment_options) -> Application:
+def multi_model_app(args: dict, **deployment_options) -> Application:
     configs = [ServiceConfig.model_validate(m) for m in args.get("models") or []]
     if not configs:
         raise ValueError("models: give at least one model config")
@@ -65,4 +67,16 @@ def build_multi_app(args: dict, **deployment_options) -> Application:
     return router.bind(decoders, max(c.limits.max_request_bytes for c in configs))
 
 
-app = build_app()
+def build_app(args: dict) -> Application:
+    return decoder_app(args)
+
+
+def build_decoder(args: dict) -> Application:
+    return decoder_deployment(args)
+
+
+def build_multi_app(args: dict) -> Application:
+    return multi_model_app(args)
+
+
+app = decoder_app()
