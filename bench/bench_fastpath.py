@@ -65,6 +65,7 @@ def run_case(
         print(prof.key_averages().table(sort_by=key, row_limit=12, max_name_column_width=60))
     lossless, high = statistics.median(times["lossless"]), statistics.median(times["high"])
     err = (outputs["high"].float() - outputs["lossless"].float()).abs().max().item()
+    ratio = "n/a (fp32)" if engine.dtype == torch.float32 else f"{bf16_error_ratio(model, device, z, outputs):.2f}"
     size = f"{height}x{width}" + (f" x {engine.spec.output_frames(frames)} frames" if video else "")
     return [
         model,
@@ -75,8 +76,24 @@ def run_case(
         lossless / high,
         f"{err:.1e}",
         f"{psnr_uint8(outputs['high'], outputs['lossless']):.1f}",
+        ratio,
         engine.fast_path.folded.nbytes // 1024,
     ]
+
+
+def bf16_error_ratio(model: str, device: str, z: torch.Tensor, outputs: dict) -> float:
+    """README's bound for low precision: max |high - fp32| / max |lossless - fp32| (<= 2), against
+    the same weights decoded in fp32 with TF32 off."""
+    flags = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        exact_engine = DecodeEngine(ServiceConfig(model=model, device=device, decode_precision="fp32"))
+        exact = exact_engine.decode([exact_engine.prepare(DecodeRequest(z, output="float"))])[0].output.float()
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = flags
+    del exact_engine
+    errors = {q: (outputs[q].float() - exact).abs().max().item() for q in ("high", "lossless")}
+    return errors["high"] / max(errors["lossless"], 1e-12)
 
 
 def main() -> None:
@@ -129,6 +146,7 @@ def main() -> None:
             "speed-up",
             "max |high - lossless|",
             "uint8 PSNR dB",
+            "error ratio vs fp32 (<= 2)",
             "folded KiB",
         ],
         rows,

@@ -50,9 +50,16 @@ class Serving(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     concurrent_keys: int = Field(4, gt=0, description="batch keys that may fill at once in one replica")
-    max_queued_requests: int = Field(64, ge=-1, description="requests queued in Serve before rejection")
+    max_queued_requests: int = Field(64, ge=-1, description="requests queued in Serve before rejection; -1: no limit")
     backpressure_status: Literal[429, 503] = 429
     retry_after_s: float = Field(1.0, ge=0)
+
+    @field_validator("max_queued_requests")
+    @classmethod
+    def _serve_accepts(cls, v: int) -> int:
+        if v == 0:  # Serve itself would refuse it at deploy time, long after startup
+            raise ValueError("must be -1 (no limit) or a positive integer")
+        return v
 
 
 class FastPath(BaseModel):

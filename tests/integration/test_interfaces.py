@@ -84,15 +84,33 @@ def test_remote_decode_quality_and_errors(kl_url, z):
         endpoint=f"{kl_url}/remote-decode", tensor=z, scaling_factor=0.18215, output_type="pt", return_type="pt"
     )
     assert (high - lossless).abs().max() <= 1e-3
-    with pytest.raises(RuntimeError):  # remote_decode raises on non-200; our 400 names the field
+    with pytest.raises(RuntimeError, match="'field': 'latents'"):  # remote_decode raises our JSON error on non-200
         remote_decode(endpoint=f"{kl_url}/remote-decode", tensor=torch.randn(1, 3, 4, 4), scaling_factor=1.0)
-    r = httpx.post(
-        f"{kl_url}/remote-decode",
-        params={"shape": [1, 4, 2, 2], "dtype": "float32"},
-        content=b"\0" * 8,
-        headers={"content-type": "tensor/binary"},
-    )
-    assert r.status_code == 400 and r.json()["error"]["field"] == "latents.data"
+    for params, content, content_type, status, type_, field in (
+        ({"shape": [1, 3, 4, 4]}, b"\0" * 192, "tensor/binary", 400, "invalid_request", "latents"),
+        (
+            {"shape": [1, 4, 2, 2], "dtype": "float32"},
+            b"\0" * 8,
+            "tensor/binary",
+            400,
+            "invalid_request",
+            "latents.data",
+        ),
+        (
+            {"shape": [1, 4, 2, 2], "output_type": "gif"},
+            b"\0" * 64,
+            "tensor/binary",
+            400,
+            "invalid_request",
+            "output_type",
+        ),
+        ({"shape": [1, 4, 2, 2]}, b"\0" * 64, "application/json", 415, "unsupported_media_type", "Content-Type"),
+    ):
+        r = httpx.post(
+            f"{kl_url}/remote-decode", params=params, content=content, headers={"content-type": content_type}
+        )
+        assert r.status_code == status, r.text
+        assert (r.json()["error"]["type"], r.json()["error"]["field"]) == (type_, field)
 
 
 def test_health_lists_every_model(multi_url):
@@ -119,7 +137,7 @@ def test_routing_by_model_field(multi_url, flux_vae, wan_vae):
 
 
 def test_remote_decode_through_the_router_packed_and_video(multi_url):
-    packed = torch.randn(1, 6, 32)
+    packed = torch.randn(1, 6, 32, generator=torch.Generator().manual_seed(21))
     image = remote_decode(
         endpoint=f"{multi_url}/remote-decode?model=flux",
         tensor=packed,
@@ -129,10 +147,15 @@ def test_remote_decode_through_the_router_packed_and_video(multi_url):
         shift_factor=0.1159,
         image_format="png",
     )
+    with VaeClient(multi_url) as client:  # the same decode over /decode: PNG is lossless, so equal pixels
+        pixels = client.decode(packed, model="flux", height=32, width=48, scaling_factor=0.3611, shift_factor=0.1159)
+        video = torch.randn(1, 4, 2, 4, 4, generator=torch.Generator().manual_seed(22))
+        frames = client.decode(video, model="wan").output[0]
     assert image.size == (48, 32)
+    np.testing.assert_array_equal(np.asarray(image), pixels.output[0])
     mp4 = remote_decode(
         endpoint=f"{multi_url}/remote-decode?model=wan",
-        tensor=torch.randn(1, 4, 2, 4, 4),
+        tensor=video,
         output_type="mp4",
         return_type="mp4",
         do_scaling=True,
@@ -140,7 +163,12 @@ def test_remote_decode_through_the_router_packed_and_video(multi_url):
     import av
 
     with av.open(io.BytesIO(mp4)) as container:
-        assert sum(1 for _ in container.decode(video=0)) == 5
+        back = np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)])
+    assert back.shape == frames.shape == (5, 32, 32, 3)
+    luma = np.array([0.299, 0.587, 0.114])
+    own = np.abs(back @ luma - frames @ luma).mean()
+    shifted = np.abs(back @ luma - np.roll(frames, 1, axis=0) @ luma).mean()
+    assert own < 0.5 * shifted, (own, shifted)  # lossy, but these frames in this order
 
 
 def test_handle_api_routes_and_validates(multi_url, kl_vae):

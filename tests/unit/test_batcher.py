@@ -140,11 +140,26 @@ async def test_waits_for_a_batch_to_fill_then_runs_it_once():
     assert [m for _, m, _ in recorder.calls] == [[0, 1, 2, 3]]
 
 
-async def test_a_lone_request_waits_at_most_batch_wait():
-    batcher = KeyedBatcher(Recorder(), BatcherLimits(max_batch_size=8, batch_wait_ms=30))
-    t = time.monotonic()
-    assert await batcher.submit(Req(0, "k")) == ("ok", 0)
-    assert 0.025 <= time.monotonic() - t < 1.0
+async def test_a_lone_request_on_an_idle_batcher_is_decoded_at_once():
+    """With the default batch_wait_ms of 0 nothing waits for company: under a clock that never
+    moves, a lone request still completes (any wait for a deadline would never end)."""
+    recorder = Recorder()
+    batcher = KeyedBatcher(recorder, BatcherLimits(max_batch_size=8), clock=lambda: 100.0)
+    assert BatcherLimits().batch_wait_ms == 0
+    assert await asyncio.wait_for(batcher.submit(Req(0, "k")), 5.0) == ("ok", 0)
+    assert [m for _, m, _ in recorder.calls] == [[0]]
+
+
+async def test_a_lone_request_waits_for_company_until_batch_wait_passes_on_the_batchers_clock():
+    now = [0.0]
+    recorder = Recorder()
+    batcher = KeyedBatcher(recorder, BatcherLimits(max_batch_size=8, batch_wait_ms=30), clock=lambda: now[0])
+    task = asyncio.create_task(batcher.submit(Req(0, "k")))
+    await asyncio.sleep(0.1)  # real time passes, the batcher's clock does not: still waiting
+    assert not task.done() and recorder.calls == []
+    now[0] = 0.031
+    batcher.update(batcher.limits)  # wakes the worker to look at the clock again
+    assert await asyncio.wait_for(task, 5.0) == ("ok", 0)
 
 
 async def test_a_steady_stream_of_one_key_does_not_starve_another():

@@ -1,8 +1,13 @@
 """The replica core without Ray: concurrent requests, live settings, fixed model and precision."""
 
 import asyncio
+import itertools
+import json
 import threading
+import time
 
+import msgpack
+import numpy as np
 import pytest
 import torch
 
@@ -10,7 +15,9 @@ from tests.models import reference_decode, torch_threads
 from vae_service.config import Batching, Limits, LiveConfig, ServiceConfig
 from vae_service.engine import DecodeRequest, LimitExceeded
 from vae_service.serving.decode_service import DecodeService
+from vae_service.serving.http_routes import decode_answer
 from vae_service.serving.replica import parse_live
+from vae_service_client.messages import MSGPACK, DecodeResponse, pack, request_map
 
 
 async def test_concurrent_lossless_requests_are_bit_identical_to_solo_decodes(kl_dir, kl_vae):
@@ -77,3 +84,76 @@ async def test_batches_run_on_one_device_thread_with_the_engines_thread_count(kl
         expected = reference_decode(kl_vae, z)
     assert all(torch.equal(o.output, expected) for o in outs)
     assert service.describe()["cpu_threads"] == 1
+
+
+def kl_service(kl_dir, **config) -> DecodeService:
+    return DecodeService(ServiceConfig(model=str(kl_dir), model_name="kl", device="cpu", cpu_threads=1, **config))
+
+
+async def test_out_of_memory_retries_the_batch_item_by_item_then_answers_503_with_retry_after(kl_dir, kl_vae):
+    service = kl_service(kl_dir, batching={"batch_wait_ms": 50}, serving={"retry_after_s": 3})
+    calls, decode = [], service.engine.decode
+
+    def short_of_memory(batch):  # injected: the device fits one item, and never the marked one
+        calls.append([r.request.request_id for r in batch])
+        if len(batch) > 1 or batch[0].request.request_id == "huge":
+            raise torch.OutOfMemoryError("injected: CUDA out of memory")
+        return decode(batch)
+
+    service.batcher.run_batch = short_of_memory
+    z = torch.randn(3, 4, 3, 3, generator=torch.Generator().manual_seed(4))
+    bodies = [
+        pack(request_map(z[i : i + 1], output="float", scaling_factor=None, request_id=rid))
+        for i, rid in enumerate(("a", "huge", "b"))
+    ]
+    answers = await asyncio.gather(*(decode_answer(service, b, MSGPACK) for b in bodies))
+    assert calls[0] == ["a", "huge", "b"] and sorted(map(tuple, calls[1:])) == [("a",), ("b",), ("huge",)]
+    ok = {a.status for i, a in enumerate(answers) if i != 1}
+    assert ok == {200} and answers[1].status == 503 and answers[1].headers == {"Retry-After": "3"}
+    assert json.loads(answers[1].body)["error"]["type"] == "out_of_memory"
+    with torch_threads(1):
+        expected = reference_decode(kl_vae, z[[0, 2]])
+    outputs = [DecodeResponse.from_map(msgpack.unpackb(answers[i].body)).output for i in (0, 2)]
+    np.testing.assert_array_equal(np.concatenate(outputs), expected.numpy())
+
+
+async def test_decoder_nan_answers_422_for_that_request_alone(kl_dir, monkeypatch):
+    service = kl_service(kl_dir, batching={"batch_wait_ms": 50})
+    decode = service.engine.vae.decode
+
+    def overflowing(z, *args, **kwargs):
+        out = decode(z, *args, **kwargs)
+        out.sample[(z == 7.0).flatten(1).any(1)] = float("nan")
+        return out
+
+    monkeypatch.setattr(service.engine.vae, "decode", overflowing)
+    latents = [torch.zeros(1, 4, 2, 2), torch.full((1, 4, 2, 2), 7.0), torch.ones(1, 4, 2, 2)]
+    answers = await asyncio.gather(
+        *(decode_answer(service, pack(request_map(z, "high", scaling_factor=None)), MSGPACK) for z in latents)
+    )
+    assert [a.status for a in answers] == [200, 422, 200]
+    error = json.loads(answers[1].body)["error"]
+    assert (error["type"], error["field"]) == ("decode_failed", "latents")
+    assert DecodeResponse.from_map(msgpack.unpackb(answers[0].body)).timing["batch_size"] == 3  # one shared call
+
+
+async def test_one_batch_on_the_device_at_a_time(kl_dir):
+    service = kl_service(kl_dir, batching={"max_batch_size": 2})
+    spans, decode = [], service.engine.decode
+
+    def recorded(batch):
+        start = time.perf_counter()
+        try:
+            return decode(batch)
+        finally:
+            spans.append((start, time.perf_counter(), batch[0].batch_key.quality))
+
+    service.batcher.run_batch = recorded
+    gen = torch.Generator().manual_seed(9)
+    requests = [
+        DecodeRequest(torch.randn(1, 4, 4, 4, generator=gen), quality=("high", "lossless")[i % 2]) for i in range(12)
+    ]
+    await asyncio.gather(*(service.decode(r) for r in requests))
+    spans.sort()
+    assert len(spans) >= 6 and {q for *_, q in spans} == {"high", "lossless"}
+    assert all(end <= next_start for (_, end, _), (next_start, _, _) in itertools.pairwise(spans))

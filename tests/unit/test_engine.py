@@ -10,7 +10,7 @@ from pydantic import ValidationError
 
 from tests.models import reference_decode
 from vae_service.config import Limits, ServiceConfig
-from vae_service.engine import DecodeEngine, DecodeRequest, InvalidInput, LimitExceeded
+from vae_service.engine import DecodeEngine, DecodeFailed, DecodeRequest, InvalidInput, LimitExceeded
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -24,7 +24,13 @@ def engines(kl_dir, flux_dir, wan_dir):
         if key not in cache:
             folder = {"kl": kl_dir, "flux": flux_dir, "wan": wan_dir}[kind]
             cache[key] = DecodeEngine(
-                ServiceConfig(model=str(folder), model_name=kind, decode_precision=precision, limits=Limits(**limits))
+                ServiceConfig(
+                    model=str(folder),
+                    model_name=kind,
+                    decode_precision=precision,
+                    device="cpu",
+                    limits=Limits(**limits),
+                )
             )
         return cache[key]
 
@@ -35,7 +41,7 @@ def run(engine, **kw):
     return engine.decode([engine.prepare(DecodeRequest(**kw))])[0].output
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 def test_lossless_batch_is_bit_identical_to_diffusers_solo_decodes(engines, kl_vae, precision, gen):
     engine = engines("kl", precision)
     dtype = DTYPES[precision]
@@ -104,16 +110,31 @@ def test_uint8_png_jpeg_follow_diffusers_postprocessing(engines, kl_vae, gen):
     assert np.abs(decoded - expected).mean() < 0.5 * np.abs(decoded - expected[::-1]).mean()
 
 
-def test_video_outputs(engines, gen):
+def luma(rgb: np.ndarray) -> np.ndarray:
+    return rgb.astype(float) @ np.array([0.299, 0.587, 0.114])
+
+
+def test_video_outputs(engines, wan_vae, gen):
     import av
 
-    z = torch.randn(1, 4, 2, 4, 4, generator=gen)
+    z = torch.randn(2, 4, 2, 4, 4, generator=gen)
     engine = engines("wan")
-    frames = run(engine, latents=z)
-    assert frames.shape == (1, 5, 32, 32, 3) and frames.dtype == torch.uint8
-    (mp4,) = run(engine, latents=z, output="mp4")
-    with av.open(io.BytesIO(mp4)) as container:
-        assert sum(1 for _ in container.decode(video=0)) == 5
+    frames = run(engine, latents=z, scaling_factor=None)
+    assert frames.shape == (2, 5, 32, 32, 3) and frames.dtype == torch.uint8
+    video = reference_decode(wan_vae, z)  # [B, 3, T, H, W] in [-1, 1]
+    expected = ((video / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 4, 1)
+    assert torch.equal(frames, expected)
+    mp4s = run(engine, latents=z, output="mp4", scaling_factor=None)
+    assert len(mp4s) == 2
+    for item, mp4 in enumerate(mp4s):
+        with av.open(io.BytesIO(mp4)) as container:
+            back = np.stack([f.to_ndarray(format="rgb24") for f in container.decode(video=0)])
+        assert back.shape == (5, 32, 32, 3)
+        # lossy (x264, yuv420p halves the chroma of these noise-like frames), so compare luma:
+        # each MP4 is clearly its own item's video
+        own = np.abs(luma(back) - luma(expected[item].numpy())).mean()
+        other = np.abs(luma(back) - luma(expected[1 - item].numpy())).mean()
+        assert own < 0.5 * other, (own, other)
     # a one-frame video can be a PNG; a 4-D latent is taken as one frame
     (png,) = run(engine, latents=torch.randn(1, 4, 4, 4, generator=gen), output="png")
     assert Image.open(io.BytesIO(png)).size == (32, 32)
@@ -128,8 +149,8 @@ def test_precision_sets_weights_and_output_dtype(engines, precision, gen):
     assert out.dtype == DTYPES[precision] and torch.isfinite(out).all()
 
 
-def test_auto_precision_is_fp32_on_cpu(engines):
-    assert DecodeEngine(ServiceConfig(model="tiny-kl")).precision == "fp32"
+def test_auto_precision_is_fp32_on_cpu():
+    assert DecodeEngine(ServiceConfig(model="tiny-kl", device="cpu")).precision == "fp32"
 
 
 @pytest.mark.parametrize(
@@ -253,9 +274,61 @@ def test_results_name_the_model_and_precision_that_decoded_them(engines, gen):
     assert (result.model, result.precision, result.quality, result.request_id) == ("kl", "bf16", "lossless", "x")
 
 
+def test_decoder_nan_fails_only_its_own_request(engines, kl_vae, gen, monkeypatch):
+    """NaN/Inf out of the decoder (e.g. fp16 overflow) fails that request alone, in a shared call."""
+    engine = engines("kl")
+    decode = engine.vae.decode
+
+    def overflowing(z, *args, **kwargs):
+        out = decode(z, *args, **kwargs)
+        poisoned = (z == 7.0).flatten(1).any(1)  # latents marked 7.0 overflow
+        out.sample[poisoned] = float("inf")
+        return out
+
+    monkeypatch.setattr(engine.vae, "decode", overflowing)
+    good, bad = torch.randn(2, 4, 3, 3, generator=gen), torch.full((1, 4, 3, 3), 7.0)
+    for quality in ("high", "lossless"):
+        requests = [
+            DecodeRequest(good[:1], quality=quality, output="float", scaling_factor=None),
+            DecodeRequest(bad, quality=quality, output="float", scaling_factor=None),
+            DecodeRequest(good[1:], quality=quality, output="float", scaling_factor=None),
+        ]
+        first, failed, last = engine.decode([engine.prepare(r) for r in requests])
+        assert isinstance(failed, DecodeFailed) and failed.field == "latents" and "NaN/Inf" in failed.message
+        ref = reference_decode(kl_vae, good)
+        tolerance = 0 if quality == "lossless" else 1e-3
+        assert (torch.cat([first.output, last.output]) - ref).abs().max() <= tolerance
+
+
+def test_health_reports_why_the_fast_path_was_skipped(tmp_path):
+    """A VAE whose config gives it a structure the fast path was not written for (GELU
+    activations) loads, reports why in its description (/health), and `high` runs the reference."""
+    from diffusers import AutoencoderKL
+
+    from vae_service.models import PRESETS
+
+    AutoencoderKL(**dict(PRESETS["tiny-kl"].config, act_fn="gelu")).save_pretrained(tmp_path)
+    engine = DecodeEngine(ServiceConfig(model=str(tmp_path), device="cpu"))
+    fast_path = engine.describe()["fast_path"]
+    assert not fast_path["installed"] and fast_path["rewrites"] == {}
+    assert any("nonlinearity (GELU)" in r for r in fast_path["skipped_because"])
+    z = torch.randn(1, 4, 3, 3)
+    high = engine.decode([engine.prepare(DecodeRequest(z, quality="high", output="float"))])[0].output
+    assert torch.equal(high, engine.decode([engine.prepare(DecodeRequest(z, output="float"))])[0].output)
+
+
 def test_health_check_fails_when_the_weights_are_gone():
     engine = DecodeEngine(ServiceConfig(model="tiny-kl"))
     engine.check_device()  # healthy
     engine.vae.to("meta")  # injected fault: the weights are no longer materialised on the device
     with pytest.raises(RuntimeError, match="weights left the device"):
+        engine.check_device()
+
+
+def test_health_check_fails_when_the_device_computes_wrong_results(monkeypatch):
+    engine = DecodeEngine(ServiceConfig(model="tiny-kl", device="cpu"))
+    engine.check_device()
+    real_mul = torch.Tensor.__mul__
+    monkeypatch.setattr(torch.Tensor, "__mul__", lambda a, b: real_mul(a, b) + 0.5)  # injected: arithmetic is off
+    with pytest.raises(RuntimeError, match="computes wrong results"):
         engine.check_device()

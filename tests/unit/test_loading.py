@@ -1,3 +1,4 @@
+import inspect
 import json
 import logging
 
@@ -89,3 +90,56 @@ def test_full_size_preset_parameter_counts():
     assert spec.decoder_params == 49_490_199
     assert spec.skipped_params == 34_163_664
     assert set(PRESETS) == {"sd", "sdxl", "flux", "wan2.1", "tiny-kl", "tiny-wan"}
+
+
+def test_preset_latent_factors_are_the_ones_diffusers_pipelines_use():
+    """Pipelines unscale with the VAE config's factors: SD's is diffusers' AutoencoderKL default,
+    Wan2.1's per-channel statistics are AutoencoderKLWan's defaults; SDXL's and FLUX.1's come from
+    their published VAE configs (stabilityai/sdxl-vae, black-forest-labs/FLUX.1-dev vae/)."""
+    from diffusers import AutoencoderKL, AutoencoderKLWan
+
+    default_scaling = inspect.signature(AutoencoderKL.__init__).parameters["scaling_factor"].default
+    wan = inspect.signature(AutoencoderKLWan.__init__).parameters
+    specs = {name: load_vae(name).spec for name in ("sd", "sdxl", "flux", "wan2.1")}
+    assert (specs["sd"].scaling_factor, specs["sd"].shift_factor) == (default_scaling, None) == (0.18215, None)
+    assert (specs["sdxl"].scaling_factor, specs["sdxl"].shift_factor) == (0.13025, None)
+    assert (specs["flux"].scaling_factor, specs["flux"].shift_factor) == (0.3611, 0.1159)
+    assert specs["wan2.1"].latents_mean == tuple(wan["latents_mean"].default)
+    assert specs["wan2.1"].latents_std == tuple(wan["latents_std"].default)
+
+
+def test_pickled_bin_weights_are_refused(tmp_path, kl_vae):
+    kl_vae.save_pretrained(tmp_path, safe_serialization=False)
+    assert (tmp_path / "diffusion_pytorch_model.bin").is_file()
+    with pytest.raises(ModelLoadError, match=r"pickled \.bin weights are not loaded"):
+        load_vae(str(tmp_path))
+
+
+def test_only_decoder_tensors_are_read_from_disk(kl_dir, kl_vae, monkeypatch):
+    import safetensors
+
+    read, original = [], safetensors.safe_open
+
+    class Counting:
+        def __init__(self, *args, **kwargs):
+            self._file = original(*args, **kwargs)
+
+        def __enter__(self):
+            self._inner = self._file.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self._file.__exit__(*exc)
+
+        def keys(self):
+            return self._inner.keys()
+
+        def get_tensor(self, key):
+            read.append(key)
+            return self._inner.get_tensor(key)
+
+    monkeypatch.setattr("vae_service.models.loading.safe_open", Counting)
+    load_vae(str(kl_dir))
+    on_disk = set(kl_vae.state_dict())
+    wanted = {k for k in on_disk if k.startswith(("decoder.", "post_quant_conv."))}
+    assert set(read) == wanted and len(read) == len(wanted) < len(on_disk)

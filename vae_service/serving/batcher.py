@@ -125,6 +125,11 @@ class KeyedBatcher(Generic[T]):
             if not p.future.done()
         )
 
+    @property
+    def running(self) -> int:
+        """Batches on the device now (0 or 1)."""
+        return self._running
+
     def _queued_for(self, key: Hashable) -> int:
         return sum(p.request.items for p in self._queues.get(key, ()) if not p.future.done())
 

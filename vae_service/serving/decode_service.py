@@ -42,9 +42,15 @@ class DecodeService:
         # one thread feeds the device, set up once like the engine wants (torch's CPU thread count)
         self.device_thread = ThreadPoolExecutor(1, thread_name_prefix="vae-device", initializer=self.engine.bind_thread)
         self.batcher: KeyedBatcher[PreparedRequest] = KeyedBatcher(
-            self.engine.decode, batcher_limits(config.live()), on_batch, executor=self.device_thread
+            self.engine.decode, batcher_limits(config.live()), self._observe, executor=self.device_thread
         )
-        self.on_rejected = on_rejected
+        self.on_batch, self.on_rejected = on_batch, on_rejected
+        self.decoded_items = 0  # latent items that reached the device (requests given up on never do)
+
+    def _observe(self, stats: BatchStats) -> None:
+        self.decoded_items += stats.items
+        if self.on_batch is not None:
+            self.on_batch(stats)
 
     def rejected(self, exc: BaseException) -> BaseException:
         """Every request answered with an error passes here (metrics count them by type)."""
@@ -94,6 +100,8 @@ class DecodeService:
             **self.engine.describe(),
             "batching": self.config.batching.model_dump(),
             "queued_items": self.batcher.queued_items(),
+            "running_batches": self.batcher.running,
+            "decoded_items": self.decoded_items,
         }
 
     def release_folded(self) -> int:
