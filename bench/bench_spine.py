@@ -6,7 +6,10 @@ noise hits every column alike):
    p50 of (a) a no-op Serve FastAPI deployment answering a msgpack POST with a body as large as
    the service's answer (Serve's own floor), (b) the service's round trip (POST /decode), and
    (c) the same decode in-process (DecodeEngine); then the service's added latency over both.
-   Target: service - in-process <= no-op + 1.5 ms.
+   Target: service - in-process <= no-op + 1.5 ms. In-process decode is timed twice: by a
+   DecodeEngine in this process, and inside the replica (each answer's `timing.decode_ms`, the
+   same engine call under the replica's own conditions); the target uses the latter, paired per
+   request, since the bench process shares the cores with Ray's and runs the decode slower.
 2. what the lossless guarantee costs: each item decoded alone vs one batched `vae.decode`.
 
 Uses tiny-kl (1x4x64x64 decodes to 512 px) so that decode time does not drown the request path.
@@ -23,6 +26,7 @@ import sys
 import time
 
 import httpx
+import msgpack
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -50,7 +54,7 @@ def noop_deployment():
         @api.post("/decode")
         async def decode(self, request: Request) -> Response:
             await request.body()
-            reply = b"\xc4" + bytes(int(request.query_params.get("reply_bytes", "16")))
+            reply = b"\xc4" + os.urandom(int(request.query_params.get("reply_bytes", "16")))
             return Response(reply, media_type=MSGPACK)
 
     return NoOp.bind()
@@ -67,8 +71,12 @@ def measure(http: httpx.Client, url: str, engine: DecodeEngine, label: str, shap
     assert answer.status_code == 200, answer.text
     noop_url = f"{url}/noop/decode?reply_bytes={len(answer.content)}"
 
+    replica_decode_s: list[float] = []
+
     def service():
-        assert http.post(f"{url}/vae/decode", content=body, headers=headers).status_code == 200
+        r = http.post(f"{url}/vae/decode", content=body, headers=headers)
+        assert r.status_code == 200
+        replica_decode_s.append(msgpack.unpackb(r.content)["timing"]["decode_ms"] / 1e3)
 
     calls = {
         "noop": lambda: http.post(noop_url, content=body, headers=headers),
@@ -85,9 +93,23 @@ def measure(http: httpx.Client, url: str, engine: DecodeEngine, label: str, shap
             if i >= 3:
                 times[name].append(time.perf_counter() - start)
     noop_ms, service_ms, local_ms = (p50_ms(times[k]) for k in ("noop", "service", "in_process"))
-    added = service_ms - local_ms
+    # the same decode timed inside the replica (the answer's decode_ms), paired with its round trip:
+    # in-process decode under the very conditions of that request
+    replica_decode_s = replica_decode_s[-len(times["service"]) :]
+    added = p50_ms([rt - d for rt, d in zip(times["service"], replica_decode_s)])
     met = "yes" if added <= noop_ms + 1.5 else "NO"
-    return [label, f"{len(answer.content) / 1024:.0f} KiB", noop_ms, local_ms, service_ms, added, added - noop_ms, met]
+    return [
+        label,
+        f"{len(answer.content) / 1024:.0f} KiB",
+        noop_ms,
+        local_ms,
+        p50_ms(replica_decode_s),
+        service_ms,
+        service_ms - local_ms,
+        added,
+        added - noop_ms,
+        met,
+    ]
 
 
 def request_path(rounds: dict[str, int]) -> list[list]:
@@ -132,9 +154,11 @@ def main() -> None:
             "latent",
             "answer",
             "no-op Serve",
-            "in-process decode",
+            "in-process decode (bench process)",
+            "in-process decode (in the replica)",
             "service",
-            "service - in-process",
+            "service - bench in-process",
+            "service - replica decode (paired)",
             "added over no-op",
             "target met (<= no-op + 1.5)",
         ],
