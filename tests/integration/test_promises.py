@@ -27,7 +27,13 @@ SLOW = torch.randn(1, 4, 64, 64, generator=torch.Generator().manual_seed(0))  # 
 async def test_requests_queued_and_running_when_a_replica_is_removed_all_complete(ray_cluster, kl_dir, kl_vae):
     from vae_service.serving.app import decoder_app
 
-    config = {"model": str(kl_dir), "model_name": "drain", "cpu_threads": 1, "batching": {"max_batch_size": 1}}
+    config = {
+        "model": str(kl_dir),
+        "model_name": "drain",
+        "cpu_threads": 1,
+        "batching": {"max_batch_size": 1},
+        "serving": {"concurrent_keys": 16},
+    }  # room for every request and the health probes
     serve.run(
         decoder_app(config, graceful_shutdown_timeout_s=60, graceful_shutdown_wait_loop_s=0.05),
         name="drain",
@@ -35,13 +41,14 @@ async def test_requests_queued_and_running_when_a_replica_is_removed_all_complet
     )
     url = f"{ray_cluster}/drain"
     gen = torch.Generator().manual_seed(12)
-    latents = [torch.randn(1, 4, 48, 48, generator=gen) for _ in range(5)]
+    latents = [torch.randn(1, 4, 64, 64, generator=gen) for _ in range(8)]
     async with AsyncVaeClient(url, retries=0) as client:
         health = await client.health()
         tasks = [asyncio.create_task(client.decode(z, output="float", scaling_factor=None)) for z in latents]
         health = await client.health()
+        deadline = time.monotonic() + 60
         while not (health["running_batches"] and health["queued_items"] >= 2):  # one running, several queued
-            assert not any(t.done() for t in tasks), "decodes finished before the replica was removed"
+            assert time.monotonic() < deadline, f"never saw work running and queued: {health}"
             await asyncio.sleep(0.01)
             health = await client.health()
         deleting = asyncio.create_task(asyncio.to_thread(serve.delete, "drain"))
