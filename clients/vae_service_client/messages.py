@@ -87,36 +87,20 @@ def request_fields(obj: object) -> dict:
     return {**obj, "latents": decode_tensor(obj["latents"], "latents", LATENT_DTYPES)}
 
 
-def request_proto(
-    latents,
-    quality: str = "lossless",
-    output: str = "uint8",
-    *,
-    scaling_factor=UNSET,
-    shift_factor=UNSET,
-    height: int | None = None,
-    width: int | None = None,
-    request_id: str | None = None,
-    model: str | None = None,
-):
+def request_proto(latents, quality: str = "lossless", output: str = "uint8", **options):
+    """The same request as `request_map` (same arguments) as a DecodeRequest message."""
     from vae_service_client.grpc_gen import decode_pb2
 
-    t = encode_tensor(latents)
-    msg = decode_pb2.DecodeRequest(
-        latents=decode_pb2.Tensor(dtype=t["dtype"], shape=t["shape"], data=bytes(t["data"])),
-        quality=quality,
-        output=output,
-        height=height or 0,
-        width=width or 0,
-        request_id=request_id or "",
-        model=model or "",
-    )
-    if scaling_factor is None:
+    fields = request_map(latents, quality, output, **options)
+    t = fields.pop("latents")
+    msg = decode_pb2.DecodeRequest(latents=decode_pb2.Tensor(dtype=t["dtype"], shape=t["shape"], data=bytes(t["data"])))
+    if fields.get("scaling_factor", UNSET) is None:  # nil: the latents are already scaled
         msg.latents_scaled = True
-    elif scaling_factor is not UNSET:
-        msg.scaling_factor = scaling_factor
-    if shift_factor not in (None, UNSET):
-        msg.shift_factor = shift_factor
+        fields.pop("scaling_factor")
+    if fields.get("shift_factor", UNSET) is None:
+        fields.pop("shift_factor")
+    for key, value in fields.items():
+        setattr(msg, key, value)
     return msg
 
 
