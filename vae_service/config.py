@@ -28,6 +28,10 @@ class Limits(BaseModel):
         2**25, gt=0, description="decoded pixels per request, summed over batch items and frames"
     )
     max_batch_items: int = Field(16, gt=0, description="latent batch dimension per request")
+    max_frames: int = Field(257, gt=0, description="output frames per item (video models)")
+    max_decode_tflop: float = Field(
+        300.0, gt=0, description="estimated decoder work per request (Wan2.1 81 frames at 480x832: ~275 TFLOP)"
+    )
 
 
 class Batching(BaseModel):

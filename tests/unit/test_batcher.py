@@ -35,7 +35,7 @@ class Recorder:
     def __init__(self, run_s: float = 0.0):
         self.calls, self.run_s, self.lock = [], run_s, threading.Lock()
 
-    def __call__(self, batch):
+    def __call__(self, batch, abandoned=None):
         with self.lock:
             self.calls.append((time.monotonic(), [r.seq for r in batch], {r.key for r in batch}))
         if self.run_s:

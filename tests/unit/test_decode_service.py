@@ -13,7 +13,7 @@ import torch
 
 from tests.models import reference_decode, torch_threads
 from vae_service.config import Batching, Limits, LiveConfig, ServiceConfig
-from vae_service.engine import DecodeRequest, LimitExceeded
+from vae_service.engine import DecodeRequest, DecodeTimeout, LimitExceeded
 from vae_service.serving.decode_service import DecodeService
 from vae_service.serving.http_routes import decode_answer
 from vae_service.serving.replica import parse_live
@@ -70,9 +70,9 @@ async def test_batches_run_on_one_device_thread_with_the_engines_thread_count(kl
         seen = []
         decode = service.engine.decode
 
-        def recording(batch):
+        def recording(batch, abandoned=None):
             seen.append((threading.current_thread().name, torch.get_num_threads()))
-            return decode(batch)
+            return decode(batch, abandoned)
 
         service.batcher.run_batch = recording
         z = torch.randn(1, 4, 3, 3, generator=torch.Generator().manual_seed(2))
@@ -94,7 +94,7 @@ async def test_out_of_memory_retries_the_batch_item_by_item_then_answers_503_wit
     service = kl_service(kl_dir, batching={"batch_wait_ms": 50}, serving={"retry_after_s": 3})
     calls, decode = [], service.engine.decode
 
-    def short_of_memory(batch):  # injected: the device fits one item, and never the marked one
+    def short_of_memory(batch, abandoned=None):  # injected: the device fits one item, and never the marked one
         calls.append([r.request.request_id for r in batch])
         if len(batch) > 1 or batch[0].request.request_id == "huge":
             raise torch.OutOfMemoryError("injected: CUDA out of memory")
@@ -141,10 +141,10 @@ async def test_one_batch_on_the_device_at_a_time(kl_dir):
     service = kl_service(kl_dir, batching={"max_batch_size": 2})
     spans, decode = [], service.engine.decode
 
-    def recorded(batch):
+    def recorded(batch, abandoned=None):
         start = time.perf_counter()
         try:
-            return decode(batch)
+            return decode(batch, abandoned)
         finally:
             spans.append((start, time.perf_counter(), batch[0].batch_key.quality))
 
@@ -157,3 +157,36 @@ async def test_one_batch_on_the_device_at_a_time(kl_dir):
     spans.sort()
     assert len(spans) >= 6 and {q for *_, q in spans} == {"high", "lossless"}
     assert all(end <= next_start for (_, end, _), (next_start, _, _) in itertools.pairwise(spans))
+
+
+@pytest.mark.parametrize("how", ["client went away", "request timed out"])
+async def test_a_decode_whose_callers_left_stops_at_its_next_latent_frame(wan_dir, how):
+    """One request must not hold the device after it is abandoned: the Wan decoder runs once per
+    latent frame, and the decode stops at the next one."""
+    timeout = 120 if how == "client went away" else 0.5
+    service = DecodeService(
+        ServiceConfig(
+            model=str(wan_dir), model_name="wan", device="cpu", cpu_threads=1, batching={"request_timeout_s": timeout}
+        )
+    )
+    frames, calls, third = 40, [], threading.Event()
+
+    def count(module, args):
+        calls.append(1)
+        if len(calls) == 3:
+            third.set()
+        if how == "request timed out" and len(calls) >= 3:
+            time.sleep(0.2)  # a slow device: the deadline passes mid-clip
+
+    service.engine.vae.decoder.register_forward_pre_hook(count)
+    task = asyncio.create_task(service.decode(DecodeRequest(torch.zeros(1, 4, frames, 2, 2), quality="high")))
+    await asyncio.to_thread(third.wait, 30)
+    if how == "client went away":
+        task.cancel()
+    with pytest.raises(asyncio.CancelledError if how == "client went away" else DecodeTimeout):
+        await task
+    while service.batcher.running:  # the device thread finishes what it is doing
+        await asyncio.sleep(0.01)
+    assert 3 <= len(calls) < frames // 2  # stopped long before the clip's end
+    ok = await service.decode(DecodeRequest(torch.zeros(1, 4, 1, 2, 2)))  # and the device is free again
+    assert ok.output.shape == (1, 1, 16, 16, 3)

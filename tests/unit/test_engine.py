@@ -190,6 +190,8 @@ def one_inf(*shape):
         ("wan", dict(latents=torch.zeros(1, 16, 1, 4, 4)), "latents", InvalidInput, "takes [B, 4, T, H, W]"),
         ("kl", dict(latents=torch.zeros(17, 4, 1, 1)), "latents", LimitExceeded, "max_batch_items"),
         ("kl", dict(latents=torch.zeros(1, 4, 800, 800)), "latents", LimitExceeded, "max_output_pixels"),
+        ("wan", dict(latents=torch.zeros(1, 4, 66, 1, 1)), "latents", LimitExceeded, "261 frames per item"),
+        ("kl", dict(latents=torch.zeros(1, 4, 1, 8200), output="jpeg"), "output", InvalidInput, "65500 px per side"),
     ],
 )
 def test_model_checks_name_the_field(engines, kind, kw, field, error, text):
@@ -197,6 +199,17 @@ def test_model_checks_name_the_field(engines, kind, kw, field, error, text):
         engines(kind).prepare(DecodeRequest(**kw))
     assert err.value.field == field
     assert text in err.value.message and err.value.message.startswith(field)
+
+
+def test_decode_cost_budget_is_checked_before_any_tensor_work(engines):
+    engine = engines("wan", max_decode_tflop=1e-6)
+    per_pixel = engine.flops_per_pixel
+    assert 0 < per_pixel < 1e6  # tiny test VAE; the presets' SD is ~9.5 MFLOP per pixel
+    z = torch.zeros(1, 4, 2, 4, 4)  # 5 frames of 32x32
+    with pytest.raises(LimitExceeded, match="max_decode_tflop") as err:
+        engine.prepare(DecodeRequest(z))
+    assert f"{5 * 32 * 32 * per_pixel / 1e12:.3g} TFLOP" in err.value.message
+    assert engines("wan").prepare(DecodeRequest(z)).frames == 5  # within the default budget
 
 
 @pytest.mark.parametrize(

@@ -107,3 +107,17 @@ def test_error_json_shape():
         "error": {"type": "invalid_request", "field": "quality", "message": info.message}
     }
     assert info.grpc_code == "INVALID_ARGUMENT" and ("error-field", "quality") in info.grpc_trailers()
+
+
+@pytest.mark.parametrize(
+    "raw, text",
+    [
+        (b"\xdd\x00\xff\xff\xff" + b"\x90" * (1 << 20), "exceeds max_array_len"),  # 16 M empty arrays
+        (b"\x91" * (1 << 20), "StackError"),  # nested deeper than the parser's stack
+        (b"\xdf\x00\x01\x00\x00" + b"\xa1x\x01" * 10, "exceeds max_map_len"),
+        (pack({"latents": "x" * 5000}), "exceeds max_str_len"),
+    ],
+)
+def test_hostile_bodies_are_refused_by_container_bounds_not_walked(raw, text):
+    err = field_error(raw)
+    assert err.field == "body" and text in err.message

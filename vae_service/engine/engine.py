@@ -12,12 +12,14 @@ Tier decisions live here and only here:
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import torch
 
 from vae_service.config import Limits, ServiceConfig
-from vae_service.engine.errors import DecodeFailed
+from vae_service.engine.cost import flops_per_output_pixel
+from vae_service.engine.errors import DecodeAbandoned, DecodeFailed
 from vae_service.engine.latents import LatentScaling, PreparedRequest, prepare, to_decoder_input
 from vae_service.engine.postprocess import postprocess
 from vae_service.engine.precision import PRECISION_NAMES, resolve_device, resolve_dtype
@@ -36,10 +38,15 @@ class DecodeEngine:
         self.limits: Limits = config.limits  # the only live setting: budgets checked in `prepare`
         loaded = loaded or load_vae(config.model, name=config.served_name, seed=config.seed)
         self.spec = loaded.spec
+        self.flops_per_pixel = flops_per_output_pixel(loaded.vae, loaded.spec)
         # nn.Module.to, not ModelMixin.to: the latter warns about fp32-pinned modules these VAEs lack
         self.vae = torch.nn.Module.to(loaded.vae, device=self.device, dtype=self.dtype)
         self.fast_path = install_fast_path(self.vae, disabled=config.fast_path.disable)
         self._scaling = LatentScaling(self.spec, self.device, self.dtype)
+        # the decoder runs once per item (lossless) and once per latent frame (Wan): the step at
+        # which a decode whose requests were all abandoned stops
+        self._abandoned: threading.Event | None = None
+        self.vae.decoder.register_forward_pre_hook(self._stop_if_abandoned)
 
     def bind_thread(self) -> None:
         """Make the calling thread decode like every other one of this engine. CPU kernels split
@@ -67,15 +74,30 @@ class DecodeEngine:
             "tiers": list(QUALITIES),
             "fast_path": self.fast_path.describe(),
             "limits": self.limits.model_dump(),
+            "decode_mflop_per_pixel": round(self.flops_per_pixel / 1e6, 3),
         }
 
     def prepare(self, request: DecodeRequest) -> PreparedRequest:
         """Check against this model and the limits; no tensor is moved or cast yet. Raises InvalidInput."""
-        return prepare(request, self.spec, self.limits)
+        return prepare(request, self.spec, self.limits, self.flops_per_pixel)
 
-    def decode(self, batch: list[PreparedRequest]) -> list[DecodeResult | DecodeFailed]:
+    def _stop_if_abandoned(self, module, args) -> None:
+        if self._abandoned is not None and self._abandoned.is_set():
+            raise DecodeAbandoned("body", "every request of this decode timed out or went away")
+
+    def decode(
+        self, batch: list[PreparedRequest], abandoned: threading.Event | None = None
+    ) -> list[DecodeResult | DecodeFailed]:
         """Decode requests that share one batch key; results come back in order. A request whose
-        output is not finite gets a DecodeFailed in its place; the others are unaffected."""
+        output is not finite gets a DecodeFailed in its place; the others are unaffected. Once
+        `abandoned` is set, the decode stops at its next item or latent frame (DecodeAbandoned)."""
+        self._abandoned = abandoned
+        try:
+            return self._decode(batch)
+        finally:
+            self._abandoned = None
+
+    def _decode(self, batch: list[PreparedRequest]) -> list[DecodeResult | DecodeFailed]:
         keys = {r.batch_key for r in batch}
         if len(keys) != 1:
             raise ValueError(f"a batch must share one (tier, shape, dtype) key, got {sorted(map(str, keys))}")

@@ -39,3 +39,7 @@ class OutOfMemory(Overloaded):
 
 class DecodeTimeout(DecodeError):
     """Not decoded within the request timeout."""
+
+
+class DecodeAbandoned(DecodeTimeout):
+    """A decode stopped early because every request in it timed out or went away."""

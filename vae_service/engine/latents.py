@@ -86,23 +86,46 @@ def _to_decoder_layout(request: DecodeRequest, spec: ModelSpec) -> torch.Tensor:
     return z
 
 
-def _check_budget(z: torch.Tensor, spec: ModelSpec, limits: Limits) -> int:
+def _check_budget(z: torch.Tensor, spec: ModelSpec, limits: Limits, flops_per_pixel: float) -> int:
     if z.shape[0] > limits.max_batch_items:
         raise LimitExceeded(
             "latents", f"batch of {z.shape[0]} is over the limit of {limits.max_batch_items} (max_batch_items)"
         )
     frames = spec.output_frames(z.shape[2]) if z.dim() == 5 else 1
+    if frames > limits.max_frames:
+        raise LimitExceeded(
+            "latents", f"decodes to {frames} frames per item, over the limit of {limits.max_frames} (max_frames)"
+        )
     pixels = z.shape[0] * frames * z.shape[-2] * z.shape[-1] * spec.spatial_scale**2
     if pixels > limits.max_output_pixels:
         raise LimitExceeded(
             "latents", f"decodes to {pixels} pixels, over the limit of {limits.max_output_pixels} (max_output_pixels)"
         )
+    tflop = pixels * flops_per_pixel / 1e12
+    if tflop > limits.max_decode_tflop:
+        raise LimitExceeded(
+            "latents",
+            f"would cost about {tflop:.3g} TFLOP to decode, over the limit of "
+            f"{limits.max_decode_tflop:g} (max_decode_tflop)",
+        )
     return frames
 
 
-def _check_output(request: DecodeRequest, spec: ModelSpec, frames: int) -> None:
+# What the encoders can write, checked before any decode (PIL refuses wider JPEGs; x264 with
+# yuv420p needs even sides, which an 8x VAE always gives).
+MAX_JPEG_SIDE = 65_500
+
+
+def _check_output(request: DecodeRequest, spec: ModelSpec, frames: int, z: torch.Tensor) -> None:
     if request.output == "mp4" and spec.family != "video":
         raise InvalidInput("output", f"'mp4' is for video models; model '{spec.name}' decodes images")
+    height, width = z.shape[-2] * spec.spatial_scale, z.shape[-1] * spec.spatial_scale
+    if request.output == "jpeg" and max(height, width) > MAX_JPEG_SIDE:
+        raise InvalidInput(
+            "output",
+            f"'jpeg' holds at most {MAX_JPEG_SIDE} px per side; these latents decode to "
+            f"{height}x{width}: use 'png', 'uint8' or 'float'",
+        )
     if request.output in ("png", "jpeg") and frames > 1:
         raise InvalidInput(
             "output",
@@ -117,12 +140,12 @@ def _check_finite(z: torch.Tensor) -> None:
         raise InvalidInput("latents", f"contains {int((~finite).sum())} NaN or Inf values")
 
 
-def prepare(request: DecodeRequest, spec: ModelSpec, limits: Limits) -> PreparedRequest:
+def prepare(request: DecodeRequest, spec: ModelSpec, limits: Limits, flops_per_pixel: float) -> PreparedRequest:
     if request.model is not None and request.model != spec.name:
         raise InvalidInput("model", f"unknown model {request.model!r}; served: ['{spec.name}']")
     z = _to_decoder_layout(request, spec)
-    frames = _check_budget(z, spec, limits)
-    _check_output(request, spec, frames)
+    frames = _check_budget(z, spec, limits, flops_per_pixel)
+    _check_output(request, spec, frames, z)
     _check_finite(z)
     return PreparedRequest(request, z, frames)
 

@@ -7,7 +7,8 @@
   most `batch_wait_ms` after its oldest item arrived.
 - Device work is serialised: one batch runs at a time, in a worker thread (the caller's
   executor, e.g. one dedicated device thread).
-- A request whose caller went away or whose deadline passed is dropped before decode.
+- A request whose caller went away or whose deadline passed is dropped before decode; a batch
+  whose callers have all gone is told so while it runs.
 - A failing batch is retried item by item, so one bad request fails alone.
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import threading
 import time
 from collections.abc import Callable, Hashable
 from concurrent.futures import Executor
@@ -79,8 +81,10 @@ class BatcherLimits:
 
 @dataclass
 class KeyedBatcher(Generic[T]):
-    """`run_batch(requests) -> results` (one per request, an Exception instance fails just that
-    request) runs in a worker thread. `on_batch(stats)` observes each batch (metrics)."""
+    """`run_batch(requests, abandoned) -> results` (one per request, an Exception instance fails just
+    that request) runs in a worker thread; `abandoned` (a threading.Event) is set once every caller
+    of the batch has timed out or gone away, so long work can stop at its next step.
+    `on_batch(stats)` observes each batch (metrics)."""
 
     run_batch: Callable[[list[T]], list[Any]]
     limits: BatcherLimits = field(default_factory=BatcherLimits)
@@ -225,10 +229,13 @@ class KeyedBatcher(Generic[T]):
     async def _run(self, key: Hashable, batch: list[_Pending]) -> None:
         self._running += 1
         started = self.clock()
+        abandoned = threading.Event()  # every caller of the batch went away: the work may stop early
+        watcher = asyncio.get_running_loop().create_task(self._watch_callers(batch, abandoned))
         try:
-            results = await self._decode_isolating_failures([p.request for p in batch])
+            results = await self._decode_isolating_failures([p.request for p in batch], abandoned)
         finally:
             self._running -= 1
+            watcher.cancel()
         for pending, result in zip(batch, results):
             if pending.future.done():
                 continue  # the caller gave up meanwhile
@@ -248,19 +255,25 @@ class KeyedBatcher(Generic[T]):
                 )
             )
 
-    def _in_executor(self, requests: list[T]) -> asyncio.Future:
-        return asyncio.get_running_loop().run_in_executor(self.executor, self.run_batch, requests)
+    @staticmethod
+    async def _watch_callers(batch: list[_Pending], abandoned: threading.Event) -> None:
+        """A caller's future is done before its result only when it timed out or went away."""
+        await asyncio.wait([p.future for p in batch])
+        abandoned.set()
 
-    async def _decode_isolating_failures(self, requests: list[T]) -> list[Any]:
+    def _in_executor(self, requests: list[T], abandoned: threading.Event) -> asyncio.Future:
+        return asyncio.get_running_loop().run_in_executor(self.executor, self.run_batch, requests, abandoned)
+
+    async def _decode_isolating_failures(self, requests: list[T], abandoned: threading.Event) -> list[Any]:
         try:
-            return await self._in_executor(requests)
+            return await self._in_executor(requests, abandoned)
         except Exception as exc:
-            if len(requests) == 1:
-                return [exc]
+            if len(requests) == 1 or abandoned.is_set():
+                return [exc] * len(requests)
         results = []
         for request in requests:  # the batch failed as a whole: each request gets one try alone
             try:
-                results.extend(await self._in_executor([request]))
+                results.extend(await self._in_executor([request], abandoned))
             except Exception as exc:
                 results.append(exc)
         return results
