@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -34,7 +36,12 @@ def _read_config_file(path: str) -> dict:
 def _config_from(args: argparse.Namespace) -> ServiceConfig:
     """--config FILE first, then the flags that were given on top of it."""
     data = _read_config_file(args.config) if getattr(args, "config", None) else {}
-    flags = {"model": args.model, "decode_precision": args.precision, "device": args.device}
+    flags = {
+        "model": args.model,
+        "decode_precision": args.precision,
+        "device": args.device,
+        "auth_token_file": getattr(args, "auth_token_file", None),
+    }
     data.update({k: v for k, v in flags.items() if v is not None})
     try:
         return ServiceConfig.model_validate(data)
@@ -50,8 +57,34 @@ def _example_shape(config: ServiceConfig) -> str:
     return f"1x{channels}x16x16"  # 128 px: a few seconds even for the full-size presets on a 2-core CPU
 
 
+def _warn_about_exposure(config: ServiceConfig, host: str, grpc_port: int) -> None:
+    from vae_service.serving.auth import load_token
+
+    if load_token(config.auth_token_file):
+        return
+    banner = "!" * 78
+    if not ipaddress.ip_address(socket.gethostbyname(host)).is_loopback:
+        log.warning(
+            "\n%s\n!! No bearer token configured and HTTP listens on %s: anyone who reaches this host "
+            "can decode.\n!! Set VAE_SERVICE_AUTH_TOKEN or --auth-token-file, and put TLS in front.\n%s",
+            banner,
+            host,
+            banner,
+        )
+    if grpc_port:
+        log.warning(
+            "\n%s\n!! Ray Serve 2.60's gRPC proxy listens on ALL interfaces (port %d) whatever --host "
+            "says, and no bearer token is configured.\n!! Set a token, or --grpc-port 0 to turn gRPC "
+            "off.\n%s",
+            banner,
+            grpc_port,
+            banner,
+        )
+
+
 def cmd_serve(args: argparse.Namespace) -> None:
     config = _config_from(args)
+    _warn_about_exposure(config, args.host, args.grpc_port)
     import ray
     from ray import serve
     from ray.serve.config import gRPCOptions
@@ -114,7 +147,7 @@ def cmd_decode(args: argparse.Namespace) -> None:
     out.mkdir(parents=True, exist_ok=True)
     fmt = "mp4" if args.video else args.format
     start = time.perf_counter()
-    with VaeClient(args.url) as client:
+    with VaeClient(args.url, token=os.environ.get("VAE_SERVICE_AUTH_TOKEN")) as client:
         try:
             resp = client.decode(latents, args.quality, fmt, height=args.height, width=args.width)
         except VaeServiceError as exc:
@@ -177,6 +210,11 @@ def main(argv: list[str] | None = None) -> None:
     serve_p.add_argument("--host", default="127.0.0.1")
     serve_p.add_argument("--port", type=int, default=8000)
     serve_p.add_argument("--grpc-port", type=int, default=9000, help="0 disables gRPC")
+    serve_p.add_argument(
+        "--auth-token-file",
+        help="file with the bearer token callers must send (default: "
+        "$VAE_SERVICE_AUTH_TOKEN; neither: no authentication)",
+    )
     serve_p.set_defaults(func=cmd_serve)
 
     dec = sub.add_parser("decode", help="send a latents file to a running service and write images")
@@ -184,7 +222,9 @@ def main(argv: list[str] | None = None) -> None:
     dec.add_argument("--key", help="tensor name inside a .safetensors file")
     dec.add_argument("--random-latents", metavar="SHAPE", help="e.g. 1x4x32x32: send seeded random latents")
     dec.add_argument("--seed", type=int, default=0)
-    dec.add_argument("--url", default="http://127.0.0.1:8000")
+    dec.add_argument(
+        "--url", default="http://127.0.0.1:8000", help="the service (bearer token: $VAE_SERVICE_AUTH_TOKEN)"
+    )
     dec.add_argument("--quality", default="lossless", choices=["lossless", "high"])
     dec.add_argument("--format", default="png", choices=["png", "jpeg"])
     dec.add_argument("--video", action="store_true", help="ask for mp4 (video models)")

@@ -107,6 +107,11 @@ class ServiceConfig(BaseModel):
     seed: int = Field(0, description="seed for preset random weights")
     cpu_threads: int | None = Field(None, gt=0, description="torch threads on CPU; default: all cores")
     fast_path: FastPath = FastPath()
+    auth_token_file: str | None = Field(
+        None,
+        description="file holding the bearer token HTTP and gRPC callers must send (default: the "
+        "VAE_SERVICE_AUTH_TOKEN environment variable; neither: no authentication)",
+    )
     limits: Limits = Limits()
     batching: Batching = Batching()
     serving: Serving = Serving()

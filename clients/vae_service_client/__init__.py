@@ -8,6 +8,7 @@ from vae_service_client.errors import (
     Overloaded,
     PayloadTooLarge,
     ServerError,
+    Unauthenticated,
     VaeServiceError,
 )
 from vae_service_client.http_client import AsyncVaeClient, VaeClient
@@ -34,6 +35,7 @@ __all__ = [
     "Overloaded",
     "PayloadTooLarge",
     "ServerError",
+    "Unauthenticated",
     "VaeClient",
     "VaeGrpcClient",
     "VaeServiceError",

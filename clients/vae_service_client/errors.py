@@ -18,17 +18,20 @@ class ErrorKind:
 
 ERROR_KINDS: dict[str, ErrorKind] = {
     "invalid_request": ErrorKind(400, "INVALID_ARGUMENT"),
+    "unauthenticated": ErrorKind(401, "UNAUTHENTICATED"),
     "payload_too_large": ErrorKind(413, "RESOURCE_EXHAUSTED"),
     "unsupported_media_type": ErrorKind(415, "INVALID_ARGUMENT"),
     "decode_failed": ErrorKind(422, "INVALID_ARGUMENT"),
     "overloaded": ErrorKind(429, "RESOURCE_EXHAUSTED"),
     "out_of_memory": ErrorKind(503, "RESOURCE_EXHAUSTED"),
+    "unavailable": ErrorKind(503, "UNAVAILABLE"),
     "timeout": ErrorKind(504, "DEADLINE_EXCEEDED"),
     "internal": ErrorKind(500, "INTERNAL"),
 }
 # gRPC answers that carry no `error-type` trailer (Serve's own backpressure, transport errors)
 _GRPC_FALLBACK_STATUS = {
     "INVALID_ARGUMENT": 400,
+    "UNAUTHENTICATED": 401,
     "NOT_FOUND": 404,
     "RESOURCE_EXHAUSTED": 429,
     "UNAVAILABLE": 503,
@@ -55,6 +58,10 @@ class InvalidRequest(VaeServiceError):
     """400/415/422: fix the request; retrying will not help."""
 
 
+class Unauthenticated(VaeServiceError):
+    """401: no bearer token, or not the service's (pass `token=` to the client)."""
+
+
 class PayloadTooLarge(VaeServiceError):
     """413: over a byte, pixel or batch limit."""
 
@@ -78,6 +85,8 @@ def error_class(status: int) -> type[VaeServiceError]:
         return PayloadTooLarge
     if status == 504:
         return DecodeTimeout
+    if status == 401:
+        return Unauthenticated
     if 400 <= status < 500:
         return InvalidRequest
     return ServerError

@@ -20,16 +20,11 @@ def _error(exc: grpc.RpcError) -> VaeServiceError:
 
 
 class _Base:
-    """`application`: the Serve application to reach (Serve's gRPC proxy routes by this metadata)."""
+    """`application`: the Serve application to reach (Serve's gRPC proxy routes by this metadata);
+    `token`: the service's bearer token, when it requires one."""
 
-    def __init__(self, channel, application: str | None, timeout: float, retries: int, backoff_s: float):
-        self._channel = channel
-        self._stub = decode_pb2_grpc.VaeDecoderStub(channel)
-        self._metadata = (("application", application),) if application else ()
-        self.timeout, self.retries, self.backoff_s = timeout, retries, backoff_s
+    _open_channel = staticmethod(grpc.insecure_channel)
 
-
-class VaeGrpcClient(_Base):
     def __init__(
         self,
         target: str = "127.0.0.1:9000",
@@ -37,11 +32,18 @@ class VaeGrpcClient(_Base):
         timeout: float = 120.0,
         retries: int = 3,
         backoff_s: float = 0.5,
+        token: str | None = None,
     ):
-        super().__init__(
-            grpc.insecure_channel(target, options=_CHANNEL_OPTIONS), application, timeout, retries, backoff_s
-        )
+        self._channel = self._open_channel(target, options=_CHANNEL_OPTIONS)
+        self._stub = decode_pb2_grpc.VaeDecoderStub(self._channel)
+        metadata = [("application", application)] if application else []
+        if token:
+            metadata.append(("authorization", f"Bearer {token}"))
+        self._metadata = tuple(metadata)
+        self.timeout, self.retries, self.backoff_s = timeout, retries, backoff_s
 
+
+class VaeGrpcClient(_Base):
     def decode(self, latents, quality: str = "lossless", output: str = "uint8", **options) -> DecodeResponse:
         request = request_proto(latents, quality, output, **options)
 
@@ -77,17 +79,7 @@ class VaeGrpcClient(_Base):
 
 
 class AsyncVaeGrpcClient(_Base):
-    def __init__(
-        self,
-        target: str = "127.0.0.1:9000",
-        application: str | None = None,
-        timeout: float = 120.0,
-        retries: int = 3,
-        backoff_s: float = 0.5,
-    ):
-        super().__init__(
-            grpc.aio.insecure_channel(target, options=_CHANNEL_OPTIONS), application, timeout, retries, backoff_s
-        )
+    _open_channel = staticmethod(grpc.aio.insecure_channel)
 
     async def decode(self, latents, quality: str = "lossless", output: str = "uint8", **options) -> DecodeResponse:
         request = request_proto(latents, quality, output, **options)

@@ -23,14 +23,24 @@ def _health(r: httpx.Response) -> dict:
     return r.json()
 
 
+def _headers(token: str | None) -> dict[str, str]:
+    return {"authorization": f"Bearer {token}"} if token else {}
+
+
 class VaeClient:
     """`retries`: extra attempts on 429/503 (backoff doubling from `backoff_s`, at least the
-    server's Retry-After); `timeout`: seconds per attempt."""
+    server's Retry-After); `timeout`: seconds per attempt; `token`: the service's bearer token,
+    when it requires one."""
 
     def __init__(
-        self, base_url: str = "http://127.0.0.1:8000", timeout: float = 120.0, retries: int = 3, backoff_s: float = 0.5
+        self,
+        base_url: str = "http://127.0.0.1:8000",
+        timeout: float = 120.0,
+        retries: int = 3,
+        backoff_s: float = 0.5,
+        token: str | None = None,
     ):
-        self._http = httpx.Client(base_url=base_url, timeout=timeout)
+        self._http = httpx.Client(base_url=base_url, timeout=timeout, headers=_headers(token))
         self.retries, self.backoff_s = retries, backoff_s
 
     def decode(self, latents, quality: str = "lossless", output: str = "uint8", **options) -> DecodeResponse:
@@ -58,9 +68,14 @@ class VaeClient:
 
 class AsyncVaeClient:
     def __init__(
-        self, base_url: str = "http://127.0.0.1:8000", timeout: float = 120.0, retries: int = 3, backoff_s: float = 0.5
+        self,
+        base_url: str = "http://127.0.0.1:8000",
+        timeout: float = 120.0,
+        retries: int = 3,
+        backoff_s: float = 0.5,
+        token: str | None = None,
     ):
-        self._http = httpx.AsyncClient(base_url=base_url, timeout=timeout)
+        self._http = httpx.AsyncClient(base_url=base_url, timeout=timeout, headers=_headers(token))
         self.retries, self.backoff_s = retries, backoff_s
 
     async def decode(self, latents, quality: str = "lossless", output: str = "uint8", **options) -> DecodeResponse:

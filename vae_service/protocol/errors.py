@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from vae_service.engine.errors import (
+    DecodeError,
     DecodeFailed,
     DecodeTimeout,
     InvalidInput,
@@ -22,18 +23,29 @@ class UnsupportedMediaType(InvalidInput):
     """The body's Content-Type is not one this route reads."""
 
 
+class Unauthenticated(DecodeError):
+    """No bearer token, or not the service's (the same answer for both)."""
+
+
+class Unavailable(Overloaded):
+    """The replica holding the request went away (killed, crashed, scaled down hard). Decoding is
+    idempotent, so the client's retry after `retry_after_s` succeeds on another replica."""
+
+
 # most specific first: the first class an exception is an instance of decides its type
 WIRE_TYPES: tuple[tuple[type[Exception], str], ...] = (
+    (Unauthenticated, "unauthenticated"),
     (UnsupportedMediaType, "unsupported_media_type"),
     (LimitExceeded, "payload_too_large"),
     (InvalidInput, "invalid_request"),
     (WireError, "invalid_request"),
     (DecodeFailed, "decode_failed"),
     (OutOfMemory, "out_of_memory"),
+    (Unavailable, "unavailable"),
     (Overloaded, "overloaded"),
     (DecodeTimeout, "timeout"),
 )
-ANSWERABLE = tuple({cls for cls, _ in WIRE_TYPES})  # what becomes a 4xx/503/504 answer, never a 500
+ANSWERABLE = tuple(dict.fromkeys(cls for cls, _ in WIRE_TYPES))  # what becomes a 4xx/503/504 answer, never a 500
 
 
 @dataclass(frozen=True)
@@ -55,6 +67,8 @@ class WireErrorInfo:
         return error_json(self.type, self.field, self.message)
 
     def http_headers(self) -> dict[str, str]:
+        if self.type == "unauthenticated":
+            return {"WWW-Authenticate": "Bearer"}
         return {} if self.retry_after_s is None else {"Retry-After": str(max(1, round(self.retry_after_s)))}
 
     def grpc_trailers(self) -> list[tuple[str, str]]:

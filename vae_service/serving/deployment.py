@@ -14,7 +14,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from ray import serve
 
-from vae_service.serving.http_routes import decode_http, remote_decode_http
+from vae_service.protocol.errors import Unauthenticated
+from vae_service.serving.http_routes import decode_http, error_answer, health_fields, remote_decode_http
 from vae_service.serving.replica import DecoderReplica
 from vae_service_client.errors import error_json
 
@@ -44,12 +45,16 @@ VaeDecoder = serve.deployment(name="VaeDecoder")(DecoderReplica)
 class VaeDecoderHttp(DecoderReplica):
     @http_app.post("/decode")
     async def decode_http(self, request: Request) -> Response:
-        return (await decode_http(self.service, request)).response()
+        return (await decode_http(self.service, self.auth, request)).response()
 
     @http_app.post("/remote-decode")
     async def remote_decode_http(self, request: Request) -> Response:
-        return (await remote_decode_http(self.service, request)).response()
+        return (await remote_decode_http(self.service, self.auth, request)).response()
 
     @http_app.get("/health")
-    async def health(self) -> dict:
-        return {"status": "ok", **self.describe()}
+    async def health(self, request: Request):
+        try:
+            self.auth.check(request.headers.get("authorization"))
+        except Unauthenticated as exc:
+            return error_answer(self.service.rejected(exc)).response()
+        return health_fields(self.auth, self.describe())

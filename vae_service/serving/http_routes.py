@@ -12,6 +12,7 @@ from vae_service.engine.errors import InvalidInput
 from vae_service.protocol.errors import ANSWERABLE, wire_error
 from vae_service.protocol.hf_remote import parse_remote_decode, remote_decode_reply
 from vae_service.protocol.msgpack_decode import CONTENT_TYPE, check_body_size, encode_decode_response, parse_decode_body
+from vae_service.serving.auth import BearerAuth
 from vae_service.serving.decode_service import DecodeService
 
 
@@ -52,16 +53,18 @@ async def remote_decode_answer(
     return HttpAnswer(200, data, media_type, headers)
 
 
-async def decode_http(service: DecodeService, request: Request) -> HttpAnswer:
+async def decode_http(service: DecodeService, auth: BearerAuth, request: Request) -> HttpAnswer:
     try:
+        auth.check(request.headers.get("authorization"))
         body = await read_body(request, service.config.limits.max_request_bytes)
     except ANSWERABLE as exc:
         return error_answer(service.rejected(exc))
     return await decode_answer(service, body, request.headers.get("content-type"))
 
 
-async def remote_decode_http(service: DecodeService, request: Request) -> HttpAnswer:
+async def remote_decode_http(service: DecodeService, auth: BearerAuth, request: Request) -> HttpAnswer:
     try:
+        auth.check(request.headers.get("authorization"))
         body = await read_body(request, service.config.limits.max_request_bytes)
     except ANSWERABLE as exc:
         return error_answer(service.rejected(exc))
@@ -83,6 +86,12 @@ async def read_body(request: Request, max_request_bytes: int) -> bytes:
         check_body_size(size, max_request_bytes)  # a body longer than declared is cut off early, too
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+def health_fields(auth: BearerAuth, details: dict) -> dict:
+    """/health: details, behind the same token as the decode routes (Serve's own /-/healthz is the
+    cheap liveness probe, answered by its proxy and never queued behind decodes)."""
+    return {"status": "ok", "auth": "bearer" if auth.required else "none", **details}
 
 
 def query_lists(request: Request) -> dict[str, list[str]]:

@@ -14,9 +14,11 @@ import logging
 from ray import serve
 
 from vae_service.config import LIVE_FIELDS, LiveConfig, ServiceConfig
+from vae_service.protocol.errors import Unauthenticated
 from vae_service.serving import metrics
+from vae_service.serving.auth import BearerAuth, load_token
 from vae_service.serving.decode_service import DecodeService
-from vae_service.serving.grpc_servicer import GrpcAnswer, grpc_answer
+from vae_service.serving.grpc_servicer import GrpcAnswer, failed, grpc_answer
 from vae_service.serving.handle_api import handle_decode
 from vae_service.serving.http_routes import HttpAnswer, decode_answer, remote_decode_answer
 
@@ -44,6 +46,7 @@ def parse_live(user_config: dict) -> LiveConfig:
 class DecoderReplica:
     def __init__(self, config: dict | ServiceConfig):
         config = ServiceConfig.model_validate(config)
+        self.auth = BearerAuth(load_token(config.auth_token_file))
         self.service = DecodeService(config, on_batch=self._observe_batch, on_rejected=self._count_rejected)
         self.model = self.service.engine.spec.name
         log.info("serving %s", self.service.engine.describe())
@@ -84,11 +87,18 @@ class DecoderReplica:
     async def grpc_messages(self, request, stream: bool) -> GrpcAnswer:
         return await grpc_answer(self.service, request, stream)
 
+    async def _grpc(self, request, stream: bool, grpc_context) -> GrpcAnswer:
+        try:
+            self.auth.check_grpc(grpc_context)
+        except Unauthenticated as exc:
+            return failed(self.service.rejected(exc))
+        return await self.grpc_messages(request, stream)
+
     async def Decode(self, request, grpc_context):  # noqa: N802 (the RPC's name)
-        return (await self.grpc_messages(request, False)).unary(grpc_context)
+        return (await self._grpc(request, False, grpc_context)).unary(grpc_context)
 
     async def DecodeStream(self, request, grpc_context):  # noqa: N802
-        for message in (await self.grpc_messages(request, True)).stream(grpc_context):
+        for message in (await self._grpc(request, True, grpc_context)).stream(grpc_context):
             yield message
 
     # ---- composition -----------------------------------------------------------------------
