@@ -27,7 +27,10 @@ def local_serve():
     import ray
     from ray import serve
 
+    from vae_service.serving.proxy_guard import proxy_guard_env
+
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.update(proxy_guard_env())  # as the CLI runs the service
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

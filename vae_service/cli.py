@@ -90,6 +90,19 @@ def cmd_serve(args: argparse.Namespace) -> None:
     from ray.serve.config import gRPCOptions
 
     from vae_service.serving.app import GRPC_SERVICER, decoder_app
+    from vae_service.serving.proxy_guard import proxy_guard_env
+
+    # a local Ray started below inherits it: Serve's proxy then installs the guard
+    os.environ.update(
+        {
+            **proxy_guard_env(
+                max_body_bytes=config.limits.max_request_bytes,
+                body_timeout_s=config.limits.body_timeout_s,
+                retry_after_s=config.serving.retry_after_s,
+            ),
+            **os.environ,
+        }
+    )
 
     ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, logging_level=logging.WARNING)
     grpc = gRPCOptions(port=args.grpc_port, grpc_servicer_functions=[GRPC_SERVICER]) if args.grpc_port else None

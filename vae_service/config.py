@@ -24,6 +24,7 @@ class Limits(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     max_request_bytes: int = Field(64 * 1024 * 1024, gt=0, description="msgpack body size")
+    body_timeout_s: float = Field(30.0, gt=0, description="the whole body must arrive within this (else 408)")
     max_output_pixels: int = Field(
         2**25, gt=0, description="decoded pixels per request, summed over batch items and frames"
     )

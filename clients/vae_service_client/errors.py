@@ -19,6 +19,7 @@ class ErrorKind:
 ERROR_KINDS: dict[str, ErrorKind] = {
     "invalid_request": ErrorKind(400, "INVALID_ARGUMENT"),
     "unauthenticated": ErrorKind(401, "UNAUTHENTICATED"),
+    "body_timeout": ErrorKind(408, "DEADLINE_EXCEEDED"),
     "payload_too_large": ErrorKind(413, "RESOURCE_EXHAUSTED"),
     "unsupported_media_type": ErrorKind(415, "INVALID_ARGUMENT"),
     "decode_failed": ErrorKind(422, "INVALID_ARGUMENT"),

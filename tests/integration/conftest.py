@@ -7,9 +7,11 @@ from pathlib import Path
 import pytest
 
 from vae_service.serving.app import GRPC_SERVICER
+from vae_service.serving.proxy_guard import proxy_guard_env
 
 pytestmark = pytest.mark.integration
 PORTS: dict[str, int] = {}
+PROXY_BODY_TIMEOUT_S = 3.0
 TEST_DEPLOYMENT = dict(graceful_shutdown_wait_loop_s=0.05, graceful_shutdown_timeout_s=0.5)
 
 
@@ -25,6 +27,8 @@ def ray_cluster():
     from ray import serve
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    # the proxy guard, installed the way the CLI installs it (with a shorter body deadline)
+    os.environ.update(proxy_guard_env(body_timeout_s=PROXY_BODY_TIMEOUT_S))
     repo = str(Path(__file__).resolve().parents[2])  # replicas import deploy/ modules from the checkout
     ray.init(
         num_cpus=8,

@@ -23,6 +23,10 @@ class UnsupportedMediaType(InvalidInput):
     """The body's Content-Type is not one this route reads."""
 
 
+class BodyTimeout(InvalidInput):
+    """The request body did not arrive within the deadline (a slow or stalled client)."""
+
+
 class Unauthenticated(DecodeError):
     """No bearer token, or not the service's (the same answer for both)."""
 
@@ -36,6 +40,7 @@ class Unavailable(Overloaded):
 WIRE_TYPES: tuple[tuple[type[Exception], str], ...] = (
     (Unauthenticated, "unauthenticated"),
     (UnsupportedMediaType, "unsupported_media_type"),
+    (BodyTimeout, "body_timeout"),
     (LimitExceeded, "payload_too_large"),
     (InvalidInput, "invalid_request"),
     (WireError, "invalid_request"),

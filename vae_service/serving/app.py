@@ -70,6 +70,7 @@ def multi_model_app(args: dict, **deployment_options) -> Application:
     return router.bind(
         decoders,
         max(c.limits.max_request_bytes for c in configs),
+        max(c.limits.body_timeout_s for c in configs),
         token_files.pop(),
         max(c.serving.retry_after_s for c in configs),
     )

@@ -3,13 +3,14 @@ ingress can forward raw bodies and return the decoder's answer), and the FastAPI
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 
 from fastapi.responses import Response
 from starlette.requests import Request
 
 from vae_service.engine.errors import InvalidInput
-from vae_service.protocol.errors import ANSWERABLE, wire_error
+from vae_service.protocol.errors import ANSWERABLE, BodyTimeout, wire_error
 from vae_service.protocol.hf_remote import parse_remote_decode, remote_decode_reply
 from vae_service.protocol.msgpack_decode import CONTENT_TYPE, check_body_size, encode_decode_response, parse_decode_body
 from vae_service.serving.auth import BearerAuth
@@ -56,7 +57,8 @@ async def remote_decode_answer(
 async def decode_http(service: DecodeService, auth: BearerAuth, request: Request) -> HttpAnswer:
     try:
         auth.check(request.headers.get("authorization"))
-        body = await read_body(request, service.config.limits.max_request_bytes)
+        limits = service.config.limits
+        body = await read_body(request, limits.max_request_bytes, limits.body_timeout_s)
     except ANSWERABLE as exc:
         return error_answer(service.rejected(exc))
     return await decode_answer(service, body, request.headers.get("content-type"))
@@ -65,7 +67,8 @@ async def decode_http(service: DecodeService, auth: BearerAuth, request: Request
 async def remote_decode_http(service: DecodeService, auth: BearerAuth, request: Request) -> HttpAnswer:
     try:
         auth.check(request.headers.get("authorization"))
-        body = await read_body(request, service.config.limits.max_request_bytes)
+        limits = service.config.limits
+        body = await read_body(request, limits.max_request_bytes, limits.body_timeout_s)
     except ANSWERABLE as exc:
         return error_answer(service.rejected(exc))
     return await remote_decode_answer(
@@ -73,18 +76,23 @@ async def remote_decode_http(service: DecodeService, auth: BearerAuth, request: 
     )
 
 
-async def read_body(request: Request, max_request_bytes: int) -> bytes:
-    """The body under the byte budget: a declared or actual size over it is refused early."""
+async def read_body(request: Request, max_request_bytes: int, timeout_s: float) -> bytes:
+    """The body under the byte budget and the deadline: a declared or actual size over the budget
+    is refused early, a body still arriving at the deadline is cut off (408)."""
     declared = request.headers.get("content-length")
     if declared is not None:
         if not declared.isdigit():
             raise InvalidInput("Content-Length", f"must be an integer, got {declared!r}")
         check_body_size(int(declared), max_request_bytes)
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        check_body_size(size, max_request_bytes)  # a body longer than declared is cut off early, too
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                check_body_size(size, max_request_bytes)  # a body longer than declared is cut off early, too
+                chunks.append(chunk)
+    except TimeoutError:
+        raise BodyTimeout("body", f"did not arrive within {timeout_s:g} s (body_timeout_s)") from None
     return b"".join(chunks)
 
 

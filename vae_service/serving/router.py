@@ -37,11 +37,12 @@ class VaeRouter:
         self,
         decoders: dict[str, DeploymentHandle],
         max_request_bytes: int,
+        body_timeout_s: float,
         auth_token_file: str | None = None,
         retry_after_s: float = 1.0,
     ):
         self.decoders = decoders
-        self.max_request_bytes = max_request_bytes
+        self.max_request_bytes, self.body_timeout_s = max_request_bytes, body_timeout_s
         self.auth = BearerAuth(load_token(auth_token_file))
         self.retry_after_s = retry_after_s
 
@@ -68,7 +69,7 @@ class VaeRouter:
     async def decode_http(self, request: Request) -> Response:
         try:
             self.auth.check(request.headers.get("authorization"))
-            body = await read_body(request, self.max_request_bytes)
+            body = await read_body(request, self.max_request_bytes, self.body_timeout_s)
             decoder = self._pick(peek_model(body))
             answer = await self._call(decoder.decode_body.remote(body, request.headers.get("content-type")))
         except ANSWERABLE as exc:
@@ -80,7 +81,7 @@ class VaeRouter:
         query = query_lists(request)
         try:
             self.auth.check(request.headers.get("authorization"))
-            body = await read_body(request, self.max_request_bytes)
+            body = await read_body(request, self.max_request_bytes, self.body_timeout_s)
             decoder = self._pick(query.get("model", [None])[-1])
             answer = await self._call(
                 decoder.remote_decode_body.remote(

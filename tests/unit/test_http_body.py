@@ -1,0 +1,38 @@
+"""The replica's own body reading (whether or not the proxy guard sits in front)."""
+
+import asyncio
+
+import pytest
+from starlette.requests import Request
+
+from vae_service.engine import LimitExceeded
+from vae_service.protocol.errors import BodyTimeout
+from vae_service.serving.http_routes import read_body
+
+
+def request_with(chunks: list[bytes], gap_s: float, content_length: int | None = None) -> Request:
+    headers = [] if content_length is None else [(b"content-length", str(content_length).encode())]
+    pending = list(chunks)
+
+    async def receive():
+        await asyncio.sleep(gap_s)
+        chunk = pending.pop(0)
+        return {"type": "http.request", "body": chunk, "more_body": bool(pending)}
+
+    return Request({"type": "http", "method": "POST", "path": "/decode", "headers": headers}, receive)
+
+
+async def test_a_body_arriving_in_time_is_read_whole():
+    assert await read_body(request_with([b"ab", b"cd"], 0.0), 10, 5.0) == b"abcd"
+
+
+async def test_a_body_still_arriving_at_the_deadline_is_cut_off():
+    with pytest.raises(BodyTimeout) as err:
+        await read_body(request_with([b"a"] * 100, 0.05), 1000, timeout_s=0.2)
+    assert err.value.field == "body" and "body_timeout_s" in err.value.message
+
+
+@pytest.mark.parametrize("chunks, declared", [([b"x" * 11], None), ([b"x"], 11), ([b"x" * 6, b"x" * 6], 5)])
+async def test_a_body_over_the_budget_is_refused_early(chunks, declared):
+    with pytest.raises(LimitExceeded, match="max_request_bytes"):
+        await read_body(request_with(chunks, 0.0, declared), 10, 5.0)
