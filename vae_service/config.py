@@ -83,6 +83,17 @@ class FastPath(BaseModel):
         return names
 
 
+class Encoding(BaseModel):
+    """How png/jpeg/mp4 outputs are written, and by how many threads (off the device thread)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    png_compress_level: int = Field(1, ge=0, le=9, description="zlib level: 1 is several times faster than 6")
+    jpeg_quality: int = Field(95, ge=1, le=100)
+    mp4_fps: int = Field(16, gt=0)
+    threads: int = Field(4, gt=0, description="encoder threads; a request's items encode in parallel")
+
+
 class LiveConfig(BaseModel):
     """What `reconfigure` (Serve's `user_config`) may change on running replicas."""
 
@@ -108,6 +119,7 @@ class ServiceConfig(BaseModel):
     seed: int = Field(0, description="seed for preset random weights")
     cpu_threads: int | None = Field(None, gt=0, description="torch threads on CPU; default: all cores")
     fast_path: FastPath = FastPath()
+    encoding: Encoding = Encoding()
     auth_token_file: str | None = Field(
         None,
         description="file holding the bearer token HTTP and gRPC callers must send (default: the "

@@ -28,7 +28,7 @@ REQUEST_KEYS = (
     "request_id",
     "model",
 )
-TIMING_KEYS = ("queue_ms", "decode_ms", "batch_size")
+TIMING_KEYS = ("queue_ms", "decode_ms", "encode_ms", "batch_size")
 
 
 class _Unset:

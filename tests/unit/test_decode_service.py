@@ -14,6 +14,7 @@ import torch
 from tests.models import reference_decode, torch_threads
 from vae_service.config import Batching, Limits, LiveConfig, ServiceConfig
 from vae_service.engine import DecodeRequest, DecodeTimeout, LimitExceeded
+from vae_service.engine.encoding import encode_item
 from vae_service.serving.decode_service import DecodeService
 from vae_service.serving.http_routes import decode_answer
 from vae_service.serving.replica import parse_live
@@ -190,3 +191,68 @@ async def test_a_decode_whose_callers_left_stops_at_its_next_latent_frame(wan_di
     assert 3 <= len(calls) < frames // 2  # stopped long before the clip's end
     ok = await service.decode(DecodeRequest(torch.zeros(1, 4, 1, 2, 2)))  # and the device is free again
     assert ok.output.shape == (1, 1, 16, 16, 3)
+
+
+async def test_slow_encoding_never_holds_the_device(kl_dir):
+    """Decoder 10 ms, encoder 100 ms, 16 concurrent png requests: the device decodes on while a
+    pool of 4 encodes, so they finish in about the pool's time, not 16 x 110 ms."""
+    service = kl_service(kl_dir, encoding={"threads": 4}, batching={"max_batch_size": 1})
+    decode, decodes, encodes, lock = service.engine.decode, [], [], threading.Lock()
+
+    def slow_decode(batch, abandoned=None):
+        start = time.monotonic()
+        time.sleep(0.01)
+        out = decode(batch, abandoned)
+        decodes.append((start, time.monotonic()))
+        return out
+
+    def slow_encode(item, fmt, settings):
+        start = time.monotonic()
+        time.sleep(0.1)
+        out = encode_item(item, fmt, settings)
+        with lock:
+            encodes.append((start, time.monotonic()))
+        return out
+
+    service.batcher.run_batch, service.encoders.encode_item = slow_decode, slow_encode
+    gen = torch.Generator().manual_seed(14)
+    start = time.monotonic()
+    results = await asyncio.gather(
+        *(service.decode(DecodeRequest(torch.randn(1, 4, 2, 2, generator=gen), output="png")) for _ in range(16))
+    )
+    elapsed = time.monotonic() - start
+    assert all(isinstance(r.output, list) and r.output[0].startswith(b"\x89PNG") for r in results)
+    assert all(r.timing.encode_ms >= 100 for r in results)
+    concurrent = max(sum(s <= t < e for s, e in encodes) for t, _ in encodes)
+    assert concurrent == 4  # the pool's width, never more
+    assert sum(any(s <= d < e for s, e in encodes) for d, _ in decodes) >= 8  # decoding went on meanwhile
+    assert elapsed < 0.6 * 16 * 0.11  # about 16 x 100 ms / 4 threads, far from serial
+
+
+async def test_a_failed_encode_fails_only_its_request_and_nothing_is_decoded_again(kl_dir):
+    service = kl_service(kl_dir, batching={"batch_wait_ms": 50})
+    decode, calls = service.engine.decode, []
+    broken = DecodeRequest(torch.zeros(1, 4, 2, 2), output="png")  # its pixels are recognisable
+    bad_pixels = service.engine.decode([service.engine.prepare(broken)])[0].output[0].numpy()
+
+    def counting(batch, abandoned=None):
+        calls.append(len(batch))
+        return decode(batch, abandoned)
+
+    def encode_or_break(item, fmt, settings):
+        if np.array_equal(item, bad_pixels):
+            raise OSError("injected: the encoder broke")
+        return encode_item(item, fmt, settings)
+
+    service.batcher.run_batch, service.encoders.encode_item = counting, encode_or_break
+    gen = torch.Generator().manual_seed(15)
+    bodies = [
+        pack(request_map(torch.randn(1, 4, 2, 2, generator=gen), output="png")),
+        pack(request_map(torch.zeros(1, 4, 2, 2), output="png")),
+        pack(request_map(torch.randn(1, 4, 2, 2, generator=gen), output="png")),
+    ]
+    answers = await asyncio.gather(*(decode_answer(service, b, MSGPACK) for b in bodies))
+    assert [a.status for a in answers] == [200, 500, 200]
+    error = json.loads(answers[1].body)["error"]
+    assert error["type"] == "internal" and "error id" in error["message"] and "injected" not in error["message"]
+    assert calls == [3]  # one decode of the batch, never repeated

@@ -38,7 +38,7 @@ def engines(kl_dir, flux_dir, wan_dir):
 
 
 def run(engine, **kw):
-    return engine.decode([engine.prepare(DecodeRequest(**kw))])[0].output
+    return engine.encode(engine.decode([engine.prepare(DecodeRequest(**kw))])[0]).output
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])

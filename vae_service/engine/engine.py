@@ -14,11 +14,13 @@ from __future__ import annotations
 import os
 import threading
 import time
+from dataclasses import replace
 
 import torch
 
 from vae_service.config import Limits, ServiceConfig
 from vae_service.engine.cost import flops_per_output_pixel
+from vae_service.engine.encoding import ENCODED_OUTPUTS, EncodeSettings, encode_all
 from vae_service.engine.errors import DecodeAbandoned, DecodeFailed
 from vae_service.engine.latents import LatentScaling, PreparedRequest, prepare, to_decoder_input
 from vae_service.engine.postprocess import postprocess
@@ -36,6 +38,9 @@ class DecodeEngine:
         self.bind_thread()
         self.dtype = resolve_dtype(config.decode_precision, self.device)
         self.limits: Limits = config.limits  # the only live setting: budgets checked in `prepare`
+        self.encode_settings = EncodeSettings(
+            config.encoding.png_compress_level, config.encoding.jpeg_quality, config.encoding.mp4_fps
+        )
         loaded = loaded or load_vae(config.model, name=config.served_name, seed=config.seed)
         self.spec = loaded.spec
         self.flops_per_pixel = flops_per_output_pixel(loaded.vae, loaded.spec)
@@ -111,12 +116,24 @@ class DecodeEngine:
                 decoded = self._decode_together(latents)
             outputs = [self._finish(d, r) for d, r in zip(decoded, batch)]
         timing = Timing(0.0, (time.perf_counter() - start) * 1e3, sum(r.items for r in batch))
-        return [
-            o
-            if isinstance(o, DecodeFailed)
-            else DecodeResult(o, self.spec.name, self.precision, quality, r.request.request_id, timing)
-            for o, r in zip(outputs, batch)
-        ]
+        return [o if isinstance(o, DecodeFailed) else self._result(o, r, timing) for o, r in zip(outputs, batch)]
+
+    def _result(self, output: torch.Tensor, prepared: PreparedRequest, timing: Timing) -> DecodeResult:
+        request = prepared.request
+        encode_as = request.output if request.output in ENCODED_OUTPUTS else None
+        return DecodeResult(
+            output, self.spec.name, self.precision, request.quality, request.request_id, timing, encode_as
+        )
+
+    def encode(self, result: DecodeResult) -> DecodeResult:
+        """Encode a result's pixels here, item after item (in-process callers; the service encodes
+        in a pool, off the device thread)."""
+        if result.encode_as is None:
+            return result
+        start = time.perf_counter()
+        files = encode_all(result.output.numpy(), result.encode_as, self.encode_settings)
+        timing = replace(result.timing, encode_ms=(time.perf_counter() - start) * 1e3)
+        return replace(result, output=files, encode_as=None, timing=timing)
 
     @staticmethod
     def _finish(decoded: torch.Tensor, prepared: PreparedRequest):

@@ -25,6 +25,11 @@ class DecodeFailed(DecodeError):
     """The decoder produced no usable output for these latents (NaN/Inf, e.g. overflow)."""
 
 
+class EncodeFailed(DecodeError):
+    """Encoding the decoded pixels as a file failed: a server fault (sizes are checked before the
+    decode), answered as an internal error of that request alone."""
+
+
 class Overloaded(DecodeError):
     """Too much queued work: retry after `retry_after_s`."""
 

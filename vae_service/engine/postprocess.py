@@ -1,19 +1,13 @@
-"""Decoder output ([-1, 1] floats, [B,3,H,W] or [B,3,T,H,W]) to what the client asked for.
+"""Decoder output ([-1, 1] floats, [B,3,H,W] or [B,3,T,H,W]) to the tensor a client gets, or the
+pixels an encoder turns into files (engine/encoding.py).
 
 uint8 follows diffusers' VaeImageProcessor exactly: (x / 2 + 0.5).clamp(0, 1) * 255, rounded,
-computed in fp32.
+computed in fp32, on the decoding device (a quarter of the bytes to copy to the host).
 """
 
 from __future__ import annotations
 
-import io
-
-import numpy as np
 import torch
-from PIL import Image
-
-JPEG_QUALITY = 95
-MP4_FPS = 16
 
 
 def to_uint8(decoded: torch.Tensor) -> torch.Tensor:
@@ -24,38 +18,6 @@ def to_uint8(decoded: torch.Tensor) -> torch.Tensor:
     return x.movedim(1, -1).to(torch.uint8, memory_format=torch.contiguous_format).cpu()
 
 
-def _encode_image(pixels: np.ndarray, fmt: str) -> bytes:
-    buf = io.BytesIO()
-    if fmt == "png":
-        Image.fromarray(pixels).save(buf, format="PNG")
-    else:
-        Image.fromarray(pixels).save(buf, format="JPEG", quality=JPEG_QUALITY)
-    return buf.getvalue()
-
-
-def _encode_mp4(frames: np.ndarray, fps: int = MP4_FPS) -> bytes:
-    import av  # imported lazily: only video deployments need it
-
-    buf = io.BytesIO()
-    with av.open(buf, mode="w", format="mp4") as container:
-        stream = container.add_stream("libx264", rate=fps)
-        stream.height, stream.width = frames.shape[1:3]
-        stream.pix_fmt = "yuv420p"
-        for frame in frames:
-            container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
-        container.mux(stream.encode())
-    return buf.getvalue()
-
-
-def postprocess(decoded: torch.Tensor, output: str) -> torch.Tensor | list[bytes]:
-    if output == "float":
-        return decoded.cpu()
-    pixels = to_uint8(decoded)
-    if output == "uint8":
-        return pixels
-    arrays = pixels.numpy()
-    if output == "mp4":
-        return [_encode_mp4(item) for item in arrays]
-    if arrays.ndim == 5:  # single-frame video (validated upstream)
-        arrays = arrays[:, 0]
-    return [_encode_image(item, output) for item in arrays]
+def postprocess(decoded: torch.Tensor, output: str) -> torch.Tensor:
+    """`float`: the decoder's output on the CPU; anything else: uint8 pixels (encoded later)."""
+    return decoded.cpu() if output == "float" else to_uint8(decoded)

@@ -10,8 +10,9 @@ import torch
 @dataclass(frozen=True)
 class Timing:
     queue_ms: float  # arrival to the start of its batch's decode (filled in by whoever queued it)
-    decode_ms: float  # the engine call that decoded it, postprocessing included
+    decode_ms: float  # the engine call that decoded it, uint8 conversion included
     batch_size: int  # latent items decoded in that call
+    encode_ms: float = 0.0  # PNG/JPEG/MP4 encoding of its items, after the decode
 
 
 @dataclass(frozen=True)
@@ -22,3 +23,4 @@ class DecodeResult:
     quality: str
     request_id: str | None
     timing: Timing
+    encode_as: str | None = None  # png | jpeg | mp4 while `output` still holds the pixels to encode

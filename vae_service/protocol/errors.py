@@ -10,6 +10,7 @@ from vae_service.engine.errors import (
     DecodeError,
     DecodeFailed,
     DecodeTimeout,
+    EncodeFailed,
     InvalidInput,
     LimitExceeded,
     OutOfMemory,
@@ -49,6 +50,7 @@ WIRE_TYPES: tuple[tuple[type[Exception], str], ...] = (
     (Unavailable, "unavailable"),
     (Overloaded, "overloaded"),
     (DecodeTimeout, "timeout"),
+    (EncodeFailed, "internal"),
 )
 ANSWERABLE = tuple(dict.fromkeys(cls for cls, _ in WIRE_TYPES))  # what becomes a 4xx/503/504 answer, never a 500
 

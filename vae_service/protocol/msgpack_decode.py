@@ -73,7 +73,12 @@ def parse_decode_body(body: bytes, content_type: str | None, max_request_bytes: 
 def response_of(result: DecodeResult, output=None, item_index: int = 0) -> DecodeResponse:
     """The wire response for a result (`output` overrides it, e.g. one streamed item)."""
     t = result.timing
-    timing = {"queue_ms": round(t.queue_ms, 3), "decode_ms": round(t.decode_ms, 3), "batch_size": t.batch_size}
+    timing = {
+        "queue_ms": round(t.queue_ms, 3),
+        "decode_ms": round(t.decode_ms, 3),
+        "encode_ms": round(t.encode_ms, 3),
+        "batch_size": t.batch_size,
+    }
     return DecodeResponse(
         result.output if output is None else output,
         result.model,

@@ -16,6 +16,7 @@ from vae_service.config import LiveConfig, ServiceConfig
 from vae_service.engine import DecodeEngine, DecodeRequest, DecodeResult, PreparedRequest
 from vae_service.engine.errors import DecodeTimeout, OutOfMemory, Overloaded
 from vae_service.serving.batcher import BatcherLimits, BatchStats, DeadlineExceeded, KeyedBatcher, QueueFull
+from vae_service.serving.encoders import EncoderPool
 
 # Inputs above this size are parsed and checked off the event loop (a thread hop costs about as
 # much as parsing and checking this many bytes inline; see bench/bench_spine.py)
@@ -44,6 +45,7 @@ class DecodeService:
         self.batcher: KeyedBatcher[PreparedRequest] = KeyedBatcher(
             self.engine.decode, batcher_limits(config.live()), self._observe, executor=self.device_thread
         )
+        self.encoders = EncoderPool(self.engine.encode_settings, config.encoding.threads)
         self.on_batch, self.on_rejected = on_batch, on_rejected
         self.decoded_items = 0  # latent items that reached the device (requests given up on never do)
 
@@ -92,8 +94,9 @@ class DecodeService:
                 "the device ran out of memory for this request; retry later or send fewer items",
                 self.config.serving.retry_after_s,
             ) from None
-        total_ms = (time.perf_counter() - arrived) * 1e3
-        return replace(result, timing=replace(result.timing, queue_ms=max(0.0, total_ms - result.timing.decode_ms)))
+        decoded_ms = (time.perf_counter() - arrived) * 1e3
+        result = replace(result, timing=replace(result.timing, queue_ms=max(0.0, decoded_ms - result.timing.decode_ms)))
+        return await self.encoders.finish(result)
 
     def describe(self) -> dict:
         return {
@@ -111,4 +114,5 @@ class DecodeService:
         """Let queued and running batches finish (shutdown); False if they did not in time."""
         drained = await self.batcher.drain(timeout_s)
         self.device_thread.shutdown(wait=False)
+        self.encoders.shutdown()
         return drained
