@@ -1,0 +1,182 @@
+"""Hostile and careless inputs for /decode and /remote-decode, as hypothesis strategies: shared by
+tests/integration/test_fuzz.py (a fixed-seed budget in CI) and bench/fuzz.py (20,000+)."""
+
+from __future__ import annotations
+
+import math
+import struct
+
+import msgpack
+import numpy as np
+from hypothesis import strategies as st
+
+from vae_service_client.messages import REQUEST_KEYS, pack
+
+OUTPUTS = ["uint8", "float", "png", "jpeg", "mp4", "gif", "", None]
+QUALITIES = ["lossless", "high", "best", "", None, 1]
+DTYPES = ["float32", "float16", "bfloat16", "uint8", "float64", "int8", "", None]
+EDGE_FLOATS = [0.0, -0.0, 1e-45, 65504.0, 65520.0, 3.4e38, float("inf"), float("-inf"), float("nan")]
+BF16_EDGES = [0x7F80, 0xFF80, 0x7FC0, 0x0001, 0x7F7F, 0x8000]  # inf, -inf, nan, subnormal, max, -0
+
+scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**63), 2**64 - 1),
+    st.floats(allow_nan=True),
+    st.text(max_size=20),
+    st.binary(max_size=40),
+)
+anything = st.recursive(
+    scalars,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=6),
+        st.dictionaries(st.one_of(st.text(max_size=8), st.binary(max_size=8)), inner, max_size=6),
+    ),
+    max_leaves=20,
+)
+
+
+@st.composite
+def latents_map(draw) -> dict:
+    """A tensor map that is right, nearly right, or wrong in one of many ways."""
+    shape = draw(
+        st.one_of(
+            st.lists(st.integers(1, 6), min_size=1, max_size=6),  # plausible
+            st.lists(st.integers(-3, 2**31), min_size=0, max_size=8),  # extreme and negative
+            st.just([1, 4, 4, 4]),
+            st.just([1, 4, 2, 4, 4]),
+            st.just([1, 2, 16]),  # image, video, packed
+        )
+    )
+    dtype = draw(st.sampled_from(DTYPES))
+    itemsize = {"float32": 4, "float16": 2, "bfloat16": 2, "uint8": 1}.get(dtype, 4)
+    count = math.prod(shape) if shape and all(0 < d < 4096 for d in shape) and math.prod(shape) < 4096 else 4
+    kind = draw(st.sampled_from(["random", "edge", "bf16_edge", "truncated", "oversized", "text"]))
+    if kind == "random":
+        data = np.random.default_rng(draw(st.integers(0, 2**32 - 1))).standard_normal(count).astype("<f4").tobytes()
+        data = data[: count * itemsize]
+    elif kind == "edge":
+        data = b"".join(struct.pack("<f", draw(st.sampled_from(EDGE_FLOATS))) for _ in range(count))[: count * itemsize]
+    elif kind == "bf16_edge":
+        data = b"".join(struct.pack("<H", draw(st.sampled_from(BF16_EDGES))) for _ in range(count))
+    elif kind == "truncated":
+        data = bytes(max(0, count * itemsize - draw(st.integers(1, 8))))
+    elif kind == "oversized":
+        data = bytes(count * itemsize + draw(st.integers(1, 64)))
+    else:
+        data = "not bytes"
+    tensor = {"dtype": dtype, "shape": shape, "data": data}
+    if draw(st.booleans()) and draw(st.booleans()):  # a key missing or one too many
+        tensor.pop(draw(st.sampled_from(["dtype", "shape", "data"])))
+        tensor[draw(st.sampled_from(["extra", b"data"]))] = draw(scalars)
+    return tensor
+
+
+@st.composite
+def valid_request(draw, models: tuple[str, ...]) -> dict:
+    """A request a served model decodes (4 latent channels: the test VAEs' kl and wan)."""
+    frames = draw(st.sampled_from([(), (1,), (2,)]))
+    shape = [draw(st.integers(1, 2)), 4, *frames, draw(st.integers(1, 5)), draw(st.integers(1, 5))]
+    dtype = draw(st.sampled_from(["float32", "float16", "bfloat16"]))
+    data = np.random.default_rng(draw(st.integers(0, 2**32 - 1))).standard_normal(math.prod(shape)).astype("<f4")
+    raw = data.astype("<f2").tobytes() if dtype == "float16" else data.tobytes()
+    if dtype == "bfloat16":
+        raw = (data.view("<u4") >> 16).astype("<u2").tobytes()
+    body = {
+        "latents": {"dtype": dtype, "shape": shape, "data": raw},
+        "model": draw(st.sampled_from(models)),
+        "quality": draw(st.sampled_from(["lossless", "high"])),
+        "output": draw(st.sampled_from(["uint8", "float", "png", "jpeg", "mp4"])),
+    }
+    if draw(st.booleans()):
+        body["scaling_factor"] = draw(st.one_of(st.none(), st.floats(0.1, 2.0)))
+    return body
+
+
+@st.composite
+def decode_bodies(draw, models: tuple[str, ...] = ("kl",)) -> bytes:
+    """msgpack /decode bodies: valid requests, plausible requests with wrong or extreme fields,
+    random maps with bytes keys, arbitrary values, and truncated or padded encodings."""
+    kind = draw(st.sampled_from(["valid", "request", "request", "request", "anything", "raw"]))
+    if kind == "valid":
+        return pack(draw(valid_request(models)))
+    if kind == "raw":
+        return draw(st.binary(max_size=200))
+    if kind == "anything":
+        return msgpack.packb(draw(anything), use_bin_type=draw(st.booleans()))
+    body: dict = {"latents": draw(latents_map())}
+    for key in REQUEST_KEYS[1:]:
+        if draw(st.integers(0, 3)) == 0:
+            body[key] = draw(field_value(key))
+    if draw(st.integers(0, 6)) == 0:
+        body[draw(st.one_of(st.text(max_size=6), st.binary(min_size=1, max_size=6)))] = draw(scalars)
+    raw = pack(body)
+    cut = draw(st.sampled_from(["whole", "whole", "whole", "truncated", "padded"]))
+    if cut == "truncated":
+        return raw[: draw(st.integers(0, max(0, len(raw) - 1)))]
+    return raw + draw(st.binary(min_size=1, max_size=8)) if cut == "padded" else raw
+
+
+def field_value(key: str):
+    return {
+        "quality": st.sampled_from(QUALITIES),
+        "output": st.sampled_from(OUTPUTS),
+        "scaling_factor": st.one_of(st.none(), st.sampled_from(EDGE_FLOATS), st.floats(), st.text(max_size=4)),
+        "shift_factor": st.one_of(st.none(), st.sampled_from(EDGE_FLOATS), st.floats(), st.booleans()),
+        "height": st.one_of(st.none(), st.integers(-8, 2**40), st.floats(), st.just(16), st.just(64)),
+        "width": st.one_of(st.none(), st.integers(-8, 2**40), st.floats(), st.just(16), st.just(64)),
+        "request_id": st.one_of(st.none(), st.text(max_size=300), st.integers(-(2**63), 2**64 - 1)),
+        "model": st.one_of(st.none(), st.text(max_size=8), st.sampled_from(["kl", "flux", "wan"]), st.binary()),
+    }.get(key, scalars)
+
+
+@st.composite
+def remote_decode_queries(draw) -> tuple[list[tuple[str, str]], bytes, str]:
+    """(query parameters, body, content type) for /remote-decode."""
+    params = []
+    for _ in range(draw(st.integers(0, 6))):
+        params.append(("shape", draw(st.sampled_from(["1", "4", "2", "0", "-1", "x", "99999999999", "2.5"]))))
+    keys = [
+        "dtype",
+        "output_type",
+        "image_format",
+        "partial_postprocess",
+        "scaling_factor",
+        "shift_factor",
+        "do_scaling",
+        "height",
+        "width",
+        "quality",
+        "model",
+        "other",
+    ]
+    values = [
+        "float32",
+        "float16",
+        "bfloat16",
+        "int8",
+        "pil",
+        "pt",
+        "mp4",
+        "latent",
+        "jpg",
+        "png",
+        "True",
+        "False",
+        "maybe",
+        "0.18215",
+        "nan",
+        "inf",
+        "-1",
+        "1e308",
+        "16",
+        "high",
+        "lossless",
+        "kl",
+        "",
+    ]
+    for _ in range(draw(st.integers(0, 6))):
+        params.append((draw(st.sampled_from(keys)), draw(st.one_of(st.sampled_from(values), st.text(max_size=10)))))
+    body = draw(st.one_of(st.binary(max_size=300), st.just(bytes(64)), st.just(np.ones(64, "<f4").tobytes())))
+    content_type = draw(st.sampled_from(["tensor/binary", "application/octet-stream", "application/json", ""]))
+    return params, body, content_type
