@@ -30,6 +30,7 @@ test: lint
 lint: $(INSTALLED)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/hadolint Dockerfile
 
 bench: $(INSTALLED)
 	$(VENV)/bin/python bench/bench_spine.py

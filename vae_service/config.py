@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from vae_service.fastpath.rewrites import REWRITE_NAMES
 
 Precision = Literal["auto", "fp32", "fp16", "bf16"]
+SHUTDOWN_MARGIN_S = 5.0  # past the request timeout: the drain's own bookkeeping
 
 
 class Limits(BaseModel):
@@ -137,7 +138,8 @@ class ServiceConfig(BaseModel):
 
     def deployment_options(self) -> dict:
         """Serve options that follow from the config. Serve's default of 5 ongoing requests would
-        keep batches from filling: a replica must accept a full batch for each key it fills."""
+        keep batches from filling: a replica must accept a full batch for each key it fills. A
+        replica being removed finishes what it holds: no request waits longer than its timeout."""
         return {
             "max_ongoing_requests": self.batching.max_batch_size * self.serving.concurrent_keys,
             "max_queued_requests": self.serving.max_queued_requests,
@@ -145,6 +147,7 @@ class ServiceConfig(BaseModel):
                 "status_code": self.serving.backpressure_status,
                 "retry_after_s": self.serving.retry_after_s,
             },
+            "graceful_shutdown_timeout_s": self.batching.request_timeout_s + SHUTDOWN_MARGIN_S,
         }
 
     @property

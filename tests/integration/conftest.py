@@ -30,9 +30,11 @@ def ray_cluster():
     # the proxy guard, installed the way the CLI installs it (with a shorter body deadline)
     os.environ.update(proxy_guard_env(body_timeout_s=PROXY_BODY_TIMEOUT_S))
     repo = str(Path(__file__).resolve().parents[2])  # replicas import deploy/ modules from the checkout
+    PORTS["metrics"] = free_port()
     ray.init(
         num_cpus=8,
         include_dashboard=False,
+        _metrics_export_port=PORTS["metrics"],
         log_to_driver=False,
         runtime_env={
             "env_vars": {
@@ -83,6 +85,11 @@ def multi_url(ray_cluster, kl_dir, flux_dir, wan_dir):
     ]
     serve.run(multi_model_app({"models": models}, **TEST_DEPLOYMENT), name="multi", route_prefix="/multi")
     return f"{ray_cluster}/multi"
+
+
+@pytest.fixture(scope="session")
+def metrics_url(ray_cluster):
+    return f"http://127.0.0.1:{PORTS['metrics']}/metrics"
 
 
 @pytest.fixture(scope="session")

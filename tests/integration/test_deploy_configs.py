@@ -32,6 +32,9 @@ def test_deploy_yaml_builds_a_single_model_app(name):
     (deployment,) = app["deployments"]
     assert deployment["name"] == "VaeDecoder"
     assert "user_config" not in deployment  # the live part comes from args unless overridden
+    # a removed replica drains what it holds: never cut shorter than a request may take
+    shutdown = deployment.get("graceful_shutdown_timeout_s", config.deployment_options()["graceful_shutdown_timeout_s"])
+    assert shutdown >= config.batching.request_timeout_s
     if name == "serve-gpu.yaml":
         assert deployment["ray_actor_options"]["num_gpus"] == 1 and config.device == "cuda"
         scaling = deployment["autoscaling_config"]
@@ -49,6 +52,7 @@ def test_deployment_options_are_derived_from_the_config():
         "max_ongoing_requests": 15,
         "max_queued_requests": 7,
         "backpressure_config": {"status_code": 503, "retry_after_s": 2.0},
+        "graceful_shutdown_timeout_s": config.batching.request_timeout_s + 5,
     }
     other = ServiceConfig(model="tiny-wan", serving={"max_queued_requests": 4})
     options = router_options([config, other])
@@ -70,3 +74,37 @@ def test_multi_model_yaml_builds_one_router_and_a_decoder_per_model():
         build_multi_app({"models": [{"model": "tiny-kl"}, {"model": "tiny-kl"}]})
     with pytest.raises(ValueError, match="at least one"):
         build_multi_app({"models": []})
+
+
+def test_kuberay_rayservice_is_well_formed_and_its_serve_config_loads():
+    manifest = yaml.safe_load((DEPLOY / "rayservice.yaml").read_text())
+    assert (manifest["apiVersion"], manifest["kind"]) == ("ray.io/v1", "RayService")
+    assert manifest["metadata"]["name"]
+    spec = manifest["spec"]
+    cluster = spec["rayClusterConfig"]
+    assert cluster["enableInTreeAutoscaling"] is True and cluster["rayVersion"].startswith("2.60")
+    head = cluster["headGroupSpec"]["template"]["spec"]["containers"][0]
+    (gpu_group,) = cluster["workerGroupSpecs"]
+    worker = gpu_group["template"]["spec"]["containers"][0]
+    assert worker["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert gpu_group["minReplicas"] <= gpu_group["replicas"] <= gpu_group["maxReplicas"]
+    for pod, container in (
+        (cluster["headGroupSpec"]["template"]["spec"], head),
+        (gpu_group["template"]["spec"], worker),
+    ):
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        env = {e["name"]: e for e in container["env"]}
+        assert (
+            env["RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"]["value"] == "vae_service.serving.proxy_guard:middlewares"
+        )
+        assert env["VAE_SERVICE_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"]["key"] == "token"
+    serve_config = ServeDeploySchema.model_validate(yaml.safe_load(spec["serveConfigV2"]))
+    (app,) = serve_config.applications
+    assert serve_config.grpc_options.grpc_servicer_functions == [GRPC_SERVICER]
+    config = ServiceConfig.model_validate(app.args)
+    assert config.device == "cuda"
+    (deployment,) = yaml.safe_load(spec["serveConfigV2"])["applications"][0]["deployments"]
+    assert deployment["ray_actor_options"]["num_gpus"] == 1
+    # shutdown lets a replica drain what it holds: at least one request timeout
+    assert deployment["graceful_shutdown_timeout_s"] >= config.batching.request_timeout_s
+    built_the_way_serve_builds_it({"import_path": app.import_path, "args": app.args})

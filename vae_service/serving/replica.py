@@ -10,6 +10,7 @@ that decoded it. `reconfigure` (Serve's user_config) applies limits and batching
 from __future__ import annotations
 
 import logging
+import os
 
 from ray import serve
 
@@ -23,7 +24,6 @@ from vae_service.serving.handle_api import handle_decode
 from vae_service.serving.http_routes import HttpAnswer, decode_answer, remote_decode_answer
 
 log = logging.getLogger("ray.serve")  # Serve writes it to the replica's own log file
-DRAIN_TIMEOUT_S = 30.0
 
 
 def replica_id() -> str:
@@ -31,6 +31,15 @@ def replica_id() -> str:
         return serve.get_replica_context().replica_id.unique_id
     except Exception:  # outside a replica (local testing mode)
         return "local"
+
+
+def resident_bytes() -> int | None:
+    """This process's resident memory (Linux), for /health and soak runs."""
+    try:
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return None
 
 
 def parse_live(user_config: dict) -> LiveConfig:
@@ -72,7 +81,7 @@ class DecoderReplica:
         self.service.engine.check_device()
 
     def describe(self) -> dict:
-        return {"replica": replica_id(), **self.service.describe()}
+        return {"replica": replica_id(), "rss_bytes": resident_bytes(), **self.service.describe()}
 
     # ---- bodies, also called through handles by the routing ingress ----------------------------
     async def decode_body(self, body: bytes, content_type: str | None) -> HttpAnswer:
@@ -117,7 +126,7 @@ class DecoderReplica:
     async def __del__(self) -> None:
         # Serve calls this on scale-down, redeploy, delete and shutdown (not on a hard kill):
         # let queued and running batches finish, then give the folded buffers back.
-        drained = await self.service.drain(DRAIN_TIMEOUT_S)
+        drained = await self.service.drain(self.config.batching.request_timeout_s)
         freed = self.release_folded()
         log.info(
             "replica %s shutting down: drained=%s, released %d bytes of folded buffers", replica_id(), drained, freed

@@ -1,0 +1,65 @@
+"""The Prometheus endpoint of the local cluster carries every `vae_*` family the README lists,
+with values that follow from the requests sent."""
+
+import re
+import time
+
+import httpx
+import numpy as np
+import pytest
+
+from vae_service_client import VaeClient, VaeServiceError
+
+pytestmark = pytest.mark.integration
+FAMILIES = [
+    "ray_vae_queue_depth",
+    "ray_vae_batch_size",
+    "ray_vae_decode_latency_ms",
+    "ray_vae_rejected_requests",
+    "ray_vae_folded_buffer_bytes",
+]
+
+
+def samples(text: str, family: str, model: str) -> dict[str, float]:
+    """'name{labels}' -> value for one family's series of one model."""
+    found = {}
+    for line in text.splitlines():
+        if line.startswith(family) and f'model="{model}"' in line:
+            name, value = line.rsplit(" ", 1)
+            found[name] = float(value)
+    return found
+
+
+def test_every_vae_metric_family_is_exported_with_plausible_values(app, metrics_url):
+    url = app("metered")
+    with VaeClient(url) as client:
+        for quality in ("lossless", "high", "high"):
+            client.decode(np.zeros((2, 4, 3, 3), np.float32), quality=quality)
+        with pytest.raises(VaeServiceError):
+            client.decode(np.zeros((1, 3, 3, 3), np.float32))  # 400: one rejection
+    deadline, text = time.time() + 90, ""
+    while time.time() < deadline:  # exported every few seconds
+        text = httpx.get(metrics_url, timeout=10).text
+        if all(samples(text, f, "metered") for f in FAMILIES) and samples(
+            text, "ray_vae_folded_buffer_bytes", "metered"
+        ):
+            rejected = samples(text, "ray_vae_rejected_requests", "metered")
+            if rejected:
+                break
+        time.sleep(2)
+    missing = [f for f in FAMILIES if not samples(text, f, "metered")]
+    assert not missing, missing
+    batch_counts = {k: v for k, v in samples(text, "ray_vae_batch_size", "metered").items() if "_count" in k}
+    assert sum(batch_counts.values()) >= 3  # one lossless and at least one high decoder call
+    assert {re.search(r'tier="(\w+)"', k).group(1) for k in batch_counts} == {"lossless", "high"}
+    # every decoder call held 2 items (Ray exports histogram sums at bucket midpoints: count buckets)
+    buckets = samples(text, "ray_vae_batch_size_bucket", "metered")
+    in_bucket = {le: sum(v for k, v in buckets.items() if f'le="{le}"' in k) for le in ("1.0", "2.0")}
+    assert in_bucket == {"1.0": 0, "2.0": sum(batch_counts.values())}
+    assert any(
+        'reason="invalid_request"' in k and v >= 1
+        for k, v in samples(text, "ray_vae_rejected_requests", "metered").items()
+    )
+    assert max(samples(text, "ray_vae_folded_buffer_bytes", "metered").values()) > 0  # high built its folds
+    latency = samples(text, "ray_vae_decode_latency_ms", "metered")
+    assert sum(v for k, v in latency.items() if "_sum" in k) > 0
