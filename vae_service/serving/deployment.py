@@ -15,6 +15,7 @@ from fastapi.responses import Response
 from ray import serve
 
 from vae_service.protocol.errors import Unauthenticated
+from vae_service.serving import openapi
 from vae_service.serving.http_routes import decode_http, error_answer, health_fields, remote_decode_http
 from vae_service.serving.replica import DecoderReplica
 from vae_service_client.errors import error_json
@@ -43,11 +44,11 @@ VaeDecoder = serve.deployment(name="VaeDecoder")(DecoderReplica)
 @serve.deployment(name="VaeDecoder")
 @serve.ingress(http_app)
 class VaeDecoderHttp(DecoderReplica):
-    @http_app.post("/decode")
+    @http_app.post("/decode", openapi_extra=openapi.DECODE)
     async def decode_http(self, request: Request) -> Response:
         return (await decode_http(self.service, self.auth, request)).response()
 
-    @http_app.post("/remote-decode")
+    @http_app.post("/remote-decode", openapi_extra=openapi.REMOTE_DECODE)
     async def remote_decode_http(self, request: Request) -> Response:
         return (await remote_decode_http(self.service, self.auth, request)).response()
 

@@ -20,6 +20,7 @@ from ray.serve.handle import DeploymentHandle
 from vae_service.engine.errors import InvalidInput, Overloaded
 from vae_service.protocol.errors import ANSWERABLE, Unavailable, wire_error
 from vae_service.protocol.msgpack_decode import peek_model
+from vae_service.serving import openapi
 from vae_service.serving.auth import BearerAuth, load_token
 from vae_service.serving.deployment import internal_error
 from vae_service.serving.grpc_servicer import GrpcAnswer, failed
@@ -65,7 +66,7 @@ class VaeRouter:
                 "body", f"decoder overloaded ({exc.message}); retry later", exc.retry_after_s or 1.0
             ) from None
 
-    @router_app.post("/decode")
+    @router_app.post("/decode", openapi_extra=openapi.DECODE)
     async def decode_http(self, request: Request) -> Response:
         try:
             self.auth.check(request.headers.get("authorization"))
@@ -76,7 +77,7 @@ class VaeRouter:
             return error_answer(exc).response()
         return answer.response()
 
-    @router_app.post("/remote-decode")
+    @router_app.post("/remote-decode", openapi_extra=openapi.REMOTE_DECODE)
     async def remote_decode_http(self, request: Request) -> Response:
         query = query_lists(request)
         try:

@@ -1,0 +1,67 @@
+"""What /docs and /openapi.json say about the routes that read raw bodies (msgpack and raw
+tensors, which FastAPI cannot infer), so that API tools and schema fuzzers (schemathesis in the
+tests) see the real inputs."""
+
+from __future__ import annotations
+
+_ERRORS = {
+    str(code): {"description": text, "content": {"application/json": {"schema": {"type": "object"}}}}
+    for code, text in (
+        (400, "invalid input, naming the field"),
+        (401, "missing or wrong bearer token"),
+        (408, "body too slow"),
+        (413, "over a limit"),
+        (415, "wrong content type"),
+        (422, "the decoder produced NaN/Inf"),
+        (429, "overloaded (Retry-After)"),
+        (503, "replica lost or out of memory (Retry-After)"),
+        (504, "timed out"),
+    )
+}
+
+DECODE = {
+    "summary": "Decode latents (msgpack map: latents, quality, output, scaling_factor, shift_factor, height, "
+    "width, request_id, model)",
+    "requestBody": {
+        "required": True,
+        "content": {"application/msgpack": {"schema": {"type": "string", "format": "binary"}}},
+    },
+    "responses": {
+        "200": {
+            "description": "msgpack map: output, model, quality, precision, request_id, timing",
+            "content": {"application/msgpack": {"schema": {"type": "string", "format": "binary"}}},
+        },
+        **_ERRORS,
+    },
+}
+
+_QUERY = [
+    ("shape", {"type": "array", "items": {"type": "integer"}}, True),
+    ("dtype", {"type": "string", "enum": ["float32", "float16", "bfloat16"]}, False),
+    ("output_type", {"type": "string", "enum": ["pil", "pt", "mp4"]}, False),
+    ("image_format", {"type": "string", "enum": ["jpg", "png"]}, False),
+    ("partial_postprocess", {"type": "string", "enum": ["True", "False"]}, False),
+    ("do_scaling", {"type": "string", "enum": ["True", "False"]}, False),
+    ("scaling_factor", {"type": "number"}, False),
+    ("shift_factor", {"type": "number"}, False),
+    ("height", {"type": "integer"}, False),
+    ("width", {"type": "integer"}, False),
+    ("quality", {"type": "string", "enum": ["lossless", "high"]}, False),
+    ("model", {"type": "string"}, False),
+]
+
+REMOTE_DECODE = {
+    "summary": "Hugging Face hybrid-inference VAE decode (diffusers' remote_decode)",
+    "parameters": [
+        {
+            "name": name,
+            "in": "query",
+            "required": required,
+            "schema": schema,
+            **({"style": "form", "explode": True} if schema["type"] == "array" else {}),
+        }
+        for name, schema, required in _QUERY
+    ],
+    "requestBody": {"required": True, "content": {"tensor/binary": {"schema": {"type": "string", "format": "binary"}}}},
+    "responses": {"200": {"description": "an image, a raw tensor (shape and dtype headers) or an mp4"}, **_ERRORS},
+}
