@@ -36,3 +36,31 @@ async def test_a_body_still_arriving_at_the_deadline_is_cut_off():
 async def test_a_body_over_the_budget_is_refused_early(chunks, declared):
     with pytest.raises(LimitExceeded, match="max_request_bytes"):
         await read_body(request_with(chunks, 0.0, declared), 10, 5.0)
+
+
+def test_a_bug_answers_500_with_an_id_and_never_the_exception_text():
+    import json
+    import logging
+
+    from vae_service.serving.deployment import internal_error
+
+    class Collect(logging.Handler):
+        def __init__(self):
+            super().__init__()
+            self.text = ""
+
+        def emit(self, record):
+            self.text += self.format(record) + "\n"
+
+    log, collected = logging.getLogger("ray.serve"), Collect()  # Ray's logger does not propagate to pytest's
+    log.addHandler(collected)
+    request = Request({"type": "http", "method": "POST", "path": "/decode", "headers": []})
+    try:
+        response = internal_error(request, KeyError("secret internals: /srv/weights/key"))
+    finally:
+        log.removeHandler(collected)
+    error = json.loads(response.body)["error"]
+    error_id = error["message"].split("internal error ")[1].split()[0]
+    assert response.status_code == 500 and error["type"] == "internal"
+    assert "secret" not in response.body.decode() and "KeyError" not in response.body.decode()
+    assert error_id in collected.text and "secret internals" in collected.text  # the log has it all, under the id
