@@ -48,15 +48,17 @@ def run_case(
         generator=torch.Generator().manual_seed(0),
     )
     prepared = {q: engine.prepare(DecodeRequest(z, quality=q, output="float")) for q in ("lossless", "high")}
-    outputs, times = {}, {"lossless": [], "high": []}
+    outputs, times, peaks = {}, {"lossless": [], "high": []}, {}
     for i in range(repeat + 1):  # first round warms up (and builds folded buffers)
         for quality, req in prepared.items():
             _sync(engine.device)
+            _reset_peak(engine.device)
             start = time.perf_counter()
             outputs[quality] = engine.decode([req])[0].output
             _sync(engine.device)
             if i:
                 times[quality].append(time.perf_counter() - start)
+                peaks[quality] = _peak_mib(engine.device)
     if profile:
         with torch.profiler.profile() as prof:
             engine.decode([prepared["high"]])
@@ -77,8 +79,38 @@ def run_case(
         f"{err:.1e}",
         f"{psnr_uint8(outputs['high'], outputs['lossless']):.1f}",
         ratio,
+        peaks["lossless"],
+        peaks["high"],
         engine.fast_path.folded.nbytes // 1024,
     ]
+
+
+def _reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _peak_mib(device: torch.device) -> float | str:
+    return torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else "n/a (CPU)"
+
+
+def throughput(model: str, size: int, batch: int, device: str, precision: str, repeat: int) -> list:
+    """`high` images/s for one batch size, and the memory peak of a call."""
+    engine = DecodeEngine(ServiceConfig(model=model, device=device, decode_precision=precision))
+    lat = size // engine.spec.spatial_scale
+    z = torch.randn(batch, engine.spec.latent_channels, lat, lat, generator=torch.Generator().manual_seed(0))
+    request = engine.prepare(DecodeRequest(z, quality="high", output="uint8"))
+    engine.decode([request])  # warm-up, folds built
+    _sync(engine.device)
+    _reset_peak(engine.device)
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        engine.decode([request])
+        _sync(engine.device)
+        times.append(time.perf_counter() - start)
+    median = statistics.median(times)
+    return [model, size, batch, engine.precision, median * 1e3, batch / median, _peak_mib(engine.device)]
 
 
 def bf16_error_ratio(model: str, device: str, z: torch.Tensor, outputs: dict) -> float:
@@ -111,6 +143,8 @@ def main() -> None:
     parser.add_argument(
         "--cases", nargs="*", help="model:size[:latent_frames], size N or HxW, e.g. sd:1024 wan2.1:480x832:21"
     )
+    parser.add_argument("--throughput", nargs="*", default=[], help="model:size for `high` images/s, e.g. sd:1024")
+    parser.add_argument("--batches", nargs="*", type=int, default=[1, 4, 8])
     args = parser.parse_args()
     cases = args.cases or (["sd:256"] if args.quick else ["sd:256", "sd:512", "flux:256"])
     torch.backends.cudnn.benchmark = args.cudnn_benchmark
@@ -147,10 +181,23 @@ def main() -> None:
             "max |high - lossless|",
             "uint8 PSNR dB",
             "error ratio vs fp32 (<= 2)",
+            "lossless peak MiB",
+            "high peak MiB",
             "folded KiB",
         ],
         rows,
     )
+    if args.throughput:
+        rates = [
+            throughput(m, int(s), b, args.device, args.precision, args.repeat + 2)
+            for m, s in (c.split(":") for c in args.throughput)
+            for b in args.batches
+        ]
+        print_table(
+            "high throughput (median per call)",
+            ["model", "size", "batch", "precision", "ms per call", "images/s", "peak MiB"],
+            rates,
+        )
 
 
 if __name__ == "__main__":
