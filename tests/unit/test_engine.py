@@ -331,7 +331,7 @@ def test_health_reports_why_the_fast_path_was_skipped(tmp_path):
 
 
 def test_health_check_fails_when_the_weights_are_gone():
-    engine = DecodeEngine(ServiceConfig(model="tiny-kl"))
+    engine = DecodeEngine(ServiceConfig(model="tiny-kl", device="cpu"))
     engine.check_device()  # healthy
     engine.vae.to("meta")  # injected fault: the weights are no longer materialised on the device
     with pytest.raises(RuntimeError, match="weights left the device"):
