@@ -54,11 +54,15 @@ async def remote_decode_answer(
     return HttpAnswer(200, data, media_type, headers)
 
 
+async def _authenticated_body(service: DecodeService, auth: BearerAuth, request: Request) -> bytes:
+    auth.check(request.headers.get("authorization"))
+    limits = service.config.limits
+    return await read_body(request, limits.max_request_bytes, limits.body_timeout_s)
+
+
 async def decode_http(service: DecodeService, auth: BearerAuth, request: Request) -> HttpAnswer:
     try:
-        auth.check(request.headers.get("authorization"))
-        limits = service.config.limits
-        body = await read_body(request, limits.max_request_bytes, limits.body_timeout_s)
+        body = await _authenticated_body(service, auth, request)
     except ANSWERABLE as exc:
         return error_answer(service.rejected(exc))
     return await decode_answer(service, body, request.headers.get("content-type"))
@@ -66,13 +70,12 @@ async def decode_http(service: DecodeService, auth: BearerAuth, request: Request
 
 async def remote_decode_http(service: DecodeService, auth: BearerAuth, request: Request) -> HttpAnswer:
     try:
-        auth.check(request.headers.get("authorization"))
-        limits = service.config.limits
-        body = await read_body(request, limits.max_request_bytes, limits.body_timeout_s)
+        body = await _authenticated_body(service, auth, request)
     except ANSWERABLE as exc:
         return error_answer(service.rejected(exc))
+    headers = request.headers
     return await remote_decode_answer(
-        service, body, request.headers.get("content-type"), request.headers.get("accept"), query_lists(request)
+        service, body, headers.get("content-type"), headers.get("accept"), query_lists(request)
     )
 
 
