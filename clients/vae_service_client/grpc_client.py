@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator, Iterator
 import grpc
 
 from vae_service_client.errors import VaeServiceError, error_from_grpc
+from vae_service_client.frames import AsyncFrameStream, FrameStream, message_of_proto
 from vae_service_client.grpc_gen import decode_pb2_grpc
 from vae_service_client.messages import DecodeResponse, request_proto
 from vae_service_client.retries import with_retries, with_retries_async
@@ -60,13 +61,27 @@ class VaeGrpcClient(_Base):
     def decode_stream(
         self, latents, quality: str = "lossless", output: str = "uint8", **options
     ) -> Iterator[DecodeResponse]:
-        """One DecodeResponse per batch item, in order."""
+        """One DecodeResponse per message: per batch item, or per chunk of frames for a video model
+        with uint8/float output (decode_frames reads those)."""
         request = request_proto(latents, quality, output, **options)
         try:
             for msg in self._stub.DecodeStream(request, timeout=self.timeout, metadata=self._metadata):
                 yield DecodeResponse.from_proto(msg)
         except grpc.RpcError as exc:
             raise _error(exc) from None
+
+    def decode_frames(self, latents, quality: str = "lossless", output: str = "uint8", **options) -> FrameStream:
+        """Video frames as they are decoded (DecodeStream on a video model, uint8/float output)."""
+        request = request_proto(latents, quality, output, **options)
+
+        def messages():
+            try:
+                for msg in self._stub.DecodeStream(request, timeout=self.timeout, metadata=self._metadata):
+                    yield message_of_proto(msg)
+            except grpc.RpcError as exc:
+                raise _error(exc) from None
+
+        return FrameStream(messages())
 
     def close(self) -> None:
         self._channel.close()
@@ -103,6 +118,18 @@ class AsyncVaeGrpcClient(_Base):
                 yield DecodeResponse.from_proto(msg)
         except grpc.RpcError as exc:
             raise _error(exc) from None
+
+    def decode_frames(self, latents, quality: str = "lossless", output: str = "uint8", **options) -> AsyncFrameStream:
+        request = request_proto(latents, quality, output, **options)
+
+        async def messages():
+            try:
+                async for msg in self._stub.DecodeStream(request, timeout=self.timeout, metadata=self._metadata):
+                    yield message_of_proto(msg)
+            except grpc.RpcError as exc:
+                raise _error(exc) from None
+
+        return AsyncFrameStream(messages())
 
     async def aclose(self) -> None:
         await self._channel.close()

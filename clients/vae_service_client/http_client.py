@@ -5,6 +5,7 @@ from __future__ import annotations
 import httpx
 
 from vae_service_client.errors import error_from_http
+from vae_service_client.frames import AsyncFrameStream, FrameStream, MessageReader
 from vae_service_client.messages import MSGPACK, DecodeResponse, pack, request_map
 from vae_service_client.retries import with_retries, with_retries_async
 
@@ -53,6 +54,30 @@ class VaeClient:
 
         return with_retries(attempt, self.retries, self.backoff_s)
 
+    def decode_frames(self, latents, quality: str = "lossless", output: str = "uint8", **options) -> FrameStream:
+        """Video frames as they are decoded: iterate the stream for FrameChunks (`collect()` joins
+        them into the non-streamed output); its `summary` holds the rest once it ended. Retries
+        429/503 until the first frame; the request is sent when iteration starts."""
+        body = pack(request_map(latents, quality, output, stream=True, **options))
+
+        def attempt() -> httpx.Response:
+            request = self._http.build_request("POST", "/decode", content=body, headers={"content-type": MSGPACK})
+            response = self._http.send(request, stream=True)
+            if response.status_code != 200:
+                response.read()
+                response.close()
+                raise error_from_http(response.status_code, response.headers, response.content)
+            return response
+
+        def messages():
+            response, reader = with_retries(attempt, self.retries, self.backoff_s), MessageReader()
+            with response:
+                for data in response.iter_bytes():
+                    yield from reader.feed(data)
+            reader.close()
+
+        return FrameStream(messages())
+
     def health(self) -> dict:
         return _health(self._http.get("/health"))
 
@@ -85,6 +110,31 @@ class AsyncVaeClient:
             return _response(await self._http.post("/decode", content=body, headers={"content-type": MSGPACK}))
 
         return await with_retries_async(attempt, self.retries, self.backoff_s)
+
+    def decode_frames(self, latents, quality: str = "lossless", output: str = "uint8", **options) -> AsyncFrameStream:
+        """Like VaeClient.decode_frames; iterate with `async for`."""
+        body = pack(request_map(latents, quality, output, stream=True, **options))
+
+        async def attempt() -> httpx.Response:
+            request = self._http.build_request("POST", "/decode", content=body, headers={"content-type": MSGPACK})
+            response = await self._http.send(request, stream=True)
+            if response.status_code != 200:
+                await response.aread()
+                await response.aclose()
+                raise error_from_http(response.status_code, response.headers, response.content)
+            return response
+
+        async def messages():
+            response, reader = await with_retries_async(attempt, self.retries, self.backoff_s), MessageReader()
+            try:
+                async for data in response.aiter_bytes():
+                    for message in reader.feed(data):
+                        yield message
+            finally:
+                await response.aclose()
+            reader.close()
+
+        return AsyncFrameStream(messages())
 
     async def health(self) -> dict:
         return _health(await self._http.get("/health"))

@@ -27,6 +27,7 @@ REQUEST_KEYS = (
     "width",
     "request_id",
     "model",
+    "stream",
 )
 TIMING_KEYS = ("queue_ms", "decode_ms", "encode_ms", "batch_size")
 
@@ -58,9 +59,13 @@ def request_map(
     width: int | None = None,
     request_id: str | None = None,
     model: str | None = None,
+    stream: bool = False,
 ) -> dict:
-    """The /decode body as a map. Factors: UNSET (key absent) = the model's own, None = already scaled."""
+    """The /decode body as a map. Factors: UNSET (key absent) = the model's own, None = already scaled.
+    `stream`: video frames as they are decoded (vae_service_client.frames)."""
     body = {"latents": encode_tensor(latents), "quality": quality, "output": output}
+    if stream:
+        body["stream"] = True
     body.update(
         {k: v for k, v in (("scaling_factor", scaling_factor), ("shift_factor", shift_factor)) if v is not UNSET}
     )
@@ -92,6 +97,7 @@ def request_proto(latents, quality: str = "lossless", output: str = "uint8", **o
     from vae_service_client.grpc_gen import decode_pb2
 
     fields = request_map(latents, quality, output, **options)
+    fields.pop("stream", None)  # gRPC streams with the DecodeStream RPC
     t = fields.pop("latents")
     msg = decode_pb2.DecodeRequest(latents=decode_pb2.Tensor(dtype=t["dtype"], shape=t["shape"], data=bytes(t["data"])))
     if fields.get("scaling_factor", UNSET) is None:  # nil: the latents are already scaled
@@ -133,24 +139,37 @@ class DecodeResponse:
     request_id: str | None
     timing: dict = field(default_factory=dict)  # TIMING_KEYS
     item_index: int = 0  # DecodeStream: which batch item this message carries
+    tiled: bool = False  # decoded in spatial tiles to stay within the server's memory bound
 
-    def to_map(self) -> dict:
-        output = self.output if isinstance(self.output, list) else encode_tensor(self.output)
+    def summary(self) -> dict:
+        """Everything but the output (the last message of a frame stream)."""
         return {
-            "output": output,
             "model": self.model,
             "quality": self.quality,
             "precision": self.precision,
             "request_id": self.request_id,
             "timing": {k: self.timing[k] for k in TIMING_KEYS},
+            "tiled": self.tiled,
         }
+
+    def to_map(self) -> dict:
+        output = self.output if isinstance(self.output, list) else encode_tensor(self.output)
+        return {"output": output, **self.summary()}
 
     @classmethod
     def from_map(cls, obj: dict) -> DecodeResponse:
         output = obj["output"]
         if isinstance(output, dict):
             output = decode_tensor(output, "output").to_numpy()
-        return cls(output, obj["model"], obj["quality"], obj["precision"], obj.get("request_id"), obj["timing"])
+        return cls(
+            output,
+            obj["model"],
+            obj["quality"],
+            obj["precision"],
+            obj.get("request_id"),
+            obj["timing"],
+            tiled=bool(obj.get("tiled", False)),
+        )
 
     def to_proto(self):
         from vae_service_client.grpc_gen import decode_pb2
@@ -162,10 +181,11 @@ class DecodeResponse:
             request_id=self.request_id or "",
             item_index=self.item_index,
             timing=decode_pb2.Timing(**{k: self.timing[k] for k in TIMING_KEYS}),
+            tiled=self.tiled,
         )
         if isinstance(self.output, list):
             msg.files.extend(self.output)
-        else:
+        elif self.output is not None:
             t = encode_tensor(self.output)
             msg.tensor.CopyFrom(decode_pb2.Tensor(dtype=t["dtype"], shape=t["shape"], data=bytes(t["data"])))
         return msg
@@ -178,7 +198,9 @@ class DecodeResponse:
         else:
             output = list(msg.files)
         timing = {k: getattr(msg.timing, k) for k in TIMING_KEYS}
-        return cls(output, msg.model, msg.quality, msg.precision, msg.request_id or None, timing, msg.item_index)
+        return cls(
+            output, msg.model, msg.quality, msg.precision, msg.request_id or None, timing, msg.item_index, msg.tiled
+        )
 
     def images(self) -> list:
         """PIL images (needs pillow) for png/jpeg outputs and for uint8 image outputs."""

@@ -163,7 +163,8 @@ async def test_one_batch_on_the_device_at_a_time(kl_dir):
 @pytest.mark.parametrize("how", ["client went away", "request timed out"])
 async def test_a_decode_whose_callers_left_stops_at_its_next_latent_frame(wan_dir, how):
     """One request must not hold the device after it is abandoned: the Wan decoder runs once per
-    latent frame, and the decode stops at the next one."""
+    latent frame (its mid-block attention once per chunk, whichever way the chunk runs), and the
+    decode stops at the next one."""
     timeout = 120 if how == "client went away" else 0.5
     service = DecodeService(
         ServiceConfig(
@@ -179,7 +180,7 @@ async def test_a_decode_whose_callers_left_stops_at_its_next_latent_frame(wan_di
         if how == "request timed out" and len(calls) >= 3:
             time.sleep(0.2)  # a slow device: the deadline passes mid-clip
 
-    service.engine.vae.decoder.register_forward_pre_hook(count)
+    service.engine.vae.decoder.mid_block.attentions[0].register_forward_pre_hook(count)
     task = asyncio.create_task(service.decode(DecodeRequest(torch.zeros(1, 4, frames, 2, 2), quality="high")))
     await asyncio.to_thread(third.wait, 30)
     if how == "client went away":

@@ -7,6 +7,11 @@ Tier decisions live here and only here:
   batched convolutions are not batch-invariant on every backend (on our CPU a batched 1x1
   conv already differs in the last bits).
 - `high` decodes the batch in one call with the fast path's gate on (see fastpath/).
+
+Video decodes one latent frame at a time (engine/video.py): frames are converted, checked and
+streamed or kept chunk by chunk. Memory: every request's peak is estimated (engine/memory.py);
+over `limits.max_decode_bytes`, `high` decodes in spatial tiles (engine/tiling.py) and
+`lossless`, which never tiles, is refused in `prepare`.
 """
 
 from __future__ import annotations
@@ -21,13 +26,17 @@ import torch
 from vae_service.config import Limits, ServiceConfig
 from vae_service.engine.cost import flops_per_output_pixel
 from vae_service.engine.encoding import ENCODED_OUTPUTS, EncodeSettings, encode_all
-from vae_service.engine.errors import DecodeAbandoned, DecodeFailed
+from vae_service.engine.errors import DecodeAbandoned, DecodeFailed, LimitExceeded
 from vae_service.engine.latents import LatentScaling, PreparedRequest, prepare, to_decoder_input
+from vae_service.engine.memory import MemoryModel, measure
 from vae_service.engine.postprocess import postprocess
 from vae_service.engine.precision import PRECISION_NAMES, resolve_device, resolve_dtype
 from vae_service.engine.request import QUALITIES, DecodeRequest
 from vae_service.engine.result import DecodeResult, Timing
+from vae_service.engine.tiling import TileGrid, tile_for, tiled_chunks, tiled_image
+from vae_service.engine.video import NON_FINITE, decode_video
 from vae_service.fastpath import install_fast_path
+from vae_service.fastpath.wan_chunks import decode_chunks
 from vae_service.models import LoadedVae, load_vae
 
 
@@ -48,10 +57,32 @@ class DecodeEngine:
         self.vae = torch.nn.Module.to(loaded.vae, device=self.device, dtype=self.dtype)
         self.fast_path = install_fast_path(self.vae, disabled=config.fast_path.disable)
         self._scaling = LatentScaling(self.spec, self.device, self.dtype)
+        self.video = self.spec.family == "video"
+        self.memory: MemoryModel = measure(
+            self.vae, self.dtype, self.spec.latent_channels, self.video, self.spec.spatial_scale, self._meta_decode
+        )
         # the decoder runs once per item (lossless) and once per latent frame (Wan): the step at
         # which a decode whose requests were all abandoned stops
         self._abandoned: threading.Event | None = None
         self.vae.decoder.register_forward_pre_hook(self._stop_if_abandoned)
+
+    def _chunks(self, quality: str):
+        walk, folded = self.fast_path.chunk_walks[quality], self.fast_path.folded
+        return lambda z, vae=None: decode_chunks(vae or self.vae, z, walk, folded)
+
+    def _meta_decode(self, meta_vae, z: torch.Tensor):
+        if self.video:
+            return self._chunks("lossless")(z, meta_vae)
+        return iter([meta_vae.decode(z).sample])
+
+    def decode_bound(self) -> int:
+        """limits.max_decode_bytes, or by default 80% of the GPU's memory (less the weights) or half the RAM."""
+        if self.limits.max_decode_bytes is not None:
+            return self.limits.max_decode_bytes
+        if self.device.type == "cuda":
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            return int(0.8 * total) - torch.cuda.memory_allocated(self.device)
+        return int(0.5 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
     def bind_thread(self) -> None:
         """Make the calling thread decode like every other one of this engine. CPU kernels split
@@ -80,11 +111,47 @@ class DecodeEngine:
             "fast_path": self.fast_path.describe(),
             "limits": self.limits.model_dump(),
             "decode_mflop_per_pixel": round(self.flops_per_pixel / 1e6, 3),
+            "decode_bound_bytes": self.decode_bound(),
+            "decode_bytes_per_latent_pixel": round(self.memory.working_per_latent_px),
         }
 
     def prepare(self, request: DecodeRequest) -> PreparedRequest:
-        """Check against this model and the limits; no tensor is moved or cast yet. Raises InvalidInput."""
-        return prepare(request, self.spec, self.limits, self.flops_per_pixel)
+        """Check against this model and the limits, plan tiling; no tensor is moved or cast yet.
+        Raises InvalidInput."""
+        prepared = prepare(request, self.spec, self.limits, self.flops_per_pixel)
+        grid = self._plan_memory(prepared, self.decode_bound())
+        return prepared if grid is None else replace(prepared, tile=grid)
+
+    def _answer_bytes(self, prepared: PreparedRequest) -> int:
+        if prepared.sink is not None or prepared.request.stream:
+            return 0
+        h, w = prepared.latents.shape[-2:]
+        pixels = prepared.items * prepared.frames * h * w * self.spec.spatial_scale**2
+        return self.memory.answer(pixels, prepared.request.output)
+
+    def peak_bytes(self, prepared: PreparedRequest) -> int:
+        """Estimated peak of decoding this request untiled."""
+        h, w = prepared.latents.shape[-2:]
+        together = prepared.items if prepared.request.quality == "high" else 1
+        return self.memory.working(together, h, w) + self._answer_bytes(prepared)
+
+    def _plan_memory(self, prepared: PreparedRequest, bound: int, force: bool = False) -> TileGrid | None:
+        """None: decode whole; else the tiles. Lossless never tiles: over the bound it is refused."""
+        need = self.peak_bytes(prepared)
+        if need <= bound and not force:
+            return None
+        gib = f"about {need / 2**30:.3g} GiB, over max_decode_bytes ({bound / 2**30:.3g} GiB)"
+        if prepared.request.quality == "lossless":
+            raise LimitExceeded(
+                "latents",
+                f"decoding these latents needs {gib}; 'lossless' never tiles: send quality 'high' "
+                "(decoded in spatial tiles within the bound) or fewer items",
+            )
+        h, w = prepared.latents.shape[-2:]
+        grid = tile_for(self.memory, prepared.items, prepared.frames, h, w, self._answer_bytes(prepared), bound)
+        if grid is None:
+            raise LimitExceeded("latents", f"decoding these latents needs {gib}, and even tiled it does not fit")
+        return grid
 
     def _stop_if_abandoned(self, module, args) -> None:
         if self._abandoned is not None and self._abandoned.is_set():
@@ -110,19 +177,73 @@ class DecodeEngine:
         start = time.perf_counter()
         latents = [to_decoder_input(r, self._scaling, self.device, self.dtype) for r in batch]
         with torch.inference_mode(), self.fast_path.gate.use(quality == "high"):
-            if quality == "lossless":
-                decoded = [self._decode_each_alone(z) for z in latents]
-            else:
-                decoded = self._decode_together(latents)
-            outputs = [self._finish(d, r) for d, r in zip(decoded, batch)]
+            try:
+                outputs, tiled = self._decode_batch(batch, latents, force_tiles=False)
+            except torch.OutOfMemoryError:
+                if quality != "high" or batch[0].tile is not None:
+                    raise
+                self._release_device_cache()  # then once more in tiles of half the estimated peak
+                outputs, tiled = self._decode_batch(batch, latents, force_tiles=True)
         timing = Timing(0.0, (time.perf_counter() - start) * 1e3, sum(r.items for r in batch))
-        return [o if isinstance(o, DecodeFailed) else self._result(o, r, timing) for o, r in zip(outputs, batch)]
+        return [o if isinstance(o, DecodeFailed) else self._result(o, r, timing, tiled) for o, r in zip(outputs, batch)]
 
-    def _result(self, output: torch.Tensor, prepared: PreparedRequest, timing: Timing) -> DecodeResult:
+    def _release_device_cache(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _grids(self, batch: list[PreparedRequest], force_tiles: bool) -> list[TileGrid | None]:
+        if force_tiles:
+            return [self._plan_memory(r, self.peak_bytes(r) // 2, force=True) for r in batch]
+        return [r.tile for r in batch]
+
+    def _together(self, batch: list[PreparedRequest], grids: list) -> bool:
+        """High decodes the batch in one call when untiled and within the bound together."""
+        if batch[0].request.quality != "high" or grids[0] is not None:
+            return False
+        return len(batch) == 1 or sum(self.peak_bytes(r) for r in batch) <= self.decode_bound()
+
+    def _decode_batch(self, batch: list[PreparedRequest], latents: list[torch.Tensor], force_tiles: bool):
+        grids = self._grids(batch, force_tiles)
+        tiled = grids[0] is not None
+        if self.video:
+            return self._decode_video(batch, latents, grids), tiled
+        quality = batch[0].request.quality
+        if quality == "lossless":
+            decoded = [self._decode_each_alone(z) for z in latents]
+        elif self._together(batch, grids):
+            decoded = self._decode_together(latents)
+        elif tiled:
+            scale = self.spec.spatial_scale
+            decoded = [tiled_image(z, g, scale, self._vae_decode) for z, g in zip(latents, grids)]
+        else:
+            decoded = [self._vae_decode(z) for z in latents]
+        return [self._finish(d, r) for d, r in zip(decoded, batch)], tiled
+
+    def _decode_video(self, batch: list[PreparedRequest], latents: list[torch.Tensor], grids: list) -> list:
+        quality = batch[0].request.quality
+        plain, scale = self._chunks(quality), self.spec.spatial_scale
+
+        def chunks_for(grid: TileGrid | None):
+            return plain if grid is None else lambda z: tiled_chunks(z, grid, scale, plain)
+
+        def checkpoint() -> None:
+            self._stop_if_abandoned(None, None)
+
+        outputs, sinks = [r.request.output for r in batch], [r.sink for r in batch]
+        if quality == "lossless" or self._together(batch, grids):
+            return decode_video(latents, outputs, sinks, quality == "high", chunks_for(grids[0]), checkpoint)
+        return [
+            decode_video([z], [o], [s], True, chunks_for(g), checkpoint)[0]
+            for z, o, s, g in zip(latents, outputs, sinks, grids)
+        ]
+
+    def _result(
+        self, output: torch.Tensor | None, prepared: PreparedRequest, timing: Timing, tiled: bool
+    ) -> DecodeResult:
         request = prepared.request
         encode_as = request.output if request.output in ENCODED_OUTPUTS else None
         return DecodeResult(
-            output, self.spec.name, self.precision, request.quality, request.request_id, timing, encode_as
+            output, self.spec.name, self.precision, request.quality, request.request_id, timing, encode_as, tiled
         )
 
     def encode(self, result: DecodeResult) -> DecodeResult:
@@ -138,11 +259,7 @@ class DecodeEngine:
     @staticmethod
     def _finish(decoded: torch.Tensor, prepared: PreparedRequest):
         if not bool(torch.isfinite(decoded).all()):
-            return DecodeFailed(
-                "latents",
-                "the decoder produced NaN/Inf for these latents (overflow at this "
-                "precision?); try fp32 or check the latents' scaling",
-            )
+            return DecodeFailed("latents", NON_FINITE)
         return postprocess(decoded, prepared.request.output)
 
     def _vae_decode(self, z: torch.Tensor) -> torch.Tensor:

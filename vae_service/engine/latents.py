@@ -10,6 +10,7 @@ The arithmetic mirrors diffusers' pipelines exactly (SD/FLUX: `z / scaling + shi
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -27,6 +28,7 @@ class BatchKey(NamedTuple):
     quality: str
     latent_shape: tuple[int, ...]  # without the batch dim, in decoder layout
     dtype: torch.dtype  # of the latents as sent
+    tile: object  # the tiles of a tiled decode (engine.tiling.TileGrid; None: whole)
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,8 @@ class PreparedRequest:
     request: DecodeRequest
     latents: torch.Tensor  # [B, C, H, W] or [B, C, T, H, W], as sent (not yet cast or moved)
     frames: int  # output frames per item (1 for images)
+    sink: Callable | None = None  # streaming: gets each chunk's frames (engine.video.FrameChunk) at once
+    tile: object = None  # set by the engine's memory plan: the tiles (engine.tiling.TileGrid) or None
 
     @property
     def items(self) -> int:
@@ -41,7 +45,7 @@ class PreparedRequest:
 
     @property
     def batch_key(self) -> BatchKey:
-        return BatchKey(self.request.quality, tuple(self.latents.shape[1:]), self.latents.dtype)
+        return BatchKey(self.request.quality, tuple(self.latents.shape[1:]), self.latents.dtype, self.tile)
 
 
 def _unpack_packed(z: torch.Tensor, request: DecodeRequest, spec: ModelSpec) -> torch.Tensor:
@@ -125,6 +129,12 @@ def _check_output(request: DecodeRequest, spec: ModelSpec, frames: int, z: torch
             "output",
             f"'jpeg' holds at most {MAX_JPEG_SIDE} px per side; these latents decode to "
             f"{height}x{width}: use 'png', 'uint8' or 'float'",
+        )
+    if request.stream and (spec.family != "video" or request.output not in ("uint8", "float")):
+        raise InvalidInput(
+            "stream",
+            "streams frames of video models as 'uint8' or 'float'; "
+            + (f"model '{spec.name}' decodes images" if spec.family != "video" else f"not '{request.output}'"),
         )
     if request.output in ("png", "jpeg") and frames > 1:
         raise InvalidInput(

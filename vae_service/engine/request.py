@@ -41,6 +41,7 @@ class DecodeRequest:
     width: int | None = None
     request_id: str | None = None
     model: str | None = None  # when given, must name the served model
+    stream: bool = False  # video: frames handed over chunk by chunk as they are decoded
 
     def __post_init__(self) -> None:
         _check_latents(self.latents)
@@ -52,6 +53,8 @@ class DecodeRequest:
             value = getattr(self, key)
             if value is not None and (type(value) is not int or value <= 0):
                 raise InvalidInput(key, f"must be a positive int, got {value!r}")
+        if type(self.stream) is not bool:
+            raise InvalidInput("stream", f"must be true or false, got {self.stream!r}")
         for key in ("request_id", "model"):
             value = getattr(self, key)
             if value is not None and (not isinstance(value, str) or len(value) > _MAX_ID_CHARS):

@@ -17,10 +17,12 @@ class Timing:
 
 @dataclass(frozen=True)
 class DecodeResult:
-    output: torch.Tensor | list[bytes]  # uint8 [B,(T,)H,W,3] or float [B,3,(T,)H,W] on the CPU; or files
+    # uint8 [B,(T,)H,W,3] or float [B,3,(T,)H,W] on the CPU; or files; None once streamed
+    output: torch.Tensor | list[bytes] | None
     model: str  # the model and precision that decoded it
     precision: str
     quality: str
     request_id: str | None
     timing: Timing
     encode_as: str | None = None  # png | jpeg | mp4 while `output` still holds the pixels to encode
+    tiled: bool = False  # decoded in overlapping spatial tiles to stay within limits.max_decode_bytes

@@ -24,6 +24,8 @@ class FastPath:
     plan: RewritePlan = field(default_factory=RewritePlan)
     installed: bool = False
     skipped_because: list[str] = field(default_factory=list)
+    # video VAEs: how each tier runs its chunks (wan_chunks.WalkOptions; None = diffusers' forward)
+    chunk_walks: dict = field(default_factory=lambda: {"lossless": None, "high": None})
 
     def release(self) -> int:
         return self.folded.release()
@@ -32,7 +34,12 @@ class FastPath:
         folded = self.folded.nbytes_by_rewrite()
         rewrites = (
             {
-                name: {"backend": backend, "folded_bytes": folded.get(name, 0), "summary": REWRITES[name].summary}
+                name: {
+                    "backend": backend,
+                    "tiers": ["lossless", "high"] if REWRITES[name].exact else ["high"],
+                    "folded_bytes": folded.get(name, 0),
+                    "summary": REWRITES[name].summary,
+                }
                 for name, backend in self.plan.active.items()
             }
             if self.installed
@@ -85,6 +92,10 @@ def install_fast_path(vae: nn.Module, disabled: tuple[str, ...] = (), norm_backe
     else:
         try:
             apply_all(make_patches(vae, fast_path.folded, fast_path.plan), fast_path.gate)
+            if family == "video":
+                from vae_service.fastpath.wan_vae import wan_walks
+
+                fast_path.chunk_walks = wan_walks(fast_path.plan)
             fast_path.installed = True
             log.info("fast path on %s: %s", type(vae).__name__, fast_path.plan.active)
         except Exception as exc:  # the reference path is intact (apply_all reverted)

@@ -1,5 +1,7 @@
-"""The `high` tier's rewrites by name. Each one can be disabled by config (`fast_path.disable`),
-applies only where it pays (device, precision) and binds its backend once, at install.
+"""The fast path's rewrites by name. Each one can be disabled by config (`fast_path.disable`),
+applies only where it pays (device, precision) and binds its backend once, at install. `exact`
+rewrites change no arithmetic (tests prove bit-identity with diffusers), so both tiers use them;
+the others are `high` only.
 
 No diffusers import here: the config validates names against this table.
 """
@@ -31,6 +33,7 @@ class Rewrite:
     family: str  # image | video
     summary: str
     applies: Callable[[torch.device, torch.dtype], str | None] = _anywhere  # None, or why not here
+    exact: bool = False
 
 
 REWRITES: dict[str, Rewrite] = {
@@ -60,6 +63,18 @@ REWRITES: dict[str, Rewrite] = {
             "conv_bias_fold",
             "image",
             "resnet conv1 bias added inside norm2's kernel instead of a pass of its own (with the Triton GroupNorm)",
+        ),
+        Rewrite(
+            "causal_cache",
+            "video",
+            "Wan causal convs fed from one buffer of [two history frames | chunk] and spatial conv padding "
+            "instead of clone + cat + pad per conv per chunk; norm + SiLU on one temporary",
+            exact=True,
+        ),
+        Rewrite(
+            "first_frame_2d",
+            "video",
+            "the first latent frame's 3x3x3 causal convs as 2-D convs on the one tap that sees data",
         ),
         Rewrite("channels_last_3d", "video", "activations channels-last-3d"),
         Rewrite(
@@ -111,6 +126,8 @@ def plan_rewrites(
         why_not = "disabled by config (fast_path.disable)" if name in disabled else rewrite.applies(device, dtype)
         if why_not is None and name == "conv_bias_fold" and (norm_backend != "triton" or "group_norm_silu" in disabled):
             why_not = "needs group_norm_silu on its Triton backend"
+        if why_not is None and name == "first_frame_2d" and "causal_cache" in disabled:
+            why_not = "needs causal_cache"
         if why_not is None:
             plan.active[name] = norm_backend if name in NORM_REWRITES or name == "conv_bias_fold" else "torch"
         else:

@@ -26,6 +26,7 @@ from vae_service.fastpath.fused_norms import WanRMSNormSiLU
 from vae_service.fastpath.patching import Patch
 from vae_service.fastpath.rewrites import RewritePlan
 from vae_service.fastpath.structure import exact_type, plain_silu, unknown_modules
+from vae_service.fastpath.wan_chunks import WalkOptions
 
 _ALLOWED = {
     WanDecoder3d,
@@ -100,3 +101,17 @@ def wan_patches(vae: nn.Module, plan: RewritePlan) -> list[Patch]:
     if "channels_last_3d" in plan:
         patches.append(Patch(decoder, "forward", _fast_decoder(decoder)))
     return patches
+
+
+def wan_walks(plan: RewritePlan) -> dict[str, WalkOptions | None]:
+    """How each tier runs Wan chunks (wan_chunks.py): None = diffusers' own decoder forward (with
+    the gated patches above in `high`)."""
+    if "causal_cache" not in plan:
+        return {"lossless": None, "high": None}
+    fused = "rms_norm_silu" in plan and plan.active["rms_norm_silu"] != "torch"
+    high = WalkOptions(
+        norm_silu=WanRMSNormSiLU.bind(plan.active["rms_norm_silu"]) if fused else None,
+        first_frame_2d="first_frame_2d" in plan,
+        channels_last="channels_last_3d" in plan,
+    )
+    return {"lossless": WalkOptions(), "high": high}

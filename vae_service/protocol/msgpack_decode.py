@@ -87,6 +87,7 @@ def response_of(result: DecodeResult, output=None, item_index: int = 0) -> Decod
         result.request_id,
         timing,
         item_index,
+        result.tiled,
     )
 
 
@@ -94,18 +95,20 @@ def encode_decode_response(result: DecodeResult) -> bytes:
     return pack(response_of(result).to_map())
 
 
-def peek_model(body: bytes) -> str | None:
-    """The `model` key of a msgpack /decode body, read without unpacking the latents (routing).
-    None when absent or when the body is malformed: the decoder then answers the precise 400."""
+def peek_routing(body: bytes) -> tuple[str | None, bool]:
+    """The `model` and `stream` keys of a msgpack /decode body, read without unpacking the latents
+    (routing). (None, False) where absent or malformed: the decoder then answers the precise 400."""
     unpacker = msgpack.Unpacker(raw=False, strict_map_key=False)
     unpacker.feed(body)
+    found: dict = {}
     try:
         for _ in range(unpacker.read_map_header()):
             key = unpacker.unpack()
-            if key == "model":
-                value = unpacker.unpack()
-                return value if isinstance(value, str) else None
-            unpacker.skip()
+            if key in ("model", "stream"):
+                found[key] = unpacker.unpack()
+            else:
+                unpacker.skip()
     except Exception:  # malformed: not the router's to judge
-        return None
-    return None
+        return None, False
+    model = found.get("model")
+    return (model if isinstance(model, str) else None), found.get("stream") is True

@@ -14,9 +14,10 @@ import torch
 
 from vae_service.config import LiveConfig, ServiceConfig
 from vae_service.engine import DecodeEngine, DecodeRequest, DecodeResult, PreparedRequest
-from vae_service.engine.errors import DecodeTimeout, OutOfMemory, Overloaded
+from vae_service.engine.errors import DecodeTimeout, InvalidInput, OutOfMemory, Overloaded
 from vae_service.serving.batcher import BatcherLimits, BatchStats, DeadlineExceeded, KeyedBatcher, QueueFull
 from vae_service.serving.encoders import EncoderPool
+from vae_service.serving.frame_stream import FrameStream
 
 # Inputs above this size are parsed and checked off the event loop, where they cannot stall other
 # requests. Measured here: a thread hop ~0.07 ms; parsing and checking a 64 KiB body inline
@@ -77,12 +78,29 @@ class DecodeService:
     async def decode_from(self, parse: Callable[[], DecodeRequest], size: int) -> DecodeResult:
         """Parse and check a request (off the event loop when `size` bytes are many), then queue it
         for its batch. Raises the engine's DecodeError kinds."""
-        arrived = time.perf_counter()
+        prepared = await self._prepare(parse, size)
+        if prepared.request.stream:
+            raise InvalidInput("stream", "this call answers whole outputs; stream frames with the streaming call")
+        return await self._decode_prepared(prepared)
 
+    async def submit(self, parse: Callable[[], DecodeRequest], size: int) -> DecodeResult | FrameStream:
+        """Like decode_from, but a request with `stream` set comes back as a FrameStream once its
+        first frames are decoded (errors before them are raised here)."""
+        prepared = await self._prepare(parse, size)
+        if not prepared.request.stream:
+            return await self._decode_prepared(prepared)
+        stream = FrameStream()
+        await stream.start(asyncio.ensure_future(self._decode_prepared(replace(prepared, sink=stream.sink))))
+        return stream
+
+    async def _prepare(self, parse: Callable[[], DecodeRequest], size: int) -> PreparedRequest:
         def prepare() -> PreparedRequest:
             return self.engine.prepare(parse())
 
-        prepared = prepare() if size <= INLINE_BYTES else await asyncio.to_thread(prepare)
+        return prepare() if size <= INLINE_BYTES else await asyncio.to_thread(prepare)
+
+    async def _decode_prepared(self, prepared: PreparedRequest) -> DecodeResult:
+        arrived = time.perf_counter()
         try:
             result = await self.batcher.submit(prepared, timeout_s=self.config.batching.request_timeout_s)
         except QueueFull as exc:

@@ -46,7 +46,7 @@ VaeDecoder = serve.deployment(name="VaeDecoder")(DecoderReplica)
 class VaeDecoderHttp(DecoderReplica):
     @http_app.post("/decode", openapi_extra=openapi.DECODE)
     async def decode_http(self, request: Request) -> Response:
-        return (await decode_http(self.service, self.auth, request)).response()
+        return await decode_http(self.service, self.auth, request)
 
     @http_app.post("/remote-decode", openapi_extra=openapi.REMOTE_DECODE)
     async def remote_decode_http(self, request: Request) -> Response:

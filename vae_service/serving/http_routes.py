@@ -4,17 +4,26 @@ ingress can forward raw bodies and return the decoder's answer), and the FastAPI
 from __future__ import annotations
 
 import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from fastapi.responses import Response
+from fastapi.responses import Response, StreamingResponse
 from starlette.requests import Request
 
 from vae_service.engine.errors import InvalidInput
-from vae_service.protocol.errors import ANSWERABLE, BodyTimeout, wire_error
+from vae_service.engine.result import DecodeResult
+from vae_service.protocol.errors import ANSWERABLE, BodyTimeout, WireErrorInfo, wire_error
+from vae_service.protocol.frames import http_error_message, http_message
 from vae_service.protocol.hf_remote import parse_remote_decode, remote_decode_reply
 from vae_service.protocol.msgpack_decode import CONTENT_TYPE, check_body_size, encode_decode_response, parse_decode_body
 from vae_service.serving.auth import BearerAuth
 from vae_service.serving.decode_service import DecodeService
+from vae_service.serving.frame_stream import FrameStream
+from vae_service_client.frames import STREAM_MEDIA_TYPE
+
+log = logging.getLogger("ray.serve")
 
 
 @dataclass
@@ -42,6 +51,55 @@ async def decode_answer(service: DecodeService, body: bytes, content_type: str |
     return HttpAnswer(200, encode_decode_response(result), CONTENT_TYPE)
 
 
+async def decode_events(service: DecodeService, body: bytes, content_type: str | None) -> AsyncIterator:
+    """The answer to a /decode body: one HttpAnswer; for `stream: true`, an HttpAnswer that opens
+    the stream (200, STREAM_MEDIA_TYPE, no body) and then the stream's bytes, message by message.
+    Plain data, so a routing ingress can relay it from a streaming handle."""
+    max_bytes = service.config.limits.max_request_bytes
+    try:
+        outcome = await service.submit(lambda: parse_decode_body(body, content_type, max_bytes), len(body))
+    except ANSWERABLE as exc:
+        yield error_answer(service.rejected(exc))
+        return
+    if isinstance(outcome, DecodeResult):
+        yield HttpAnswer(200, encode_decode_response(outcome), CONTENT_TYPE)
+        return
+    yield HttpAnswer(200, b"", STREAM_MEDIA_TYPE)
+    async for data in _stream_bytes(service, outcome):
+        yield data
+
+
+async def _stream_bytes(service: DecodeService, stream: FrameStream) -> AsyncIterator[bytes]:
+    try:
+        async for event in stream.events():
+            yield http_message(event)
+    except ANSWERABLE as exc:  # after frames went out: the stream's last message says why
+        yield http_error_message(wire_error(service.rejected(exc)))
+    except Exception as exc:
+        error_id = uuid.uuid4().hex[:12]
+        log.error("internal error %s in a frame stream", error_id, exc_info=exc)
+        yield http_error_message(
+            WireErrorInfo("internal", None, f"internal error {error_id} (see the server log)", None)
+        )
+
+
+async def respond(events: AsyncIterator) -> Response:
+    """decode_events -> a FastAPI response (streaming when the first event opens a stream)."""
+    first = await anext(events)
+    if first.media_type != STREAM_MEDIA_TYPE:
+        await events.aclose()
+        return first.response()
+
+    async def rest() -> AsyncIterator[bytes]:
+        try:
+            async for data in events:
+                yield data
+        finally:  # a client that went away: cancel its request
+            await events.aclose()
+
+    return StreamingResponse(rest(), media_type=STREAM_MEDIA_TYPE, headers=first.headers)
+
+
 async def remote_decode_answer(
     service: DecodeService, body: bytes, content_type: str | None, accept: str | None, query: dict[str, list[str]]
 ) -> HttpAnswer:
@@ -60,12 +118,12 @@ async def _authenticated_body(service: DecodeService, auth: BearerAuth, request:
     return await read_body(request, limits.max_request_bytes, limits.body_timeout_s)
 
 
-async def decode_http(service: DecodeService, auth: BearerAuth, request: Request) -> HttpAnswer:
+async def decode_http(service: DecodeService, auth: BearerAuth, request: Request) -> Response:
     try:
         body = await _authenticated_body(service, auth, request)
     except ANSWERABLE as exc:
-        return error_answer(service.rejected(exc))
-    return await decode_answer(service, body, request.headers.get("content-type"))
+        return error_answer(service.rejected(exc)).response()
+    return await respond(decode_events(service, body, request.headers.get("content-type")))
 
 
 async def remote_decode_http(service: DecodeService, auth: BearerAuth, request: Request) -> HttpAnswer:

@@ -15,13 +15,13 @@ import os
 from ray import serve
 
 from vae_service.config import LIVE_FIELDS, LiveConfig, ServiceConfig
-from vae_service.protocol.errors import Unauthenticated
+from vae_service.protocol.errors import Unauthenticated, wire_error
 from vae_service.serving import metrics
 from vae_service.serving.auth import BearerAuth, load_token
 from vae_service.serving.decode_service import DecodeService
-from vae_service.serving.grpc_servicer import GrpcAnswer, failed, grpc_answer
-from vae_service.serving.handle_api import handle_decode
-from vae_service.serving.http_routes import HttpAnswer, decode_answer, remote_decode_answer
+from vae_service.serving.grpc_servicer import GrpcAnswer, fail, failed, grpc_answer, grpc_events, stream_to
+from vae_service.serving.handle_api import handle_decode, handle_decode_frames
+from vae_service.serving.http_routes import HttpAnswer, decode_answer, decode_events, remote_decode_answer
 
 log = logging.getLogger("ray.serve")  # Serve writes it to the replica's own log file
 
@@ -87,27 +87,39 @@ class DecoderReplica:
     async def decode_body(self, body: bytes, content_type: str | None) -> HttpAnswer:
         return await decode_answer(self.service, body, content_type)
 
+    async def decode_body_events(self, body: bytes, content_type: str | None):
+        """A /decode body with `stream: true` (called through a streaming handle)."""
+        async for event in decode_events(self.service, body, content_type):
+            yield event
+
     async def remote_decode_body(
         self, body: bytes, content_type: str | None, accept: str | None, query: dict[str, list[str]]
     ) -> HttpAnswer:
         return await remote_decode_answer(self.service, body, content_type, accept, query)
 
     # ---- gRPC: methods named like the RPCs of vae_service.v1.VaeDecoder ----------------------
-    async def grpc_messages(self, request, stream: bool) -> GrpcAnswer:
-        return await grpc_answer(self.service, request, stream)
+    async def grpc_unary(self, request) -> GrpcAnswer:
+        return await grpc_answer(self.service, request)
 
-    async def _grpc(self, request, stream: bool, grpc_context) -> GrpcAnswer:
+    async def grpc_events(self, request):
+        """DecodeStream's messages (also through a streaming handle from a routing ingress)."""
+        async for event in grpc_events(self.service, request):
+            yield event
+
+    async def Decode(self, request, grpc_context):  # noqa: N802 (the RPC's name)
         try:
             self.auth.check_grpc(grpc_context)
         except Unauthenticated as exc:
-            return failed(self.service.rejected(exc))
-        return await self.grpc_messages(request, stream)
-
-    async def Decode(self, request, grpc_context):  # noqa: N802 (the RPC's name)
-        return (await self._grpc(request, False, grpc_context)).unary(grpc_context)
+            return failed(self.service.rejected(exc)).unary(grpc_context)
+        return (await self.grpc_unary(request)).unary(grpc_context)
 
     async def DecodeStream(self, request, grpc_context):  # noqa: N802
-        for message in (await self._grpc(request, True, grpc_context)).stream(grpc_context):
+        try:
+            self.auth.check_grpc(grpc_context)
+        except Unauthenticated as exc:
+            fail(grpc_context, wire_error(self.service.rejected(exc)))
+            return
+        async for message in stream_to(grpc_context, self.grpc_events(request)):
             yield message
 
     # ---- composition -----------------------------------------------------------------------
@@ -116,6 +128,12 @@ class DecoderReplica:
         shift_factor, height, width, request_id, model). Returns the /decode response fields with
         `output` as a numpy array (bf16 as float32) or a list of bytes."""
         return await handle_decode(self.service, latents, quality=quality, output=output, **options)
+
+    async def decode_frames(self, latents, quality: str = "lossless", output: str = "uint8", **options):
+        """Video frames as they are decoded, through `handle.options(stream=True)`: dicts like the
+        HTTP stream's messages (vae_service_client.frames) with `pixels` as numpy arrays."""
+        async for message in handle_decode_frames(self.service, latents, quality=quality, output=output, **options):
+            yield message
 
     def release_folded(self) -> int:
         """Drop the fast path's folded weights now (the next `high` decode rebuilds them)."""

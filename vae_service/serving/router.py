@@ -8,7 +8,7 @@ is overloaded (its backpressure status + Retry-After).
 No `from __future__ import annotations` here: FastAPI must see real `Request` annotations.
 """
 
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
@@ -19,12 +19,12 @@ from ray.serve.handle import DeploymentHandle
 
 from vae_service.engine.errors import InvalidInput, Overloaded
 from vae_service.protocol.errors import ANSWERABLE, Unavailable, wire_error
-from vae_service.protocol.msgpack_decode import peek_model
+from vae_service.protocol.msgpack_decode import peek_routing
 from vae_service.serving import openapi
 from vae_service.serving.auth import BearerAuth, load_token
 from vae_service.serving.deployment import internal_error
-from vae_service.serving.grpc_servicer import GrpcAnswer, failed
-from vae_service.serving.http_routes import error_answer, health_fields, query_lists, read_body
+from vae_service.serving.grpc_servicer import fail, failed, stream_to
+from vae_service.serving.http_routes import error_answer, health_fields, query_lists, read_body, respond
 
 router_app = FastAPI(title="vae-service", summary="VAE decoding for diffusion serving (several models)")
 router_app.add_exception_handler(Exception, internal_error)
@@ -66,13 +66,25 @@ class VaeRouter:
                 "body", f"decoder overloaded ({exc.message}); retry later", exc.retry_after_s or 1.0
             ) from None
 
+    async def _relay(self, events) -> AsyncIterator:
+        """A streaming handle's events; the decoder's loss or overload before the first one as the
+        error a client can retry on (later, the stream just ends: the client sees it cut short)."""
+        first = await self._call(anext(events))
+        yield first
+        async for event in events:
+            yield event
+
     @router_app.post("/decode", openapi_extra=openapi.DECODE)
     async def decode_http(self, request: Request) -> Response:
         try:
             self.auth.check(request.headers.get("authorization"))
             body = await read_body(request, self.max_request_bytes, self.body_timeout_s)
-            decoder = self._pick(peek_model(body))
-            answer = await self._call(decoder.decode_body.remote(body, request.headers.get("content-type")))
+            model, stream = peek_routing(body)
+            decoder, content_type = self._pick(model), request.headers.get("content-type")
+            if stream:
+                events = decoder.options(stream=True).decode_body_events.remote(body, content_type)
+                return await respond(self._relay(events))
+            answer = await self._call(decoder.decode_body.remote(body, content_type))
         except ANSWERABLE as exc:
             return error_answer(exc).response()
         return answer.response()
@@ -113,16 +125,19 @@ class VaeRouter:
         except ANSWERABLE as exc:
             raise wire_error(exc).client_error() from None
 
-    async def _grpc(self, request, stream: bool, grpc_context) -> GrpcAnswer:
+    async def Decode(self, request, grpc_context):  # noqa: N802 (the RPC's name)
         try:
             self.auth.check_grpc(grpc_context)
-            return await self._call(self._pick(request.model or None).grpc_messages.remote(request, stream))
+            answer = await self._call(self._pick(request.model or None).grpc_unary.remote(request))
         except ANSWERABLE as exc:
-            return failed(exc)
-
-    async def Decode(self, request, grpc_context):  # noqa: N802 (the RPC's name)
-        return (await self._grpc(request, False, grpc_context)).unary(grpc_context)
+            answer = failed(exc)
+        return answer.unary(grpc_context)
 
     async def DecodeStream(self, request, grpc_context):  # noqa: N802
-        for message in (await self._grpc(request, True, grpc_context)).stream(grpc_context):
-            yield message
+        try:
+            self.auth.check_grpc(grpc_context)
+            events = self._pick(request.model or None).options(stream=True).grpc_events.remote(request)
+            async for message in stream_to(grpc_context, self._relay(events)):
+                yield message
+        except ANSWERABLE as exc:
+            fail(grpc_context, wire_error(exc))

@@ -56,7 +56,9 @@ class VaeDecoderServicer:
         raise NotImplementedError('Method not implemented!')
 
     def DecodeStream(self, request, context):
-        """One message per batch item, in order, as soon as the batch is decoded.
+        """Video models, uint8/float output: one message per decoded chunk (latent frame) as soon as it
+        is decoded - frames frame_start.. of items item_index.. - then a `done` message. Otherwise:
+        one message per batch item, in order, once the batch is decoded.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,0 +1,160 @@
+"""Streamed video frames: the wire format of `POST /decode` with `stream: true`, and what clients
+read from it and from gRPC `DecodeStream`.
+
+HTTP body (media type STREAM_MEDIA_TYPE): a sequence of messages, each a 4-byte big-endian
+unsigned length followed by that many bytes of one msgpack map, one of:
+
+- `{"item": i, "frame": f, "pixels": tensor}`: frames f.. of batch items i.. (uint8
+  [n, t, H, W, 3] or float [n, 3, t, H, W]), sent as soon as their latent frame is decoded;
+- `{"done": {model, quality, precision, request_id, timing, tiled}}`: the last message;
+- `{"error": {type, field, message}}`: the decode failed after frames were sent (the last message).
+
+Errors found before the first frame are ordinary HTTP errors (JSON, 4xx/5xx). The frames of every
+item concatenated along the frame axis equal the non-streamed output, bit for bit.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import AsyncIterator, Iterable, Iterator
+from dataclasses import dataclass, field
+
+import msgpack
+import numpy as np
+
+from vae_service_client.errors import make_error
+from vae_service_client.messages import DecodeResponse, pack
+from vae_service_client.tensors import decode_tensor, encode_tensor
+
+STREAM_MEDIA_TYPE = "application/vnd.vae-service.frames+msgpack"
+_LENGTH = struct.Struct(">I")
+MAX_MESSAGE_BYTES = 2**31  # a message longer than this is a broken stream, not a frame
+
+
+@dataclass(frozen=True)
+class FrameChunk:
+    item: int  # first batch item
+    frame: int  # first frame, within each item
+    pixels: np.ndarray  # uint8 [n, t, H, W, 3] or float [n, 3, t, H, W]
+
+    @property
+    def frame_axis(self) -> int:
+        return 1 if self.pixels.dtype == np.uint8 else 2
+
+
+def framed(message: dict) -> bytes:
+    body = pack(message)
+    return _LENGTH.pack(len(body)) + body
+
+
+def frames_message(item: int, frame: int, pixels) -> dict:
+    return {"item": item, "frame": frame, "pixels": encode_tensor(pixels)}
+
+
+def message_of_proto(msg) -> dict:
+    """A DecodeStream frames message (vae_service.v1.DecodeResponse) as the HTTP stream's map."""
+    if msg.done:
+        return {"done": DecodeResponse.from_proto(msg).summary()}
+    t = msg.tensor
+    return {
+        "item": msg.item_index,
+        "frame": msg.frame_start,
+        "pixels": {"dtype": t.dtype, "shape": list(t.shape), "data": t.data},
+    }
+
+
+class MessageReader:
+    """Length-prefixed msgpack messages out of byte chunks of any size."""
+
+    def __init__(self) -> None:
+        self._buffer = bytearray()
+
+    def feed(self, data: bytes) -> list[dict]:
+        self._buffer += data
+        messages = []
+        while len(self._buffer) >= _LENGTH.size:
+            (length,) = _LENGTH.unpack_from(self._buffer)
+            if length > MAX_MESSAGE_BYTES:
+                raise ValueError(f"stream message of {length} bytes: not a vae-service frame stream")
+            end = _LENGTH.size + length
+            if len(self._buffer) < end:
+                break
+            messages.append(msgpack.unpackb(bytes(self._buffer[_LENGTH.size : end]), raw=False))
+            del self._buffer[:end]
+        return messages
+
+    def close(self) -> None:
+        if self._buffer:
+            raise ValueError(f"stream ended inside a message ({len(self._buffer)} bytes left)")
+
+
+@dataclass
+class StreamSummary:
+    """What the last message says: model, quality, precision, request_id, timing, tiled."""
+
+    fields: dict = field(default_factory=dict)
+
+    def __getattr__(self, name: str):
+        try:
+            return self.fields[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+def chunk_of(message: dict, summary: StreamSummary) -> FrameChunk | None:
+    """A frames message -> FrameChunk; the done message fills `summary`; an error message raises."""
+    if "error" in message:
+        err = message["error"]
+        raise make_error(err.get("type", "internal"), err.get("field"), err.get("message", ""))
+    if "done" in message:
+        summary.fields = message["done"]
+        return None
+    return FrameChunk(message["item"], message["frame"], decode_tensor(message["pixels"], "pixels").to_numpy())
+
+
+class FrameStream:
+    """Iterate for FrameChunks as they arrive; `summary` is filled once the stream ended."""
+
+    def __init__(self, messages: Iterable[dict]):
+        self._messages = messages
+        self.summary = StreamSummary()
+
+    def __iter__(self) -> Iterator[FrameChunk]:
+        for message in self._messages:
+            chunk = chunk_of(message, self.summary)
+            if chunk is not None:
+                yield chunk
+        if not self.summary.fields:
+            raise make_error("unavailable", None, "the frame stream ended before its last message")
+
+    def collect(self) -> np.ndarray:
+        return assemble(self)
+
+
+class AsyncFrameStream:
+    def __init__(self, messages: AsyncIterator[dict]):
+        self._messages = messages
+        self.summary = StreamSummary()
+
+    async def __aiter__(self) -> AsyncIterator[FrameChunk]:
+        async for message in self._messages:
+            chunk = chunk_of(message, self.summary)
+            if chunk is not None:
+                yield chunk
+        if not self.summary.fields:
+            raise make_error("unavailable", None, "the frame stream ended before its last message")
+
+    async def collect(self) -> np.ndarray:
+        return assemble([c async for c in self])
+
+
+def assemble(chunks: Iterable[FrameChunk]) -> np.ndarray:
+    """The whole output from its chunks (what the same request answers without streaming)."""
+    items: dict[int, list[FrameChunk]] = {}
+    for chunk in chunks:
+        items.setdefault(chunk.item, []).append(chunk)
+    blocks = []
+    for item in sorted(items):
+        parts = sorted(items[item], key=lambda c: c.frame)
+        blocks.append(np.concatenate([c.pixels for c in parts], axis=parts[0].frame_axis))
+    return np.concatenate(blocks, axis=0)

@@ -1,0 +1,189 @@
+"""Decode memory: the per-model estimate, tiled `high` decodes within limits.max_decode_bytes (and
+their documented error), `lossless` refused over it, and the out-of-memory retry in tiles."""
+
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+
+from tests.models import torch_threads
+from vae_service.config import Limits, ServiceConfig
+from vae_service.engine import DecodeEngine, DecodeRequest, LimitExceeded
+from vae_service.engine.memory import _LiveBytes
+from vae_service.engine.tiling import Blender, TileGrid, tiled_chunks
+
+# README "Memory bound": tiled vs untiled `high` (uint8) on the random-weight test models with tiles
+# of 15-17 latent px (120-136 px): measured 27.5-37.8 dB; the bound leaves room for other seeds.
+# The out-of-memory retry plans for half the estimated peak (8-11 px tiles): measured 20.0-33.2 dB.
+MIN_TILED_PSNR_DB = 25.0
+MIN_RETRY_PSNR_DB = 18.0
+
+
+def psnr(a: torch.Tensor, b: torch.Tensor) -> float:
+    mse = (a.float() - b.float()).pow(2).mean().item()
+    return math.inf if mse == 0 else 10 * math.log10(255**2 / mse)
+
+
+@pytest.fixture(scope="module")
+def engines(kl_dir, flux_dir, wan_dir):
+    folders = {"kl": kl_dir, "flux": flux_dir, "wan": wan_dir}
+    return {
+        kind: DecodeEngine(ServiceConfig(model=str(folder), model_name=kind, device="cpu", cpu_threads=1))
+        for kind, folder in folders.items()
+    }
+
+
+def latents_for(engine, h, w, batch=1, frames=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    frames_dim = (frames,) if engine.video else ()
+    return torch.randn(batch, engine.spec.latent_channels, *frames_dim, h, w, generator=g)
+
+
+def decode(engine, request, bound=None):
+    engine.limits = Limits(max_decode_bytes=bound)
+    try:
+        with torch_threads(1):
+            prepared = engine.prepare(request)
+            return prepared, engine.decode([prepared])[0]
+    finally:
+        engine.limits = Limits()
+
+
+@pytest.mark.parametrize("h, w", [(8, 8), (24, 20), (17, 31)])
+@pytest.mark.parametrize("tile", [8, 11, 16])
+def test_blend_weights_sum_to_one_and_tiles_cover_everything(h, w, tile):
+    grid = TileGrid(tile, h, w)
+    covered = torch.zeros(h, w, dtype=torch.int32)
+    for y, x in grid.tiles():
+        assert 0 <= y <= h - grid.tile_h and 0 <= x <= w - grid.tile_w  # every tile whole, inside
+        covered[y : y + grid.tile_h, x : x + grid.tile_w] += 1
+    assert covered.min() >= 1
+    blender = Blender(grid, scale=4)
+    for key in grid.tiles():  # a constant picture from every tile blends to that constant
+        blender.add(key, torch.full((1, 3, grid.tile_h * 4, grid.tile_w * 4), 0.75))
+    assert torch.allclose(blender.take(), torch.full((1, 3, h * 4, w * 4), 0.75), atol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["kl", "wan"])
+def test_memory_estimate_matches_a_real_decode(engines, kind):
+    """The estimate (measured once on the meta device at 16x16 latents) against the live bytes of a
+    real CPU decode at another shape, counted the same way."""
+    engine = engines[kind]
+    z = latents_for(engine, 12, 20)
+    live = _LiveBytes()
+    with torch.inference_mode(), live:
+        if engine.video:
+            for out in engine._chunks("lossless")(z):
+                del out
+        else:
+            engine.vae.decode(z)
+    estimate = engine.memory.working(1, 12, 20)
+    assert 0.9 * live.peak <= estimate <= 1.1 * live.peak
+    assert engine.memory.working(2, 12, 40) == pytest.approx(4 * estimate, rel=1e-6)  # linear in pixels
+
+
+@pytest.mark.parametrize("kind", ["kl", "flux", "wan"])
+def test_lossless_over_the_bound_is_refused_naming_it_and_high(engines, kind):
+    engine = engines[kind]
+    request = DecodeRequest(latents_for(engine, 12, 10), scaling_factor=None)
+    need = engine.peak_bytes(engine.prepare(request))
+    with pytest.raises(LimitExceeded, match="max_decode_bytes") as err:
+        decode(engine, request, bound=need // 2)
+    assert err.value.field == "latents" and "'high'" in err.value.message
+    prepared, result = decode(engine, request, bound=need)  # at the bound: decoded whole
+    assert prepared.tile is None and not result.tiled
+
+
+@pytest.mark.parametrize("kind", ["kl", "flux", "wan"])
+@pytest.mark.parametrize("h, w, batch", [(24, 20, 1), (17, 31, 2)])
+def test_high_over_the_bound_decodes_tiled_within_the_documented_error(engines, kind, h, w, batch):
+    engine = engines[kind]
+    request = DecodeRequest(latents_for(engine, h, w, batch), quality="high", scaling_factor=None)
+    _, whole = decode(engine, request)
+    need = engine.peak_bytes(engine.prepare(request))
+    prepared, tiled = decode(engine, request, bound=int(0.6 * need))
+    assert tiled.tiled and not whole.tiled and prepared.tile.tile >= 15
+    assert tiled.output.shape == whole.output.shape and tiled.output.dtype == torch.uint8
+    assert psnr(tiled.output, whole.output) >= MIN_TILED_PSNR_DB
+    grid = prepared.tile  # and the plan fits the bound by the engine's own estimate
+    assert engine.memory.working(batch, grid.tile_h, grid.tile_w) <= 0.6 * need
+
+
+def test_too_large_even_tiled_is_refused(engines):
+    engine = engines["wan"]
+    request = DecodeRequest(latents_for(engine, 24, 20), quality="high", scaling_factor=None)
+    with pytest.raises(LimitExceeded, match="even tiled") as err:
+        decode(engine, request, bound=engine.memory.working(1, 4, 4))
+    assert err.value.field == "latents"
+
+
+def test_one_tile_over_everything_is_the_untiled_decode(engines):
+    engine = engines["kl"]
+    z = latents_for(engine, 9, 7)
+    with torch.inference_mode(), engine.fast_path.gate.use(True):
+        whole = engine.vae.decode(z).sample
+        from vae_service.engine.tiling import tiled_image
+
+        tiled = tiled_image(z, TileGrid(9, 9, 7), engine.spec.spatial_scale, lambda t: engine.vae.decode(t).sample)
+    assert torch.equal(tiled, whole)
+
+
+def test_tiled_video_lockstep_and_tile_after_tile_agree_bit_for_bit(engines):
+    engine = engines["wan"]
+    z = latents_for(engine, 20, 18, frames=3)
+    chunks = engine._chunks("high")
+    with torch.inference_mode(), torch_threads(1):
+        lockstep = list(tiled_chunks(z, TileGrid(12, 20, 18, lockstep=True), 8, chunks))
+        sequential = list(tiled_chunks(z, TileGrid(12, 20, 18, lockstep=False), 8, chunks))
+    assert [c.shape[2] for c in lockstep] == [1, 4, 4]
+    assert all(torch.equal(a, b) for a, b in zip(lockstep, sequential))
+
+
+def test_tiled_video_streams_the_same_frames(engines):
+    engine = engines["wan"]
+    z = latents_for(engine, 24, 20, frames=3)
+    request = DecodeRequest(z, quality="high", scaling_factor=None)
+    need = engine.peak_bytes(engine.prepare(request))
+    _, whole = decode(engine, request, bound=int(0.6 * need))
+    engine.limits = Limits(max_decode_bytes=int(0.6 * need))
+    chunks = []
+    try:
+        with torch_threads(1):
+            prepared = engine.prepare(replace(request, stream=True))
+            (result,) = engine.decode([replace(prepared, sink=chunks.append)])
+    finally:
+        engine.limits = Limits()
+    assert result.tiled and whole.tiled and result.output is None
+    assert torch.equal(torch.cat([c.pixels for c in chunks], 1), whole.output)
+
+
+@pytest.mark.parametrize("kind", ["kl", "wan"])
+def test_out_of_memory_on_high_retries_once_in_tiles(engines, kind, monkeypatch):
+    """An injected device OOM on the first untiled `high` decode: decoded again in tiles."""
+    engine = engines[kind]
+    request = DecodeRequest(latents_for(engine, 16, 16), quality="high", scaling_factor=None)
+    _, whole = decode(engine, request)
+    original, calls = engine._decode_batch, []
+
+    def out_of_memory_once(batch, latents, force_tiles):
+        calls.append(force_tiles)
+        if not force_tiles:
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+        return original(batch, latents, force_tiles)
+
+    monkeypatch.setattr(engine, "_decode_batch", out_of_memory_once)
+    _, result = decode(engine, request)
+    assert calls == [False, True] and result.tiled
+    assert psnr(result.output, whole.output) >= MIN_RETRY_PSNR_DB
+
+
+def test_out_of_memory_on_lossless_is_not_retried(engines, monkeypatch):
+    engine = engines["kl"]
+
+    def out_of_memory(batch, latents, force_tiles):
+        raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+
+    monkeypatch.setattr(engine, "_decode_batch", out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError):
+        decode(engine, DecodeRequest(latents_for(engine, 4, 4), scaling_factor=None))

@@ -1,0 +1,182 @@
+"""Wan decode chunk by chunk: the rewritten chunk walk is bit-identical to diffusers' decode for
+every config and shape, `high`'s walk stays within the documented bound, and streamed frames
+are exactly the non-streamed output."""
+
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+from diffusers import AutoencoderKLWan
+
+from tests.models import torch_threads
+from vae_service.config import ServiceConfig
+from vae_service.engine import DecodeEngine, DecodeRequest, InvalidInput
+from vae_service.engine.video import FrameChunk
+from vae_service.fastpath import install_fast_path
+from vae_service.fastpath.wan_chunks import WalkOptions, decode_chunks
+from vae_service.models.loading import LoadedVae
+from vae_service.models.spec import ModelSpec
+
+# Several Wan architectures: widths, depths, latent channels and where the temporal upsamplers sit
+WAN_CONFIGS = {
+    "tiny": dict(base_dim=8, z_dim=4, dim_mult=[1, 2, 2, 2], num_res_blocks=1, temperal_downsample=[False, True, True]),
+    "wide": dict(
+        base_dim=16, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, temperal_downsample=[False, True, True]
+    ),
+    "early-time": dict(
+        base_dim=8, z_dim=4, dim_mult=[1, 1, 2, 2], num_res_blocks=1, temperal_downsample=[True, True, False]
+    ),
+    "no-time": dict(base_dim=12, z_dim=8, dim_mult=[1, 2, 2], num_res_blocks=1, temperal_downsample=[False, False]),
+}
+SHAPES = [(1, 3, 5), (2, 1, 1), (3, 5, 7), (4, 2, 9)]  # latent T, h, w
+MIN_PSNR_DB = {torch.float32: 50.0, torch.bfloat16: 35.0}  # README "Quality tiers", as for images
+
+
+def wan(config: str, seed: int = 0) -> AutoencoderKLWan:
+    torch.manual_seed(seed)
+    vae = AutoencoderKLWan(**WAN_CONFIGS[config])
+    with torch.no_grad():
+        for name, p in vae.named_parameters():
+            if "gamma" in name or "bias" in name:  # away from diffusers' identity init
+                p.add_(0.2 * torch.randn_like(p))
+    return vae.eval()
+
+
+def latents(vae, shape, batch=1, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, vae.config.z_dim, *shape, generator=g)
+
+
+def chunked(vae, z, walk, folded=None):
+    with torch.inference_mode():
+        return list(decode_chunks(vae, z, walk, folded))
+
+
+def psnr_uint8(a, b):
+    qa, qb = [((x.float() / 2 + 0.5).clamp(0, 1) * 255).round() for x in (a, b)]
+    mse = (qa - qb).pow(2).mean().item()
+    return math.inf if mse == 0 else 10 * math.log10(255**2 / mse)
+
+
+@pytest.mark.parametrize("config", list(WAN_CONFIGS))
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunk_walk_is_bit_identical_to_diffusers(config, shape, dtype):
+    vae = wan(config).to(dtype)
+    z = latents(vae, shape, batch=2 if shape[0] == 3 else 1).to(dtype)
+    with torch.inference_mode():
+        reference = vae.decode(z).sample
+    for walk in (None, WalkOptions()):  # diffusers' forward per chunk, and the rewritten walk
+        chunks = chunked(vae, z, walk)
+        assert len(chunks) == shape[0]
+        assert torch.equal(torch.cat(chunks, 2), reference), walk
+
+
+@pytest.mark.parametrize("config", ["tiny", "wide"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_high_walk_is_within_the_documented_bound(config, dtype):
+    vae = wan(config, seed=1)
+    fp32 = torch.cat(chunked(vae, latents(vae, (3, 5, 6)), None), 2)
+    fast = vae.to(dtype)
+    fp = install_fast_path(fast)
+    walk = fp.chunk_walks["high"]
+    assert walk.first_frame_2d and walk.channels_last
+    z = latents(vae, (3, 5, 6)).to(dtype)
+    lossless = torch.cat(chunked(fast, z, fp.chunk_walks["lossless"]), 2)
+    high = torch.cat(chunked(fast, z, walk, fp.folded), 2)
+    assert high.shape == lossless.shape and high.dtype == dtype
+    if dtype == torch.float32:
+        assert psnr_uint8(high, lossless) >= MIN_PSNR_DB[dtype]
+        assert (high - lossless).abs().max() < 1e-3
+    else:  # bf16 rounding dominates: high's error against fp32 stays within 2x lossless' own
+        assert psnr_uint8(high, fp32) >= MIN_PSNR_DB[dtype]
+        assert (high.float() - fp32).abs().mean() <= 2 * (lossless.float() - fp32).abs().mean()
+
+
+def engine_for(vae, **config) -> DecodeEngine:
+    params = sum(p.numel() for p in vae.decoder.parameters())
+    spec = ModelSpec.from_config(
+        "wan-test", "AutoencoderKLWan", dict(vae.config), random_weights=False, decoder_params=params, skipped_params=0
+    )
+    return DecodeEngine(ServiceConfig(model="tiny-wan", device="cpu", cpu_threads=1, **config), LoadedVae(vae, spec))
+
+
+@pytest.fixture(scope="module")
+def wan_engine():
+    return engine_for(wan("wide"))
+
+
+def streamed(engine, z, **kw):
+    chunks = []
+    prepared = engine.prepare(DecodeRequest(z, stream=True, scaling_factor=None, **kw))
+    (result,) = engine.decode([replace(prepared, sink=chunks.append)])
+    return chunks, result
+
+
+@pytest.mark.parametrize("quality", ["lossless", "high"])
+@pytest.mark.parametrize("output", ["uint8", "float"])
+def test_streamed_frames_are_the_whole_output(wan_engine, quality, output):
+    z = latents(wan_engine.vae, (3, 3, 4), batch=2, seed=3)
+    with torch_threads(1):
+        whole = wan_engine.decode(
+            [wan_engine.prepare(DecodeRequest(z, quality=quality, output=output, scaling_factor=None))]
+        )[0].output
+        chunks, result = streamed(wan_engine, z, quality=quality, output=output)
+    assert result.output is None  # nothing kept for a streamed request
+    assert all(isinstance(c, FrameChunk) for c in chunks)
+    axis = 1 if output == "uint8" else 2
+    per_item = {}
+    for c in chunks:
+        per_item.setdefault(c.item, []).append(c)
+    # lossless decodes item by item; high decodes both items together
+    assert sorted(per_item) == ([0, 1] if quality == "lossless" else [0])
+    for parts in per_item.values():
+        assert [c.frame for c in parts] == [0, 1, 5]  # 1 frame, then 4 per latent frame
+    joined = torch.cat([torch.cat([c.pixels for c in per_item[i]], axis) for i in sorted(per_item)])
+    assert torch.equal(joined, whole)
+
+
+def test_streamed_and_whole_requests_share_one_decode(wan_engine):
+    z = latents(wan_engine.vae, (2, 3, 4), batch=2, seed=4)
+    calls, chunks = [], []
+    whole = wan_engine.prepare(DecodeRequest(z[:1], quality="high", scaling_factor=None))
+    stream = wan_engine.prepare(DecodeRequest(z[1:], quality="high", scaling_factor=None, stream=True))
+    assert whole.batch_key == stream.batch_key
+    hook = wan_engine.vae.decoder.mid_block.attentions[0].register_forward_pre_hook(lambda m, a: calls.append(1))
+    try:
+        with torch_threads(1):
+            results = wan_engine.decode([whole, replace(stream, sink=chunks.append)])
+    finally:
+        hook.remove()
+    assert len(calls) == 2  # one decoder run per latent frame, for both requests together
+    with torch_threads(1):
+        alone = wan_engine.decode([wan_engine.prepare(DecodeRequest(z, quality="high", scaling_factor=None))])
+    assert torch.equal(results[0].output, alone[0].output[:1])
+    assert torch.equal(torch.cat([c.pixels for c in chunks], 1), alone[0].output[1:])
+
+
+@pytest.mark.parametrize(
+    "kw, text",
+    [
+        ({"output": "mp4"}, "not 'mp4'"),
+        ({"output": "png"}, "not 'png'"),
+    ],
+)
+def test_stream_needs_raw_frames(wan_engine, kw, text):
+    with pytest.raises(InvalidInput, match=text) as err:
+        wan_engine.prepare(DecodeRequest(latents(wan_engine.vae, (1, 2, 2)), stream=True, **kw))
+    assert err.value.field == "stream"
+
+
+def test_stream_is_for_video_models(kl_dir):
+    engine = DecodeEngine(ServiceConfig(model=str(kl_dir), device="cpu"))
+    with pytest.raises(InvalidInput, match="decodes images") as err:
+        engine.prepare(DecodeRequest(torch.randn(1, 4, 2, 2), stream=True))
+    assert err.value.field == "stream"
+
+
+def test_stream_flag_must_be_a_bool():
+    with pytest.raises(InvalidInput) as err:
+        DecodeRequest(torch.randn(1, 4, 2, 2), stream="yes")
+    assert err.value.field == "stream"

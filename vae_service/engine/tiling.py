@@ -1,0 +1,166 @@
+"""Spatially tiled decode for `high` requests over the memory bound: overlapping latent tiles, each
+decoded on its own, blended with linear ramps across every overlap (the weights of the tiles
+covering a pixel sum to one). Video keeps its temporal chunking, in one of two orders:
+
+- lockstep: every tile runs its own chunk decoder (its own causal history) and all advance one
+  latent frame at a time, so a tiled video still streams chunk by chunk; but every tile's history
+  is held at once, and Wan's history is about half its peak (engine/memory.py), so this bounds
+  memory only down to about that;
+- tile after tile: one tile's history at a time, the blended clip held in fp32 until the last
+  tile is done (frames are handed over only then). Chosen when lockstep cannot fit the bound.
+
+The tiles see less context than the whole latent (convolution borders, and Wan's and SD's
+attention mid-blocks are global), so tiled output differs from untiled; the README gives the
+error measured and the tests bound it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from vae_service.engine.memory import MemoryModel
+
+MIN_TILE = 8  # latent pixels per side
+OVERLAP_FRACTION = 4  # overlap = tile // 4, like diffusers' tiled decoders
+
+
+def _starts(size: int, tile: int, stride: int) -> list[int]:
+    if tile >= size:
+        return [0]
+    # every tile full size; the last one overlaps its neighbour more
+    return [*range(0, size - tile, stride), size - tile]
+
+
+@dataclass(frozen=True)
+class TileGrid:
+    tile: int  # latent pixels per side
+    h: int
+    w: int
+    lockstep: bool = True  # video: tiles advance together, chunk by chunk (else tile after tile)
+
+    @property
+    def stride(self) -> int:
+        return self.tile - max(1, self.tile // OVERLAP_FRACTION)
+
+    @property
+    def ys(self) -> list[int]:
+        return _starts(self.h, self.tile, self.stride)
+
+    @property
+    def xs(self) -> list[int]:
+        return _starts(self.w, self.tile, self.stride)
+
+    @property
+    def tile_h(self) -> int:
+        return min(self.tile, self.h)
+
+    @property
+    def tile_w(self) -> int:
+        return min(self.tile, self.w)
+
+    def tiles(self) -> list[tuple[int, int]]:
+        return [(y, x) for y in self.ys for x in self.xs]
+
+    def cut(self, z: torch.Tensor, y: int, x: int) -> torch.Tensor:
+        return z[..., y : y + self.tile_h, x : x + self.tile_w]
+
+
+def tile_for(
+    model: MemoryModel, items: int, frames: int, h: int, w: int, answer_bytes: int, bound: int
+) -> TileGrid | None:
+    """The largest tiles whose decode fits `bound`, lockstep first (None: nothing fits)."""
+    scale_px = model.scale**2
+    clip_fp32 = items * frames * h * w * scale_px * 3 * 4  # tile after tile: the blended clip
+    orders = (True, False) if model.video else (True,)
+    for lockstep in orders:
+        for tile in range(max(h, w), MIN_TILE - 1, -1):
+            grid = TileGrid(tile, h, w, lockstep)
+            one = model.working(items, grid.tile_h, grid.tile_w)
+            others = (len(grid.tiles()) - 1) * model.resident(items, grid.tile_h, grid.tile_w)  # their history
+            if one + (others if lockstep else clip_fp32) + answer_bytes <= bound:
+                return grid
+    return None
+
+
+def _ramp(starts: list[int], tile: int, size: int, scale: int) -> list[torch.Tensor]:
+    """Per tile, its weight along one axis (output pixels): rising across the overlap with the tile
+    before, falling across the overlap with the tile after; 1 elsewhere."""
+    length = min(tile, size) * scale
+    weights = []
+    for i, start in enumerate(starts):
+        w = torch.ones(length, dtype=torch.float64)
+        if i > 0:
+            overlap = (starts[i - 1] + tile - start) * scale
+            w[:overlap] = torch.arange(1, overlap + 1, dtype=torch.float64) / (overlap + 1)
+        if i + 1 < len(starts):
+            overlap = (start + tile - starts[i + 1]) * scale
+            w[length - overlap :] = torch.minimum(
+                w[length - overlap :], torch.arange(overlap, 0, -1, dtype=torch.float64) / (overlap + 1)
+            )
+        weights.append(w)
+    return weights
+
+
+class Blender:
+    """Adds weighted tile outputs into whole pictures ([..., H, W]) as they come, one accumulator
+    per slot (per chunk when tiles run one after another)."""
+
+    def __init__(self, grid: TileGrid, scale: int):
+        self.grid, self.scale = grid, scale
+        wy, wx = _ramp(grid.ys, grid.tile, grid.h, scale), _ramp(grid.xs, grid.tile, grid.w, scale)
+        raw = {(y, x): wy[i][:, None] * wx[j][None, :] for i, y in enumerate(grid.ys) for j, x in enumerate(grid.xs)}
+        total = torch.zeros(grid.h * scale, grid.w * scale, dtype=torch.float64)
+        for key, weight in raw.items():
+            total[self._region(*key)] += weight
+        self.weights = {key: (weight / total[self._region(*key)]).float() for key, weight in raw.items()}
+        self.acc: dict[int, torch.Tensor] = {}
+
+    def _region(self, y: int, x: int) -> tuple[slice, slice]:
+        s, g = self.scale, self.grid
+        return slice(y * s, (y + g.tile_h) * s), slice(x * s, (x + g.tile_w) * s)
+
+    def add(self, key: tuple[int, int], out: torch.Tensor, slot: int = 0) -> None:
+        if slot not in self.acc:
+            shape = (*out.shape[:-2], self.grid.h * self.scale, self.grid.w * self.scale)
+            self.acc[slot] = torch.zeros(shape, dtype=torch.float32, device=out.device)
+            self.dtype = out.dtype
+        weight = self.weights[key].to(out.device)
+        self.acc[slot][(..., *self._region(*key))].add_(out.float() * weight)
+
+    def take(self, slot: int = 0) -> torch.Tensor:
+        return self.acc.pop(slot).to(self.dtype)
+
+
+def tiled_image(
+    z: torch.Tensor, grid: TileGrid, scale: int, decode: Callable[[torch.Tensor], torch.Tensor]
+) -> torch.Tensor:
+    blender = Blender(grid, scale)
+    for y, x in grid.tiles():
+        blender.add((y, x), decode(grid.cut(z, y, x)))
+    return blender.take()
+
+
+def tiled_chunks(
+    z: torch.Tensor, grid: TileGrid, scale: int, chunks: Callable[[torch.Tensor], Iterator[torch.Tensor]]
+) -> Iterator[torch.Tensor]:
+    """One blended chunk per latent frame, the tiles in lockstep or one after another (grid)."""
+    blender = Blender(grid, scale)
+    if not grid.lockstep:
+        count = 0
+        for y, x in grid.tiles():
+            for count, out in enumerate(chunks(grid.cut(z, y, x)), 1):
+                blender.add((y, x), out, count)
+        for slot in range(1, count + 1):
+            yield blender.take(slot)
+        return
+    runs = {(y, x): chunks(grid.cut(z, y, x)) for y, x in grid.tiles()}
+    while True:
+        for key, run in runs.items():
+            out = next(run, None)
+            if out is None:
+                return
+            blender.add(key, out)
+        yield blender.take()

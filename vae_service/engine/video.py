@@ -1,0 +1,106 @@
+"""Video decode chunk by chunk (one latent frame per decoder call, as diffusers does): each chunk's
+frames are checked, converted to the request's output and either handed to the request's sink
+at once (streaming) or kept for its whole answer. A streamed request keeps nothing."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from vae_service.engine.errors import DecodeFailed
+from vae_service.engine.postprocess import postprocess
+
+NON_FINITE = (
+    "the decoder produced NaN/Inf for these latents (overflow at this precision?); "
+    "try fp32 or check the latents' scaling"
+)
+
+
+@dataclass(frozen=True)
+class FrameChunk:
+    """Frames `frame`.. of batch items `item`..: uint8 [n, t, H, W, 3] or float [n, 3, t, H, W]."""
+
+    item: int
+    frame: int
+    pixels: torch.Tensor
+
+    @property
+    def frame_axis(self) -> int:
+        return 1 if self.pixels.dtype == torch.uint8 else 2
+
+    @property
+    def frames(self) -> int:
+        return self.pixels.shape[self.frame_axis]
+
+
+FrameSink = Callable[[FrameChunk], None]
+ChunkDecoder = Callable[[torch.Tensor], Iterator[torch.Tensor]]  # [n, C, T, h, w] -> [n, 3, t, H, W] per chunk
+
+
+class _Answer:
+    """One request's frames as they come: streamed to its sink or collected, per item block."""
+
+    def __init__(self, output: str, sink: FrameSink | None):
+        self.output, self.sink = output, sink
+        self.parts: dict[int, list[torch.Tensor]] = {}
+        self.failed: DecodeFailed | None = None
+
+    def add(self, item: int, frame: int, decoded: torch.Tensor) -> None:
+        if self.failed is not None:
+            return
+        if not bool(torch.isfinite(decoded).all()):
+            self.failed = DecodeFailed("latents", NON_FINITE)
+            return
+        pixels = postprocess(decoded, self.output)
+        if self.sink is not None:
+            self.sink(FrameChunk(item, frame, pixels))
+        else:
+            self.parts.setdefault(item, []).append(pixels)
+
+    def result(self) -> torch.Tensor | DecodeFailed | None:
+        """The whole output; None when it was streamed."""
+        if self.failed is not None:
+            return self.failed
+        if self.sink is not None:
+            return None
+        axis = 2 if self.output == "float" else 1
+        return torch.cat([torch.cat(self.parts[item], axis) for item in sorted(self.parts)])
+
+
+def decode_video(
+    latents: list[torch.Tensor],
+    outputs: list[str],
+    sinks: list[FrameSink | None],
+    together: bool,
+    chunks: ChunkDecoder,
+    checkpoint: Callable[[], None],
+) -> list[torch.Tensor | DecodeFailed | None]:
+    """`together`: the requests' items share one decoder run (high); otherwise every item runs
+    alone (lossless). `checkpoint()` runs before each chunk (it raises to stop the decode)."""
+    answers = [_Answer(o, s) for o, s in zip(outputs, sinks)]
+    if together:
+        bounds, start = [], 0
+        for z in latents:
+            bounds.append((start, start + z.shape[0]))
+            start += z.shape[0]
+        runs = [(torch.cat(latents), [(a, 0, lo, hi) for a, (lo, hi) in zip(answers, bounds)])]
+    else:
+        runs = [(item, [(a, i, 0, 1)]) for a, z in zip(answers, latents) for i, item in enumerate(z.split(1))]
+    for z, members in runs:
+        frame = 0
+        for out in _checked(chunks(z), checkpoint):
+            for answer, item, lo, hi in members:
+                answer.add(item, frame, out[lo:hi])
+            frame += out.shape[2]
+    return [a.result() for a in answers]
+
+
+def _checked(chunks: Iterator[torch.Tensor], checkpoint: Callable[[], None]) -> Iterator[torch.Tensor]:
+    while True:
+        checkpoint()  # before the chunk's work: next() runs it
+        out = next(chunks, None)
+        if out is None:
+            return
+        yield out

@@ -1,0 +1,175 @@
+"""Wan decode one latent frame at a time, as diffusers' `AutoencoderKLWan._decode` does, yielding
+each chunk's frames as soon as they exist (streaming, stopping between chunks).
+
+Two ways to run a chunk through the decoder:
+- `stock`: diffusers' own `WanDecoder3d.forward` with its feature cache (any AutoencoderKLWan);
+- `walk`: the same modules and arithmetic, called in the same order, with the causal convs'
+  history kept differently (`causal_cache`, bit-identical, so `lossless` uses it): a causal conv's
+  input is built once in a buffer of [last two input frames | this chunk's frames], the norm +
+  SiLU before it writes into that buffer in place, and the conv pads only spatially (oneDNN and
+  cuDNN give the same bits as on a pre-padded input). Diffusers builds the same input with a
+  clone, a `torch.cat` and an `F.pad` (a zero fill and a copy) per conv per chunk. In `high`,
+  `first_frame_2d` runs the first chunk's 3x3x3 causal convs as 2-D convs on the one tap that
+  sees data (the other two see the zero history), and `channels_last_3d` lays the buffers out
+  channels-last.
+
+The two-frame history model matches diffusers' cache exactly: its cache holds the last one or two
+frames seen, and the conv pads the missing ones with zeros; the temporal upsampler skips its conv
+on the first chunk ("Rep") and pads with zeros on the second.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from diffusers.models.autoencoders.autoencoder_kl_wan import unpatchify
+from torch import nn
+
+from vae_service.fastpath.folded import FoldedBuffers
+
+HISTORY = 2  # frames of input a 3-tap causal conv sees before the current ones (diffusers' CACHE_T)
+RMS_EPS = 1e-12  # F.normalize's default, which WanRMS_norm uses
+
+NormSiLU = Callable[[torch.Tensor, nn.Module], torch.Tensor]
+
+
+def exact_rms_norm_silu_into(x: torch.Tensor, norm: nn.Module, out: torch.Tensor) -> None:
+    """SiLU(WanRMS_norm(x)) copied into `out`: diffusers' ops in diffusers' order (the norm is
+    F.normalize's: x / max(||x||_2 over channels, eps)), in place on one temporary instead of five.
+    The temporary is laid out like diffusers' (SiLU's vectorised and scalar loops round `exp`
+    differently, so it must see the same element order); `out` gets a plain copy."""
+    low_precision = x.dtype in (torch.float16, torch.bfloat16)
+    xf = x.float() if low_precision else x
+    y = xf / xf.norm(2, 1, keepdim=True).clamp_min_(RMS_EPS)
+    if low_precision:
+        y = y.to(x.dtype)
+    y.mul_(norm.scale).mul_(norm.gamma).add_(norm.bias)
+    out.copy_(F.silu(y, inplace=True))
+
+
+@dataclass(frozen=True)
+class WalkOptions:
+    norm_silu: NormSiLU | None = None  # None: the exact in-place composition
+    first_frame_2d: bool = False
+    channels_last: bool = False
+
+
+class _Walk:
+    """One decode's pass over the chunks: holds each causal conv's history between chunks."""
+
+    def __init__(self, decoder: nn.Module, options: WalkOptions, folded: FoldedBuffers):
+        self.d, self.options, self.folded = decoder, options, folded
+        self.history: dict[nn.Module, torch.Tensor] = {}
+        self.started_upsamplers: set[nn.Module] = set()
+        self.first_chunk = True
+        self.format = torch.channels_last_3d if options.channels_last else torch.contiguous_format
+
+    # ---- causal convs ------------------------------------------------------------------------
+    def _input_of(self, conv: nn.Module, like: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """(buffer, where this chunk's frames go): the buffer starts with the conv's history. In the
+        first chunk under `first_frame_2d` there is no buffer: the frames alone feed a 2-D conv."""
+        b, c, t, h, w = like.shape
+        if self._as_2d(conv):
+            return None, torch.empty((b, c, t, h, w), dtype=like.dtype, device=like.device, memory_format=self.format)
+        buf = torch.empty((b, c, HISTORY + t, h, w), dtype=like.dtype, device=like.device, memory_format=self.format)
+        history = self.history.get(conv)
+        if history is None:
+            buf[:, :, :HISTORY].zero_()
+        else:
+            buf[:, :, :HISTORY].copy_(history)
+        return buf, buf[:, :, HISTORY:]
+
+    def _as_2d(self, conv: nn.Module) -> bool:
+        return self.options.first_frame_2d and self.first_chunk and conv not in self.history
+
+    def _conv(self, conv: nn.Module, buf: torch.Tensor | None, frames: torch.Tensor) -> torch.Tensor:
+        padding = (0, conv._padding[2], conv._padding[0])
+        if buf is None:  # first chunk, 2-D: the zero history contributes nothing but rounding
+            self.history[conv] = torch.cat([torch.zeros_like(frames), frames], 2)[:, :, -HISTORY:]
+            weight = self.folded.get(
+                "first_frame_2d", f"{id(conv)}", conv.weight, lambda: conv.weight[:, :, -1].contiguous()
+            )
+            out = F.conv2d(frames[:, :, 0], weight, conv.bias, conv.stride[1:], padding[1:])
+            return out.unsqueeze(2)
+        self.history[conv] = buf[:, :, -HISTORY:].clone()
+        return F.conv3d(buf, conv.weight, conv.bias, conv.stride, padding)
+
+    def _norm_conv(self, norm: nn.Module, x: torch.Tensor, conv: nn.Module) -> torch.Tensor:
+        """conv(SiLU(norm(x))), the norm's output written straight into the conv's input buffer."""
+        buf, frames = self._input_of(conv, x)
+        if self.options.norm_silu is None:
+            exact_rms_norm_silu_into(x, norm, frames)
+        else:
+            frames.copy_(self.options.norm_silu(x, norm))
+        return self._conv(conv, buf, frames)
+
+    def _plain_conv(self, conv: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        buf, frames = self._input_of(conv, x)
+        frames.copy_(x)
+        return self._conv(conv, buf, frames)
+
+    # ---- blocks ------------------------------------------------------------------------------
+    def _residual(self, block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        shortcut = block.conv_shortcut(x)  # identity or a 1x1x1 conv: diffusers' module as is
+        h = self._norm_conv(block.norm1, x, block.conv1)
+        h = self._norm_conv(block.norm2, h, block.conv2)  # dropout: identity at inference
+        return h.add_(shortcut)
+
+    def _resample(self, m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        b, c, t, h, w = x.shape
+        if m.mode == "upsample3d":
+            if m not in self.started_upsamplers:  # diffusers' "Rep": no temporal conv on the first chunk
+                self.started_upsamplers.add(m)
+            else:
+                x = self._plain_conv(m.time_conv, x)
+                x = x.reshape(b, 2, c, t, h, w)
+                x = torch.stack((x[:, 0, :, :, :, :], x[:, 1, :, :, :, :]), 3)
+                x = x.reshape(b, c, t * 2, h, w)
+        t = x.shape[2]
+        x = x.permute(0, 2, 1, 3, 4).reshape(b * t, c, h, w)
+        x = m.resample(x)
+        return x.view(b, t, x.size(1), x.size(2), x.size(3)).permute(0, 2, 1, 3, 4)
+
+    def chunk(self, x: torch.Tensor) -> torch.Tensor:
+        d = self.d
+        x = self._plain_conv(d.conv_in, x)
+        mid = d.mid_block
+        x = self._residual(mid.resnets[0], x)
+        for attention, resnet in zip(mid.attentions, mid.resnets[1:]):
+            x = self._residual(resnet, attention(x))
+        for up in d.up_blocks:
+            for resnet in up.resnets:
+                x = self._residual(resnet, x)
+            if up.upsamplers is not None:
+                x = self._resample(up.upsamplers[0], x)
+        x = self._norm_conv(d.norm_out, x, d.conv_out)
+        self.first_chunk = False
+        return x
+
+
+def _stock_chunks(vae: nn.Module, x: torch.Tensor) -> Iterator[torch.Tensor]:
+    cache: list = [None] * vae._cached_conv_counts["decoder"]
+    for i in range(x.shape[2]):
+        yield vae.decoder(x[:, :, i : i + 1], feat_cache=cache, feat_idx=[0], first_chunk=i == 0)
+
+
+def decode_chunks(
+    vae: nn.Module, z: torch.Tensor, walk: WalkOptions | None, folded: FoldedBuffers | None = None
+) -> Iterator[torch.Tensor]:
+    """`vae.decode(z).sample` split along time: one tensor per latent frame ([B, 3, t, H, W],
+    clamped like diffusers), whose concatenation is that decode. `walk` None: diffusers' own
+    decoder forward; otherwise the walk with those options."""
+    x = vae.post_quant_conv(z)
+    if walk is None:
+        chunks = _stock_chunks(vae, x)
+    else:
+        state = _Walk(vae.decoder, walk, folded or FoldedBuffers())
+        chunks = (state.chunk(x[:, :, i : i + 1]) for i in range(x.shape[2]))
+    patch_size = vae.config.patch_size
+    for out in chunks:
+        if patch_size is not None:
+            out = unpatchify(out, patch_size=patch_size)
+        yield torch.clamp(out, min=-1.0, max=1.0)
