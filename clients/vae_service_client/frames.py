@@ -109,7 +109,10 @@ def chunk_of(message: dict, summary: StreamSummary) -> FrameChunk | None:
     if "done" in message:
         summary.fields = message["done"]
         return None
-    return FrameChunk(message["item"], message["frame"], decode_tensor(message["pixels"], "pixels").to_numpy())
+    pixels = message["pixels"]  # a tensor map off the wire; an array from a Serve handle
+    if not isinstance(pixels, np.ndarray):
+        pixels = decode_tensor(pixels, "pixels").to_numpy()
+    return FrameChunk(message["item"], message["frame"], pixels)
 
 
 class FrameStream:

@@ -71,9 +71,11 @@ class VaeClient:
 
         def messages():
             response, reader = with_retries(attempt, self.retries, self.backoff_s), MessageReader()
-            with response:
+            try:
                 for data in response.iter_bytes():
                     yield from reader.feed(data)
+            finally:
+                response.close()
             reader.close()
 
         return FrameStream(messages())

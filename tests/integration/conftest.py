@@ -73,6 +73,18 @@ def kl_url(ray_cluster, kl_dir):
 
 
 @pytest.fixture(scope="session")
+def wan_url(ray_cluster, wan_dir):
+    """A video model as its own HTTP ingress (streaming without a router in front)."""
+    from ray import serve
+
+    from vae_service.serving.app import decoder_app
+
+    config = {"model": str(wan_dir), "model_name": "wan", "cpu_threads": 1}
+    serve.run(decoder_app(config, **TEST_DEPLOYMENT), name="wan", route_prefix="/wan")
+    return f"{ray_cluster}/wan"
+
+
+@pytest.fixture(scope="session")
 def multi_url(ray_cluster, kl_dir, flux_dir, wan_dir):
     """One ingress, three models: routing by `model`."""
     from ray import serve

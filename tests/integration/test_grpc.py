@@ -53,11 +53,11 @@ def test_errors_map_to_status_codes_naming_the_field(grpc_target, kwargs, error,
 async def test_async_client_and_routing_by_model(grpc_target, multi_url):
     async with AsyncVaeGrpcClient(grpc_target, application="multi") as client:
         video = await client.decode(torch.randn(1, 4, 2, 4, 4), model="wan")
-        frames = [m async for m in client.decode_stream(torch.randn(2, 4, 1, 2, 2), model="wan")]
+        items = [m async for m in client.decode_stream(torch.randn(2, 8, 2, 2), model="flux", output="png")]
         with pytest.raises(InvalidRequest) as err:
             await client.decode(torch.randn(1, 4, 2, 2), model="nope")
     assert video.model == "wan" and video.output.shape == (1, 5, 32, 32, 3)
-    assert [f.output.shape for f in frames] == [(1, 1, 16, 16, 3)] * 2
+    assert [(m.item_index, len(m.output)) for m in items] == [(0, 1), (1, 1)]  # files: one message per item
     assert "served: ['flux', 'kl', 'wan']" in err.value.message
 
 

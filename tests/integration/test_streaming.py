@@ -1,0 +1,101 @@
+"""Video frames streamed as they are decoded, through Serve with real clients: HTTP (the model's
+own ingress and a router in front), gRPC DecodeStream and a streaming handle; bit-identical to
+the whole answer; errors before the first frame as ordinary typed errors."""
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from vae_service_client import AsyncVaeClient, AsyncVaeGrpcClient, InvalidRequest, VaeClient, VaeGrpcClient
+from vae_service_client.frames import FrameStream, assemble
+
+pytestmark = pytest.mark.integration
+
+
+def latents(batch=2, frames=3, h=3, w=4, seed=0):
+    return torch.randn(batch, 4, frames, h, w, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("quality", ["lossless", "high"])
+@pytest.mark.parametrize("output", ["uint8", "float"])
+def test_http_stream_joins_into_the_whole_answer(wan_url, quality, output):
+    z = latents()
+    with VaeClient(wan_url) as client:
+        whole = client.decode(z, quality, output)
+        stream = client.decode_frames(z, quality, output, request_id="v1")
+        chunks = list(stream)
+    assert [c.frame for c in chunks if c.item == 0] == [0, 1, 5]
+    np.testing.assert_array_equal(assemble(chunks), whole.output)
+    summary = stream.summary
+    assert (summary.model, summary.quality, summary.request_id, summary.tiled) == ("wan", quality, "v1", False)
+    assert summary.timing["decode_ms"] > 0
+
+
+async def test_router_streams_http_and_grpc(multi_url, grpc_target):
+    z = latents(seed=1)
+    async with AsyncVaeClient(multi_url) as http:
+        whole = await http.decode(z, "high", model="wan")
+        over_http = await http.decode_frames(z, "high", model="wan").collect()
+    async with AsyncVaeGrpcClient(grpc_target, application="multi") as rpc:
+        stream = rpc.decode_frames(z, "high", model="wan")
+        over_grpc = [c async for c in stream]
+    np.testing.assert_array_equal(over_http, whole.output)
+    np.testing.assert_array_equal(assemble(over_grpc), whole.output)
+    assert len(over_grpc) == 3 and stream.summary.model == "wan"
+
+
+def test_grpc_stream_is_one_message_per_chunk(grpc_target, wan_url):
+    z = latents(seed=2)
+    with VaeGrpcClient(grpc_target, application="wan") as client:
+        stream = client.decode_frames(z, "lossless", "float")
+        chunks = list(stream)
+        raw = list(client.decode_stream(z, "lossless", "float"))
+    whole = VaeClient(wan_url).decode(z, output="float").output
+    assert [(c.item, c.frame, c.pixels.shape[2]) for c in chunks] == [
+        (item, frame, t) for item in (0, 1) for frame, t in ((0, 1), (1, 4), (5, 4))
+    ]
+    np.testing.assert_array_equal(assemble(chunks), whole)
+    assert raw[-1].output == [] and len(raw) == 7  # six chunks, then the `done` message
+
+
+def test_streaming_handle(ray_cluster, wan_url):
+    from ray import serve
+
+    handle = serve.get_app_handle("wan").options(stream=True)
+    z = latents(seed=3)
+    messages = list(handle.decode_frames.remote(z, quality="high"))
+    whole = VaeClient(wan_url).decode(z, "high").output
+    assert messages[-1]["done"]["model"] == "wan"
+    np.testing.assert_array_equal(FrameStream(messages).collect(), whole)
+
+
+@pytest.mark.parametrize(
+    "url_fixture, kwargs, text",
+    [
+        ("wan_url", {"output": "mp4"}, "not 'mp4'"),
+        ("kl_url", {}, "decodes images"),
+        ("wan_url", {"quality": "ultra"}, "allowed"),
+    ],
+)
+def test_errors_before_the_first_frame_are_typed_http_errors(request, url_fixture, kwargs, text):
+    url = request.getfixturevalue(url_fixture)
+    z = latents(batch=1) if url_fixture == "wan_url" else torch.randn(1, 4, 2, 2)
+    with VaeClient(url, retries=0) as client, pytest.raises(InvalidRequest, match=text) as err:
+        list(client.decode_frames(z, **kwargs))
+    assert err.value.status in (400, 422) and err.value.field in ("stream", "quality")
+
+
+def test_first_frames_arrive_while_the_rest_decodes(wan_url):
+    """A streaming server hands the first latent frame's frames over long before the last: with
+    12 latent frames, the first arrives within the first half of the stream's duration (a
+    buffering server would deliver everything at the end)."""
+    z = latents(batch=1, frames=12, h=12, w=12, seed=4)
+    with VaeClient(wan_url) as client:
+        start, arrivals = time.perf_counter(), []
+        for _ in client.decode_frames(z):
+            arrivals.append(time.perf_counter() - start)
+    total = time.perf_counter() - start
+    assert len(arrivals) == 12
+    assert arrivals[0] < 0.5 * total
