@@ -5,7 +5,9 @@
 #   - model x size x tier: ms, speed-up, error ratio, peak memory (sd/flux 1024 and 2048 px,
 #     wan2.1 81 frames at 480x832 and 720x1280);
 #   - `high` images/s at 512 and 1024 px, batch 1/4/8, with the memory peak of each;
-#   - png vs uint8 throughput at 1024 px, batch 8, 16 requests in flight.
+#   - png vs uint8 throughput at 1024 px, batch 8, 16 requests in flight;
+#   - Wan 81 frames at 480x832 and 720x1280: diffusers vs our lossless (bit-identical, checked
+#     on the spot) vs high, time to the first streamed chunk, peak memory untiled vs tiled.
 # Targets (issue notes): high <= 22 ms at 1024 px and <= 130 ms at 2048 px; lossless <= 80 ms;
 # Wan lossless <= 1.3 s and high <= 0.8 s at 480p, high <= 2.0 s at 720p; png/uint8 <= 1.3.
 # Needs torch, triton, diffusers, pydantic, msgpack, numpy, pillow, pytest, av.
@@ -23,4 +25,9 @@ tests_rc=$?
 bench_rc=$?
 "$PY" bench/bench_encode.py --model sd --size 1024 --batch 8 --concurrency 16 --seconds 30 --device cuda
 encode_rc=$?
-exit $(( tests_rc || bench_rc || encode_rc ))
+# Wan 81 frames: diffusers vs bit-identical lossless vs high, first streamed chunk, and memory
+"$PY" bench/bench_video.py --device cuda --precision bf16 --rounds 2 \
+  --cases wan2.1:480x832:21 wan2.1:720x1280:21 --measure-memory wan2.1:720x1280:21 --tiled-fraction 0.5 \
+  --memory wan2.1:720x1280:21 --bound-gib 8
+video_rc=$?
+exit $(( tests_rc || bench_rc || encode_rc || video_rc ))

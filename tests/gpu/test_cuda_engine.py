@@ -111,3 +111,19 @@ def test_release_returns_folded_memory_to_the_allocator(engines):
     assert torch.cuda.memory_allocated() <= before - held
     decode(engine, torch.randn(1, 4, 4, 4), "high")
     assert engine.fast_path.folded.nbytes == held
+
+
+@pytest.mark.parametrize("config", ["tiny", "wide", "early-time", "no-time"])
+@pytest.mark.parametrize("shape", [(1, 3, 5), (3, 5, 7), (4, 2, 9)])
+def test_wan_chunk_walk_is_bit_identical_on_cuda(config, shape):
+    """causal_cache is admitted to lossless on CUDA only with this: cuDNN gives the same bits with
+    spatial conv padding as on diffusers' pre-padded input."""
+    from tests.unit.test_video_decode import latents, wan
+    from vae_service.fastpath.wan_chunks import WalkOptions, decode_chunks
+
+    vae = wan(config).to("cuda", torch.bfloat16)
+    z = latents(vae, shape).to("cuda", torch.bfloat16)
+    with torch.inference_mode():
+        reference = vae.decode(z).sample
+        walked = torch.cat(list(decode_chunks(vae, z, WalkOptions())), 2)
+    assert torch.equal(walked, reference)

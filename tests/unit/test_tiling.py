@@ -74,7 +74,7 @@ def test_memory_estimate_matches_a_real_decode(engines, kind):
     live = _LiveBytes()
     with torch.inference_mode(), live:
         if engine.video:
-            for out in engine._chunks("lossless")(z):
+            for out in engine.chunk_decoder("lossless")(z):
                 del out
         else:
             engine.vae.decode(z)
@@ -132,7 +132,7 @@ def test_one_tile_over_everything_is_the_untiled_decode(engines):
 def test_tiled_video_lockstep_and_tile_after_tile_agree_bit_for_bit(engines):
     engine = engines["wan"]
     z = latents_for(engine, 20, 18, frames=3)
-    chunks = engine._chunks("high")
+    chunks = engine.chunk_decoder("high")
     with torch.inference_mode(), torch_threads(1):
         lockstep = list(tiled_chunks(z, TileGrid(12, 20, 18, lockstep=True), 8, chunks))
         sequential = list(tiled_chunks(z, TileGrid(12, 20, 18, lockstep=False), 8, chunks))

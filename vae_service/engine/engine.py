@@ -66,13 +66,14 @@ class DecodeEngine:
         self._abandoned: threading.Event | None = None
         self.vae.decoder.register_forward_pre_hook(self._stop_if_abandoned)
 
-    def _chunks(self, quality: str):
+    def chunk_decoder(self, quality: str):
+        """Video: a function from decoder-input latents to output chunks, as `quality` runs them."""
         walk, folded = self.fast_path.chunk_walks[quality], self.fast_path.folded
         return lambda z, vae=None: decode_chunks(vae or self.vae, z, walk, folded)
 
     def _meta_decode(self, meta_vae, z: torch.Tensor):
         if self.video:
-            return self._chunks("lossless")(z, meta_vae)
+            return self.chunk_decoder("lossless")(z, meta_vae)
         return iter([meta_vae.decode(z).sample])
 
     def decode_bound(self) -> int:
@@ -221,7 +222,7 @@ class DecodeEngine:
 
     def _decode_video(self, batch: list[PreparedRequest], latents: list[torch.Tensor], grids: list) -> list:
         quality = batch[0].request.quality
-        plain, scale = self._chunks(quality), self.spec.spatial_scale
+        plain, scale = self.chunk_decoder(quality), self.spec.spatial_scale
 
         def chunks_for(grid: TileGrid | None):
             return plain if grid is None else lambda z: tiled_chunks(z, grid, scale, plain)
