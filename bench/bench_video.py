@@ -143,9 +143,10 @@ def planned_memory(case: str, precision: str, bound_gib: float) -> list:
     z = torch.zeros(1, engine.spec.latent_channels, frames, height // scale, width // scale)
     request = DecodeRequest(z, quality="high", scaling_factor=None)
     bound = int(bound_gib * 2**30)
-    engine.limits = Limits(max_decode_bytes=2**62)
+    unlimited = dict(max_output_pixels=2**40, max_decode_tflop=1e9, max_request_bytes=2**40)
+    engine.limits = Limits(**unlimited, max_decode_bytes=2**62)
     need = engine.peak_bytes(engine.prepare(request))
-    engine.limits = Limits(max_decode_bytes=bound)
+    engine.limits = Limits(**unlimited, max_decode_bytes=bound)
     grid = engine.prepare(request).tile
     order = "-" if grid is None else ("lockstep" if grid.lockstep else "tile after tile")
     tiles = "-" if grid is None else f"{len(grid.tiles())} x {grid.tile * scale} px"
@@ -162,7 +163,7 @@ def main() -> None:
     parser.add_argument("--measure-memory", nargs="*", default=["tiny-wan:480x832:3"])
     parser.add_argument("--tiled-fraction", type=float, default=0.6, help="bound for the tiled run, x the estimate")
     parser.add_argument("--memory", nargs="*", default=["wan2.1:480x832:21", "wan2.1:720x1280:21"])
-    parser.add_argument("--bound-gib", type=float, default=16.0)
+    parser.add_argument("--bound-gib", type=float, default=8.0)
     args = parser.parse_args()
     print(f"torch {torch.__version__}, device {args.device}, {torch.get_num_threads()} CPU threads")
     rows = []

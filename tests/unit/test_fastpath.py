@@ -16,6 +16,7 @@ from vae_service.fastpath.gate import FastPathGate
 from vae_service.fastpath.kernels.support import interpreting
 from vae_service.fastpath.patching import Patch
 from vae_service.fastpath.rewrites import REWRITES
+from vae_service.fastpath.wan_chunks import decode_chunks
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # Documented bounds of `high` (README "Quality tiers"). fp32: against lossless, on the [-1, 1]
@@ -236,7 +237,15 @@ def test_health_lists_the_folded_bytes_of_each_rewrite():
     rewrites = fp.describe()["rewrites"]
     assert rewrites["winograd"]["folded_bytes"] > rewrites["attention_fold"]["folded_bytes"] > 0
     assert rewrites["upsample_fold"]["folded_bytes"] > 0 and rewrites["channels_last"]["folded_bytes"] == 0
-    assert set(rewrites) == {"channels_last", "group_norm_silu", "upsample_fold", "attention_fold", "winograd"}
+    assert set(rewrites) == {
+        "channels_last",
+        "group_norm_silu",
+        "upsample_fold",
+        "attention_fold",
+        "winograd",
+        "inplace_resnet",
+    }
+    assert rewrites["inplace_resnet"]["tiers"] == ["lossless", "high"] and rewrites["winograd"]["tiers"] == ["high"]
 
 
 def test_disabling_every_rewrite_installs_nothing():
@@ -253,11 +262,12 @@ def test_triton_backend_bound_at_install_runs_the_kernels(kind, monkeypatch):
     """The backend a rewrite binds at install is what runs: forced to Triton (interpreted), every
     fused norm launches a kernel, conv1's bias rides into norm2's, and high keeps its bound."""
     op = GroupNormSiLU if kind == "kl" else WanRMSNormSiLU
-    launched, original = [], op.forward_triton
+    launched, calls, original = [], [], op.forward_triton
 
     def counting(*args, **kwargs):
         out = original(*args, **kwargs)
         launched.append(out is not None)
+        calls.append(kwargs)
         return out
 
     monkeypatch.setattr(op, "forward_triton", staticmethod(counting))
@@ -266,7 +276,15 @@ def test_triton_backend_bound_at_install_runs_the_kernels(kind, monkeypatch):
     fp = install_fast_path(fast, norm_backend="triton")
     assert fp.describe()["rewrites"]["group_norm_silu" if kind == "kl" else "rms_norm_silu"]["backend"] == "triton"
     assert ("conv_bias_fold" in fp.plan) is (kind == "kl")
+    assert ("wan_conv_bias_fold" in fp.plan) is (kind == "wan")
     z = latents_for(kind, (3, 2), seed=5)
     high = decode(fast, z, fp, high=True)
     assert launched and all(launched)
     assert (high - decode(vae, z)).abs().max().item() <= FP32_MAX_ABS
+    if kind == "wan":  # the engine's high: the chunk walk, norms writing into conv buffers, bias folded
+        calls.clear()
+        with torch.inference_mode(), fp.gate.use(True):
+            walked = torch.cat(list(decode_chunks(fast, z, fp.chunk_walks["high"], fp.folded)), 2)
+        assert all(k["out"] is not None for k in calls) and any(k["in_bias"] is not None for k in calls)
+        assert all(launched)
+        assert (walked - decode(vae, z)).abs().max().item() <= FP32_MAX_ABS

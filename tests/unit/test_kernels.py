@@ -82,6 +82,40 @@ def test_rms_norm_silu_kernel(dtype, shape, with_bias, layout):
     assert_matches_reference(out, ref, dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 12, 1, 5, 4), (2, 16, 4, 3, 3)])
+@pytest.mark.parametrize("layout", ["channels_last", "contiguous"])
+def test_rms_norm_silu_kernel_epilogues(dtype, shape, layout):
+    """The Wan walk's epilogues: the preceding conv's bias added in the kernel, and the result
+    written into a causal conv's input buffer after its two history frames (a strided view)."""
+    g = torch.Generator().manual_seed(sum(shape))
+    n, c, t, h, w = shape
+    x = torch.randn(shape, generator=g).to(dtype)
+    fmt = torch.channels_last_3d if layout == "channels_last" else torch.contiguous_format
+    x = x.contiguous(memory_format=fmt).to(DEVICE)
+    gamma = torch.randn(c, 1, 1, 1, generator=g).to(dtype).to(DEVICE)
+    in_bias = torch.randn(c, generator=g).to(dtype).to(DEVICE)
+    buf = torch.full((n, c, 2 + t, h, w), 7.0, dtype=dtype).contiguous(memory_format=fmt).to(DEVICE)
+    out = rms_norm_silu(x, gamma, 0.0, c**0.5, in_bias=in_bias, out=buf[:, :, 2:])
+    assert out is not None and out.data_ptr() == buf[:, :, 2:].data_ptr()
+    assert bool((buf[:, :, :2] == 7.0).all())  # the history frames are left alone
+    biased = (x + in_bias.view(1, -1, 1, 1, 1)).float()  # rounded to the activation dtype first, as torch
+    ref = F.silu(F.normalize(biased, dim=1) * c**0.5 * gamma.float())
+    assert_matches_reference(buf[:, :, 2:], ref, dtype)
+    norm = _rms_module(gamma)
+    native = WanRMSNormSiLU.forward_native(x, norm, in_bias=in_bias)
+    assert torch.equal(native, WanRMSNormSiLU.forward_native(x + in_bias.view(1, -1, 1, 1, 1), norm))
+
+
+def _rms_module(gamma):
+    from diffusers.models.autoencoders.autoencoder_kl_wan import WanRMS_norm
+
+    norm = WanRMS_norm(gamma.shape[0], images=False).to(gamma.device, gamma.dtype)
+    with torch.no_grad():
+        norm.gamma.copy_(gamma)
+    return norm
+
+
 def test_kernels_refuse_what_they_do_not_support():
     x = torch.randn(1, 8, 4, 4, device=DEVICE)
     w, b = torch.ones(8, device=DEVICE), torch.zeros(8, device=DEVICE)

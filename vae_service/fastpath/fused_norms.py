@@ -55,21 +55,29 @@ class GroupNormSiLU:
 
 
 class WanRMSNormSiLU:
-    """`norm` is diffusers' WanRMS_norm (channel-first): F.normalize(x, dim=1) * sqrt(C) * gamma + bias."""
+    """`norm` is diffusers' WanRMS_norm (channel-first): F.normalize(x, dim=1) * sqrt(C) * gamma + bias.
+    `in_bias`: the preceding conv's bias, added to x first; `out`: where to write (else new)."""
 
     @staticmethod
-    def forward_native(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+    def forward_native(
+        x: torch.Tensor, norm: nn.Module, in_bias: torch.Tensor | None = None, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         # WanRMS_norm.forward's arithmetic, written out: the module's own forward is patched to
         # call this op while the fast path is on
+        if in_bias is not None:
+            x = x + in_bias.view(1, -1, *([1] * (x.dim() - 2)))
         low_precision = x.dtype in (torch.float16, torch.bfloat16)
         normalized = F.normalize(x.float() if low_precision else x, dim=1).to(x.dtype)
-        return F.silu(normalized * norm.scale * norm.gamma + norm.bias, inplace=True)
+        y = F.silu(normalized * norm.scale * norm.gamma + norm.bias, inplace=True)
+        return y if out is None else out.copy_(y)
 
     @staticmethod
-    def forward_triton(x: torch.Tensor, norm: nn.Module) -> torch.Tensor | None:
+    def forward_triton(
+        x: torch.Tensor, norm: nn.Module, in_bias: torch.Tensor | None = None, out: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
         from vae_service.fastpath.kernels.rms_norm import rms_norm_silu
 
-        return rms_norm_silu(x, norm.gamma, norm.bias, norm.scale)
+        return rms_norm_silu(x, norm.gamma, norm.bias, norm.scale, in_bias=in_bias, out=out)
 
     @classmethod
     def bind(cls, backend: str) -> Callable[..., torch.Tensor]:

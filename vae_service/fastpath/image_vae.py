@@ -164,6 +164,23 @@ def _fast_resnet(m: ResnetBlock2D, name: str, ops: _Ops):
     return forward
 
 
+def _exact_resnet(m: ResnetBlock2D):
+    """ResnetBlock2D.forward's ops in its order, with SiLU in place on the norms' fresh outputs,
+    the residual added in place (IEEE addition commutes) and no division by an output scale of 1
+    (exact): the same bits with three fewer full-size temporaries and one pass fewer."""
+    reference = m.forward
+
+    def forward(x: torch.Tensor, temb=None, *args, **kwargs) -> torch.Tensor:
+        if temb is not None or args or kwargs:
+            return reference(x, temb, *args, **kwargs)
+        h = m.conv1(F.silu(m.norm1(x), inplace=True))
+        h = m.conv2(F.silu(m.norm2(h), inplace=True))  # dropout is the identity in eval
+        h = h.add_(m.conv_shortcut(x) if m.conv_shortcut is not None else x)
+        return h if m.output_scale_factor == 1.0 else h.div_(m.output_scale_factor)
+
+    return forward
+
+
 def _fast_upsample(m: Upsample2D, name: str, ops: _Ops):
     reference = m.forward
 
@@ -229,6 +246,8 @@ def image_patches(vae: nn.Module, folded: FoldedBuffers, plan: RewritePlan) -> l
     patches = []
     for name, m in decoder.named_modules():
         if exact_type(m, ResnetBlock2D):
+            if "inplace_resnet" in plan:
+                patches.append(Patch(m, "forward", _exact_resnet(m), exact=True))
             patches.append(Patch(m, "forward", _fast_resnet(m, name, ops)))
         elif exact_type(m, Upsample2D) and "upsample_fold" in plan:
             patches.append(Patch(m, "forward", _fast_upsample(m, name, ops)))

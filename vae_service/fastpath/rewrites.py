@@ -65,6 +65,12 @@ REWRITES: dict[str, Rewrite] = {
             "resnet conv1 bias added inside norm2's kernel instead of a pass of its own (with the Triton GroupNorm)",
         ),
         Rewrite(
+            "inplace_resnet",
+            "image",
+            "resnet blocks with SiLU and the residual add in place and no division by an output scale of 1",
+            exact=True,
+        ),
+        Rewrite(
             "causal_cache",
             "video",
             "Wan causal convs fed from one buffer of [two history frames | chunk] and spatial conv padding "
@@ -77,6 +83,12 @@ REWRITES: dict[str, Rewrite] = {
             "the first latent frame's 3x3x3 causal convs as 2-D convs on the one tap that sees data",
         ),
         Rewrite("channels_last_3d", "video", "activations channels-last-3d"),
+        Rewrite(
+            "wan_conv_bias_fold",
+            "video",
+            "resnet conv1 bias added inside norm2's Triton kernel, each norm writing straight into the next "
+            "conv's input buffer",
+        ),
         Rewrite(
             "rms_norm_silu",
             "video",
@@ -128,8 +140,15 @@ def plan_rewrites(
             why_not = "needs group_norm_silu on its Triton backend"
         if why_not is None and name == "first_frame_2d" and "causal_cache" in disabled:
             why_not = "needs causal_cache"
+        if (
+            why_not is None
+            and name == "wan_conv_bias_fold"
+            and (norm_backend != "triton" or {"rms_norm_silu", "causal_cache"} & set(disabled))
+        ):
+            why_not = "needs causal_cache and rms_norm_silu on its Triton backend"
         if why_not is None:
-            plan.active[name] = norm_backend if name in NORM_REWRITES or name == "conv_bias_fold" else "torch"
+            fused = name in NORM_REWRITES or name in ("conv_bias_fold", "wan_conv_bias_fold")
+            plan.active[name] = norm_backend if fused else "torch"
         else:
             plan.inactive[name] = why_not
     return plan

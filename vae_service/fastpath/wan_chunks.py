@@ -33,7 +33,7 @@ from vae_service.fastpath.folded import FoldedBuffers
 HISTORY = 2  # frames of input a 3-tap causal conv sees before the current ones (diffusers' CACHE_T)
 RMS_EPS = 1e-12  # F.normalize's default, which WanRMS_norm uses
 
-NormSiLU = Callable[[torch.Tensor, nn.Module], torch.Tensor]
+NormSiLU = Callable[..., torch.Tensor]  # (x, norm, in_bias=None, out=None): fused_norms.WanRMSNormSiLU
 
 
 def exact_rms_norm_silu_into(x: torch.Tensor, norm: nn.Module, out: torch.Tensor) -> None:
@@ -55,6 +55,7 @@ class WalkOptions:
     norm_silu: NormSiLU | None = None  # None: the exact in-place composition
     first_frame_2d: bool = False
     channels_last: bool = False
+    conv_bias_fold: bool = False  # conv1's bias added inside norm2's op (needs `norm_silu`)
 
 
 class _Walk:
@@ -85,26 +86,35 @@ class _Walk:
     def _as_2d(self, conv: nn.Module) -> bool:
         return self.options.first_frame_2d and self.first_chunk and conv not in self.history
 
-    def _conv(self, conv: nn.Module, buf: torch.Tensor | None, frames: torch.Tensor) -> torch.Tensor:
+    def _conv(self, conv: nn.Module, buf: torch.Tensor | None, frames: torch.Tensor, bias: bool = True) -> torch.Tensor:
         padding = (0, conv._padding[2], conv._padding[0])
+        bias = conv.bias if bias else None
         if buf is None:  # first chunk, 2-D: the zero history contributes nothing but rounding
             self.history[conv] = torch.cat([torch.zeros_like(frames), frames], 2)[:, :, -HISTORY:]
             weight = self.folded.get(
                 "first_frame_2d", f"{id(conv)}", conv.weight, lambda: conv.weight[:, :, -1].contiguous()
             )
-            out = F.conv2d(frames[:, :, 0], weight, conv.bias, conv.stride[1:], padding[1:])
+            out = F.conv2d(frames[:, :, 0], weight, bias, conv.stride[1:], padding[1:])
             return out.unsqueeze(2)
         self.history[conv] = buf[:, :, -HISTORY:].clone()
-        return F.conv3d(buf, conv.weight, conv.bias, conv.stride, padding)
+        return F.conv3d(buf, conv.weight, bias, conv.stride, padding)
 
-    def _norm_conv(self, norm: nn.Module, x: torch.Tensor, conv: nn.Module) -> torch.Tensor:
-        """conv(SiLU(norm(x))), the norm's output written straight into the conv's input buffer."""
+    def _norm_conv(
+        self,
+        norm: nn.Module,
+        x: torch.Tensor,
+        conv: nn.Module,
+        in_bias: torch.Tensor | None = None,
+        conv_bias: bool = True,
+    ) -> torch.Tensor:
+        """conv(SiLU(norm(x + in_bias))), the norm's output written straight into the conv's input
+        buffer; `conv_bias` False leaves the conv's bias to the next norm (conv_bias_fold)."""
         buf, frames = self._input_of(conv, x)
         if self.options.norm_silu is None:
             exact_rms_norm_silu_into(x, norm, frames)
         else:
-            frames.copy_(self.options.norm_silu(x, norm))
-        return self._conv(conv, buf, frames)
+            self.options.norm_silu(x, norm, in_bias=in_bias, out=frames)
+        return self._conv(conv, buf, frames, conv_bias)
 
     def _plain_conv(self, conv: nn.Module, x: torch.Tensor) -> torch.Tensor:
         buf, frames = self._input_of(conv, x)
@@ -114,8 +124,9 @@ class _Walk:
     # ---- blocks ------------------------------------------------------------------------------
     def _residual(self, block: nn.Module, x: torch.Tensor) -> torch.Tensor:
         shortcut = block.conv_shortcut(x)  # identity or a 1x1x1 conv: diffusers' module as is
-        h = self._norm_conv(block.norm1, x, block.conv1)
-        h = self._norm_conv(block.norm2, h, block.conv2)  # dropout: identity at inference
+        fold = self.options.conv_bias_fold
+        h = self._norm_conv(block.norm1, x, block.conv1, conv_bias=not fold)
+        h = self._norm_conv(block.norm2, h, block.conv2, block.conv1.bias if fold else None)  # dropout: identity
         return h.add_(shortcut)
 
     def _resample(self, m: nn.Module, x: torch.Tensor) -> torch.Tensor:

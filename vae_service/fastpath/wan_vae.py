@@ -113,5 +113,6 @@ def wan_walks(plan: RewritePlan) -> dict[str, WalkOptions | None]:
         norm_silu=WanRMSNormSiLU.bind(plan.active["rms_norm_silu"]) if fused else None,
         first_frame_2d="first_frame_2d" in plan,
         channels_last="channels_last_3d" in plan,
+        conv_bias_fold=fused and "wan_conv_bias_fold" in plan,
     )
     return {"lossless": WalkOptions(), "high": high}
