@@ -26,7 +26,7 @@ bench_rc=$?
 "$PY" bench/bench_encode.py --model sd --size 1024 --batch 8 --concurrency 16 --seconds 30 --device cuda
 encode_rc=$?
 # Wan 81 frames: diffusers vs bit-identical lossless vs high, first streamed chunk, and memory
-"$PY" bench/bench_video.py --device cuda --precision bf16 --rounds 2 \
+"$PY" bench/bench_video.py --device cuda --precision bf16 --rounds 1 \
   --cases wan2.1:480x832:21 wan2.1:720x1280:21 --measure-memory wan2.1:720x1280:21 --tiled-fraction 0.5 \
   --memory wan2.1:720x1280:21 --bound-gib 8
 video_rc=$?

@@ -91,7 +91,7 @@ def test_high_walk_is_within_the_documented_bound(config, dtype):
         assert (high - lossless).abs().max() < 1e-3
     else:  # bf16 rounding dominates: high's error against fp32 stays within 2x lossless' own
         assert psnr_uint8(high, fp32) >= MIN_PSNR_DB[dtype]
-        assert (high.float() - fp32).abs().mean() <= 2 * (lossless.float() - fp32).abs().mean()
+        assert (high.float() - fp32).abs().max() <= 2 * (lossless.float() - fp32).abs().max()
 
 
 def engine_for(vae, **config) -> DecodeEngine:
