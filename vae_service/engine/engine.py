@@ -26,14 +26,15 @@ import torch
 from vae_service.config import Limits, ServiceConfig
 from vae_service.engine.cost import flops_per_output_pixel
 from vae_service.engine.encoding import ENCODED_OUTPUTS, EncodeSettings, encode_all
-from vae_service.engine.errors import DecodeAbandoned, DecodeFailed, LimitExceeded
+from vae_service.engine.errors import DecodeAbandoned, DecodeFailed
 from vae_service.engine.latents import LatentScaling, PreparedRequest, prepare, to_decoder_input
 from vae_service.engine.memory import MemoryModel, measure
+from vae_service.engine.memory_plan import decode_bound, peak_bytes, plan_memory
 from vae_service.engine.postprocess import postprocess
 from vae_service.engine.precision import PRECISION_NAMES, resolve_device, resolve_dtype
 from vae_service.engine.request import QUALITIES, DecodeRequest
 from vae_service.engine.result import DecodeResult, Timing
-from vae_service.engine.tiling import TileGrid, tile_for, tiled_chunks, tiled_image
+from vae_service.engine.tiling import TileGrid, tiled_chunks, tiled_image
 from vae_service.engine.video import NON_FINITE, decode_video
 from vae_service.fastpath import install_fast_path
 from vae_service.fastpath.wan_chunks import decode_chunks
@@ -77,13 +78,11 @@ class DecodeEngine:
         return iter([meta_vae.decode(z).sample])
 
     def decode_bound(self) -> int:
-        """limits.max_decode_bytes, or by default 80% of the GPU's memory (less the weights) or half the RAM."""
-        if self.limits.max_decode_bytes is not None:
-            return self.limits.max_decode_bytes
-        if self.device.type == "cuda":
-            total = torch.cuda.get_device_properties(self.device).total_memory
-            return int(0.8 * total) - torch.cuda.memory_allocated(self.device)
-        return int(0.5 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+        return decode_bound(self.limits, self.device)
+
+    def peak_bytes(self, prepared: PreparedRequest) -> int:
+        """Estimated peak of decoding this request whole."""
+        return peak_bytes(prepared, self.memory)
 
     def bind_thread(self) -> None:
         """Make the calling thread decode like every other one of this engine. CPU kernels split
@@ -120,39 +119,8 @@ class DecodeEngine:
         """Check against this model and the limits, plan tiling; no tensor is moved or cast yet.
         Raises InvalidInput."""
         prepared = prepare(request, self.spec, self.limits, self.flops_per_pixel)
-        grid = self._plan_memory(prepared, self.decode_bound())
+        grid = plan_memory(prepared, self.memory, self.decode_bound())
         return prepared if grid is None else replace(prepared, tile=grid)
-
-    def _answer_bytes(self, prepared: PreparedRequest) -> int:
-        if prepared.sink is not None or prepared.request.stream:
-            return 0
-        h, w = prepared.latents.shape[-2:]
-        pixels = prepared.items * prepared.frames * h * w * self.spec.spatial_scale**2
-        return self.memory.answer(pixels, prepared.request.output)
-
-    def peak_bytes(self, prepared: PreparedRequest) -> int:
-        """Estimated peak of decoding this request untiled."""
-        h, w = prepared.latents.shape[-2:]
-        together = prepared.items if prepared.request.quality == "high" else 1
-        return self.memory.working(together, h, w) + self._answer_bytes(prepared)
-
-    def _plan_memory(self, prepared: PreparedRequest, bound: int, force: bool = False) -> TileGrid | None:
-        """None: decode whole; else the tiles. Lossless never tiles: over the bound it is refused."""
-        need = self.peak_bytes(prepared)
-        if need <= bound and not force:
-            return None
-        gib = f"about {need / 2**30:.3g} GiB, over max_decode_bytes ({bound / 2**30:.3g} GiB)"
-        if prepared.request.quality == "lossless":
-            raise LimitExceeded(
-                "latents",
-                f"decoding these latents needs {gib}; 'lossless' never tiles: send quality 'high' "
-                "(decoded in spatial tiles within the bound) or fewer items",
-            )
-        h, w = prepared.latents.shape[-2:]
-        grid = tile_for(self.memory, prepared.items, prepared.frames, h, w, self._answer_bytes(prepared), bound)
-        if grid is None:
-            raise LimitExceeded("latents", f"decoding these latents needs {gib}, and even tiled it does not fit")
-        return grid
 
     def _stop_if_abandoned(self, module, args) -> None:
         if self._abandoned is not None and self._abandoned.is_set():
@@ -194,7 +162,7 @@ class DecodeEngine:
 
     def _grids(self, batch: list[PreparedRequest], force_tiles: bool) -> list[TileGrid | None]:
         if force_tiles:
-            return [self._plan_memory(r, self.peak_bytes(r) // 2, force=True) for r in batch]
+            return [plan_memory(r, self.memory, self.peak_bytes(r) // 2, force=True) for r in batch]
         return [r.tile for r in batch]
 
     def _together(self, batch: list[PreparedRequest], grids: list) -> bool:
