@@ -162,6 +162,8 @@ def cmd_decode(args: argparse.Namespace) -> None:
     start = time.perf_counter()
     with VaeClient(args.url, token=os.environ.get("VAE_SERVICE_AUTH_TOKEN")) as client:
         try:
+            if args.stream:
+                return _write_streamed_frames(client.decode_frames(latents, args.quality), out, start)
             resp = client.decode(latents, args.quality, fmt, height=args.height, width=args.width)
         except VaeServiceError as exc:
             sys.exit(str(exc))
@@ -170,6 +172,25 @@ def cmd_decode(args: argparse.Namespace) -> None:
     print(
         f"wrote {len(resp.output)} {fmt} file(s) to {out}/ in {time.perf_counter() - start:.2f} s "
         f"(model {resp.model}, {resp.quality}, {resp.precision}, timing {resp.timing})"
+    )
+
+
+def _write_streamed_frames(stream, out: Path, start: float) -> None:
+    """Each frame as a PNG the moment its chunk arrives: item{i}_frame{f}.png."""
+    from PIL import Image
+
+    written = 0
+    for chunk in stream:
+        if not written:
+            print(f"first frames after {time.perf_counter() - start:.2f} s", flush=True)
+        for i, item in enumerate(chunk.pixels):
+            for t, frame in enumerate(item):
+                Image.fromarray(frame).save(out / f"item{chunk.item + i:02d}_frame{chunk.frame + t:04d}.png")
+                written += 1
+    summary = stream.summary
+    print(
+        f"wrote {written} streamed frame(s) to {out}/ in {time.perf_counter() - start:.2f} s "
+        f"(model {summary.model}, {summary.quality}, {summary.precision}, timing {summary.timing})"
     )
 
 
@@ -241,6 +262,9 @@ def main(argv: list[str] | None = None) -> None:
     dec.add_argument("--quality", default="lossless", choices=["lossless", "high"])
     dec.add_argument("--format", default="png", choices=["png", "jpeg"])
     dec.add_argument("--video", action="store_true", help="ask for mp4 (video models)")
+    dec.add_argument(
+        "--stream", action="store_true", help="video models: write each frame as a PNG as soon as it is decoded"
+    )
     dec.add_argument("--height", type=int, help="pixel height, for packed latents")
     dec.add_argument("--width", type=int, help="pixel width, for packed latents")
     dec.add_argument("--out", default="out")

@@ -127,3 +127,29 @@ def test_wan_chunk_walk_is_bit_identical_on_cuda(config, shape):
         reference = vae.decode(z).sample
         walked = torch.cat(list(decode_chunks(vae, z, WalkOptions())), 2)
     assert torch.equal(walked, reference)
+
+
+@pytest.mark.parametrize("kind, shape", [("kl", (2, 4, 6, 5)), ("wan", (2, 4, 3, 4, 6))])
+def test_deferred_host_copies_give_the_same_pixels(engines, kind, shape):
+    """The service's path: outputs come back while their pinned copy is still queued; once the
+    events completed they equal a synchronous decode."""
+    engine = engines[kind]
+    z = torch.randn(*shape, generator=torch.Generator().manual_seed(11))
+    for output in ("uint8", "float"):
+        request = engine.prepare(DecodeRequest(z, output=output, scaling_factor=None))
+        (deferred,) = engine.decode([request], defer_host_copy=True)
+        assert deferred.host_copies and deferred.output.is_pinned()
+        ready = deferred.wait_for_host()
+        (sync,) = engine.decode([request])
+        assert not sync.host_copies and torch.equal(ready.output, sync.output)
+
+
+async def test_service_answers_after_the_host_copy(kl_dir):
+    from vae_service.serving.decode_service import DecodeService
+
+    service = DecodeService(ServiceConfig(model=str(kl_dir), model_name="kl", device="cuda"))
+    z = torch.randn(3, 4, 8, 8, generator=torch.Generator().manual_seed(12))
+    results = [await service.decode(DecodeRequest(z[i : i + 1])) for i in range(3)]
+    engine_out = service.engine.decode([service.engine.prepare(DecodeRequest(z))])[0].output  # each item alone
+    assert all(not r.host_copies for r in results)
+    assert torch.equal(torch.cat([r.output for r in results]), engine_out)

@@ -2,11 +2,14 @@
 own ingress and a router in front), gRPC DecodeStream and a streaming handle; bit-identical to
 the whole answer; errors before the first frame as ordinary typed errors."""
 
+import subprocess
+import sys
 import time
 
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from vae_service_client import AsyncVaeClient, AsyncVaeGrpcClient, InvalidRequest, VaeClient, VaeGrpcClient
 from vae_service_client.frames import FrameStream, assemble
@@ -99,3 +102,20 @@ def test_first_frames_arrive_while_the_rest_decodes(wan_url):
     total = time.perf_counter() - start
     assert len(arrivals) == 12
     assert arrivals[0] < 0.5 * total
+
+
+def test_cli_writes_streamed_frames(wan_url, tmp_path):
+    z = latents(batch=1, frames=2, seed=5).numpy()
+    np.save(tmp_path / "z.npy", z)
+    out = tmp_path / "frames"
+    proc = subprocess.run(
+        [sys.executable, "-m", "vae_service.cli", "decode", str(tmp_path / "z.npy"), "--url", wan_url,
+         "--stream", "--out", str(out)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "first frames after" in proc.stdout
+    files = sorted(out.glob("*.png"))
+    assert [f.name for f in files] == [f"item00_frame{t:04d}.png" for t in range(5)]
+    whole = VaeClient(wan_url).decode(z).output[0]
+    np.testing.assert_array_equal(np.stack([np.asarray(Image.open(f)) for f in files]), whole)

@@ -65,6 +65,7 @@ class DecodeEngine:
         # the decoder runs once per item (lossless) and once per latent frame (Wan): the step at
         # which a decode whose requests were all abandoned stops
         self._abandoned: threading.Event | None = None
+        self._host_copies: list | None = None  # CUDA events of the host copies still running
         self.vae.decoder.register_forward_pre_hook(self._stop_if_abandoned)
 
     def chunk_decoder(self, quality: str):
@@ -127,16 +128,20 @@ class DecodeEngine:
             raise DecodeAbandoned("body", "every request of this decode timed out or went away")
 
     def decode(
-        self, batch: list[PreparedRequest], abandoned: threading.Event | None = None
+        self, batch: list[PreparedRequest], abandoned: threading.Event | None = None, defer_host_copy: bool = False
     ) -> list[DecodeResult | DecodeFailed]:
         """Decode requests that share one batch key; results come back in order. A request whose
         output is not finite gets a DecodeFailed in its place; the others are unaffected. Once
-        `abandoned` is set, the decode stops at its next item or latent frame (DecodeAbandoned)."""
-        self._abandoned = abandoned
+        `abandoned` is set, the decode stops at its next item or latent frame (DecodeAbandoned).
+        `defer_host_copy` (CUDA): outputs come back while their copy to the host is still
+        running; wait on `result.host_copies` before reading them (DecodeResult.wait_for_host)."""
+        self._abandoned, self._host_copies = abandoned, ([] if defer_host_copy else None)
         try:
-            return self._decode(batch)
+            results = self._decode(batch)
+            copies = tuple(self._host_copies or ())
+            return [r if isinstance(r, DecodeFailed) else replace(r, host_copies=copies) for r in results]
         finally:
-            self._abandoned = None
+            self._abandoned = self._host_copies = None
 
     def _decode(self, batch: list[PreparedRequest]) -> list[DecodeResult | DecodeFailed]:
         keys = {r.batch_key for r in batch}
@@ -200,9 +205,10 @@ class DecodeEngine:
 
         outputs, sinks = [r.request.output for r in batch], [r.sink for r in batch]
         if quality == "lossless" or self._together(batch, grids):
-            return decode_video(latents, outputs, sinks, quality == "high", chunks_for(grids[0]), checkpoint)
+            together = quality == "high"
+            return decode_video(latents, outputs, sinks, together, chunks_for(grids[0]), checkpoint, self._host_copies)
         return [
-            decode_video([z], [o], [s], True, chunks_for(g), checkpoint)[0]
+            decode_video([z], [o], [s], True, chunks_for(g), checkpoint, self._host_copies)[0]
             for z, o, s, g in zip(latents, outputs, sinks, grids)
         ]
 
@@ -225,11 +231,10 @@ class DecodeEngine:
         timing = replace(result.timing, encode_ms=(time.perf_counter() - start) * 1e3)
         return replace(result, output=files, encode_as=None, timing=timing)
 
-    @staticmethod
-    def _finish(decoded: torch.Tensor, prepared: PreparedRequest):
+    def _finish(self, decoded: torch.Tensor, prepared: PreparedRequest):
         if not bool(torch.isfinite(decoded).all()):
             return DecodeFailed("latents", NON_FINITE)
-        return postprocess(decoded, prepared.request.output)
+        return postprocess(decoded, prepared.request.output, self._host_copies)
 
     def _vae_decode(self, z: torch.Tensor) -> torch.Tensor:
         return self.vae.decode(z).sample

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -26,3 +26,9 @@ class DecodeResult:
     timing: Timing
     encode_as: str | None = None  # png | jpeg | mp4 while `output` still holds the pixels to encode
     tiled: bool = False  # decoded in overlapping spatial tiles to stay within limits.max_decode_bytes
+    host_copies: tuple = ()  # CUDA events: `output` is readable once they completed (engine.decode)
+
+    def wait_for_host(self) -> DecodeResult:
+        for event in self.host_copies:
+            event.synchronize()
+        return self if not self.host_copies else replace(self, host_copies=())

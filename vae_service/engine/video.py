@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from vae_service.engine.errors import DecodeFailed
-from vae_service.engine.postprocess import postprocess
+from vae_service.engine.postprocess import convert, to_host
 
 NON_FINITE = (
     "the decoder produced NaN/Inf for these latents (overflow at this precision?); "
@@ -40,10 +40,11 @@ ChunkDecoder = Callable[[torch.Tensor], Iterator[torch.Tensor]]  # [n, C, T, h, 
 
 
 class _Answer:
-    """One request's frames as they come: streamed to its sink or collected, per item block."""
+    """One request's frames as they come: streamed to its sink (on the host at once) or collected
+    on the device and copied to the host as one tensor at the end."""
 
-    def __init__(self, output: str, sink: FrameSink | None):
-        self.output, self.sink = output, sink
+    def __init__(self, output: str, sink: FrameSink | None, pending: list | None):
+        self.output, self.sink, self.pending = output, sink, pending
         self.parts: dict[int, list[torch.Tensor]] = {}
         self.failed: DecodeFailed | None = None
 
@@ -53,9 +54,9 @@ class _Answer:
         if not bool(torch.isfinite(decoded).all()):
             self.failed = DecodeFailed("latents", NON_FINITE)
             return
-        pixels = postprocess(decoded, self.output)
+        pixels = convert(decoded, self.output)
         if self.sink is not None:
-            self.sink(FrameChunk(item, frame, pixels))
+            self.sink(FrameChunk(item, frame, to_host(pixels)))
         else:
             self.parts.setdefault(item, []).append(pixels)
 
@@ -66,7 +67,8 @@ class _Answer:
         if self.sink is not None:
             return None
         axis = 2 if self.output == "float" else 1
-        return torch.cat([torch.cat(self.parts[item], axis) for item in sorted(self.parts)])
+        whole = torch.cat([torch.cat(self.parts[item], axis) for item in sorted(self.parts)])
+        return to_host(whole, self.pending)
 
 
 def decode_video(
@@ -76,10 +78,12 @@ def decode_video(
     together: bool,
     chunks: ChunkDecoder,
     checkpoint: Callable[[], None],
+    pending: list | None = None,
 ) -> list[torch.Tensor | DecodeFailed | None]:
     """`together`: the requests' items share one decoder run (high); otherwise every item runs
-    alone (lossless). `checkpoint()` runs before each chunk (it raises to stop the decode)."""
-    answers = [_Answer(o, s) for o, s in zip(outputs, sinks)]
+    alone (lossless). `checkpoint()` runs before each chunk (it raises to stop the decode).
+    `pending`: see postprocess.to_host."""
+    answers = [_Answer(o, s, pending) for o, s in zip(outputs, sinks)]
     if together:
         bounds, start = [], 0
         for z in latents:

@@ -45,11 +45,16 @@ class DecodeService:
         # one thread feeds the device, set up once like the engine wants (torch's CPU thread count)
         self.device_thread = ThreadPoolExecutor(1, thread_name_prefix="vae-device", initializer=self.engine.bind_thread)
         self.batcher: KeyedBatcher[PreparedRequest] = KeyedBatcher(
-            self.engine.decode, batcher_limits(config.live()), self._observe, executor=self.device_thread
+            self._decode_batch, batcher_limits(config.live()), self._observe, executor=self.device_thread
         )
         self.encoders = EncoderPool(self.engine.encode_settings, config.encoding.threads)
         self.on_batch, self.on_rejected = on_batch, on_rejected
         self.decoded_items = 0  # latent items that reached the device (requests given up on never do)
+
+    def _decode_batch(self, batch: list[PreparedRequest], abandoned) -> list:
+        # the device thread takes its next batch while this one's output is still copied to the
+        # host (CUDA); the wait happens in _decode_prepared, off the device thread
+        return self.engine.decode(batch, abandoned, defer_host_copy=True)
 
     def _observe(self, stats: BatchStats) -> None:
         self.decoded_items += stats.items
@@ -113,6 +118,8 @@ class DecodeService:
                 "the device ran out of memory for this request; retry later or send fewer items",
                 self.config.serving.retry_after_s,
             ) from None
+        if result.host_copies:
+            result = await asyncio.to_thread(result.wait_for_host)
         decoded_ms = (time.perf_counter() - arrived) * 1e3
         result = replace(result, timing=replace(result.timing, queue_ms=max(0.0, decoded_ms - result.timing.decode_ms)))
         return await self.encoders.finish(result)

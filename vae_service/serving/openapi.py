@@ -4,6 +4,8 @@ tests) see the real inputs."""
 
 from __future__ import annotations
 
+from vae_service_client.frames import STREAM_MEDIA_TYPE
+
 _ERRORS = {
     str(code): {"description": text, "content": {"application/json": {"schema": {"type": "object"}}}}
     for code, text in (
@@ -21,15 +23,19 @@ _ERRORS = {
 
 DECODE = {
     "summary": "Decode latents (msgpack map: latents, quality, output, scaling_factor, shift_factor, height, "
-    "width, request_id, model)",
+    "width, request_id, model, stream)",
     "requestBody": {
         "required": True,
         "content": {"application/msgpack": {"schema": {"type": "string", "format": "binary"}}},
     },
     "responses": {
         "200": {
-            "description": "msgpack map: output, model, quality, precision, request_id, timing",
-            "content": {"application/msgpack": {"schema": {"type": "string", "format": "binary"}}},
+            "description": "msgpack map: output, model, quality, precision, request_id, timing, tiled; with "
+            "`stream: true` (video), length-prefixed msgpack messages: frames as they are decoded, then `done`",
+            "content": {
+                "application/msgpack": {"schema": {"type": "string", "format": "binary"}},
+                STREAM_MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}},
+            },
         },
         **_ERRORS,
     },
