@@ -90,6 +90,8 @@ def valid_request(draw, models: tuple[str, ...]) -> dict:
     }
     if draw(st.booleans()):
         body["scaling_factor"] = draw(st.one_of(st.none(), st.floats(0.1, 2.0)))
+    if draw(st.integers(0, 3)) == 0:
+        body["stream"] = True
     return body
 
 
@@ -127,6 +129,7 @@ def field_value(key: str):
         "width": st.one_of(st.none(), st.integers(-8, 2**40), st.floats(), st.just(16), st.just(64)),
         "request_id": st.one_of(st.none(), st.text(max_size=300), st.integers(-(2**63), 2**64 - 1)),
         "model": st.one_of(st.none(), st.text(max_size=8), st.sampled_from(["kl", "flux", "wan"]), st.binary()),
+        "stream": st.one_of(st.booleans(), scalars),
     }.get(key, scalars)
 
 

@@ -6,6 +6,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from tests.fuzzing import decode_bodies, remote_decode_queries
+from vae_service_client.frames import STREAM_MEDIA_TYPE, MessageReader
 from vae_service_client.messages import MSGPACK
 
 pytestmark = pytest.mark.integration
@@ -29,6 +30,12 @@ def _never_5xx(r: httpx.Response, seen: set) -> None:
         error = r.json()["error"]
         assert error["type"] and error["message"]
         seen.add((r.status_code, error["type"], error["field"]))
+    elif r.headers.get("content-type") == STREAM_MEDIA_TYPE:  # a frame stream ends well, too
+        reader = MessageReader()
+        messages = reader.feed(r.content)
+        reader.close()
+        assert messages and ("done" in messages[-1] or messages[-1]["error"]["type"] != "internal"), messages[-1:]
+        seen.add((r.status_code, "stream", None))
     else:
         seen.add((r.status_code, None, None))
 
