@@ -119,3 +119,20 @@ def test_cli_writes_streamed_frames(wan_url, tmp_path):
     assert [f.name for f in files] == [f"item00_frame{t:04d}.png" for t in range(5)]
     whole = VaeClient(wan_url).decode(z).output[0]
     np.testing.assert_array_equal(np.stack([np.asarray(Image.open(f)) for f in files]), whole)
+
+
+def test_a_client_leaving_a_stream_frees_the_replica(wan_url):
+    """Leaving after the first frames cancels the request through Serve, and the decode stops at
+    its next latent frame: a request sent right after is not stuck behind the rest of the clip."""
+    z = latents(batch=1, frames=60, h=12, w=12, seed=6)
+    with VaeClient(wan_url) as client:
+        start = time.perf_counter()
+        client.decode(z[:, :, :30])
+        half_clip = time.perf_counter() - start  # what the rest of the clip would still take
+        stream = iter(client.decode_frames(z))
+        assert next(stream).frame == 0
+        stream.close()  # the client goes away
+        start = time.perf_counter()
+        client.decode(latents(batch=1, frames=1, seed=7))
+        waited = time.perf_counter() - start
+    assert waited < 0.5 * half_clip, (waited, half_clip)
