@@ -118,15 +118,17 @@ def app(ray_cluster, kl_dir):
 
     names = []
 
-    def deploy(name, autoscaling_config=None, **config):
+    def deploy(name, autoscaling_config=None, app_name=None, **config):
+        """`name` is the served model's name; `app_name` (default: the same) the application's."""
         options = dict(TEST_DEPLOYMENT, **({"autoscaling_config": autoscaling_config} if autoscaling_config else {}))
+        app_name = app_name or name
         serve.run(
             decoder_app({"model": str(kl_dir), "model_name": name, "cpu_threads": 1, **config}, **options),
-            name=name,
-            route_prefix=f"/{name}",
+            name=app_name,
+            route_prefix=f"/{app_name}",
         )
-        names.append(name)
-        return f"{ray_cluster}/{name}"
+        names.append(app_name)
+        return f"{ray_cluster}/{app_name}"
 
     yield deploy
     for name in names:

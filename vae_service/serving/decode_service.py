@@ -39,6 +39,8 @@ class DecodeService:
         engine: DecodeEngine | None = None,
         on_batch: Callable[[BatchStats], None] | None = None,
         on_rejected: Callable[[BaseException], None] | None = None,
+        on_decoded: Callable[[DecodeResult], None] | None = None,
+        on_first_frames: Callable[[str, float], None] | None = None,
     ):
         self.config = config
         self.engine = engine or DecodeEngine(config)
@@ -49,6 +51,7 @@ class DecodeService:
         )
         self.encoders = EncoderPool(self.engine.encode_settings, config.encoding.threads)
         self.on_batch, self.on_rejected = on_batch, on_rejected
+        self.on_decoded, self.on_first_frames = on_decoded, on_first_frames  # (quality, ms)
         self.decoded_items = 0  # latent items that reached the device (requests given up on never do)
 
     def _decode_batch(self, batch: list[PreparedRequest], abandoned) -> list:
@@ -91,11 +94,14 @@ class DecodeService:
     async def submit(self, parse: Callable[[], DecodeRequest], size: int) -> DecodeResult | FrameStream:
         """Like decode_from, but a request with `stream` set comes back as a FrameStream once its
         first frames are decoded (errors before them are raised here)."""
+        arrived = time.perf_counter()
         prepared = await self._prepare(parse, size)
         if not prepared.request.stream:
             return await self._decode_prepared(prepared)
         stream = FrameStream()
         await stream.start(asyncio.ensure_future(self._decode_prepared(replace(prepared, sink=stream.sink))))
+        if self.on_first_frames is not None:
+            self.on_first_frames(prepared.request.quality, (time.perf_counter() - arrived) * 1e3)
         return stream
 
     async def _prepare(self, parse: Callable[[], DecodeRequest], size: int) -> PreparedRequest:
@@ -120,6 +126,8 @@ class DecodeService:
             ) from None
         if result.host_copies:
             result = await asyncio.to_thread(result.wait_for_host)
+        if self.on_decoded is not None:
+            self.on_decoded(result)
         decoded_ms = (time.perf_counter() - arrived) * 1e3
         result = replace(result, timing=replace(result.timing, queue_ms=max(0.0, decoded_ms - result.timing.decode_ms)))
         return await self.encoders.finish(result)

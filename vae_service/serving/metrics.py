@@ -41,6 +41,17 @@ def _metrics() -> dict:
         "folded": Gauge(
             "vae_folded_buffer_bytes", description="bytes held by the fast path's folded weights", tag_keys=("model",)
         ),
+        "tiled": Counter(
+            "vae_tiled_decodes",
+            description="requests decoded in spatial tiles (limits.max_decode_bytes, or out of memory)",
+            tag_keys=("model",),
+        ),
+        "first_frames": Histogram(
+            "vae_stream_first_frames_ms",
+            description="streamed requests: arrival to the first frames handed over, per tier",
+            boundaries=_LATENCY_MS_BOUNDARIES,
+            tag_keys=("model", "tier"),
+        ),
     }
 
 
@@ -63,3 +74,11 @@ def report_rejected(model: str, exc: BaseException) -> None:
 
 def report_folded_bytes(engine) -> None:
     _metrics()["folded"].set(engine.fast_path.folded.nbytes, tags={"model": engine.spec.name})
+
+
+def report_tiled(model: str) -> None:
+    _metrics()["tiled"].inc(tags={"model": model})
+
+
+def report_first_frames(model: str, quality: str, ms: float) -> None:
+    _metrics()["first_frames"].observe(ms, tags={"model": model, "tier": quality})

@@ -56,7 +56,13 @@ class DecoderReplica:
     def __init__(self, config: dict | ServiceConfig):
         config = ServiceConfig.model_validate(config)
         self.auth = BearerAuth(load_token(config.auth_token_file))
-        self.service = DecodeService(config, on_batch=self._observe_batch, on_rejected=self._count_rejected)
+        self.service = DecodeService(
+            config,
+            on_batch=self._observe_batch,
+            on_rejected=self._count_rejected,
+            on_decoded=self._observe_result,
+            on_first_frames=self._observe_first_frames,
+        )
         self.model = self.service.engine.spec.name
         log.info("serving %s", self.service.engine.describe())
         metrics.report_folded_bytes(self.service.engine)
@@ -76,6 +82,13 @@ class DecoderReplica:
 
     def _count_rejected(self, exc: BaseException) -> None:
         metrics.report_rejected(self.model, exc)
+
+    def _observe_result(self, result) -> None:
+        if result.tiled:
+            metrics.report_tiled(self.model)
+
+    def _observe_first_frames(self, quality: str, ms: float) -> None:
+        metrics.report_first_frames(self.model, quality, ms)
 
     def check_health(self) -> None:
         self.service.engine.check_device()
