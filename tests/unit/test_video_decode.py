@@ -180,3 +180,23 @@ def test_stream_flag_must_be_a_bool():
     with pytest.raises(InvalidInput) as err:
         DecodeRequest(torch.randn(1, 4, 2, 2), stream="yes")
     assert err.value.field == "stream"
+
+
+def test_a_wan22_style_vae_streams_through_diffusers_own_forward():
+    """Residual up blocks and patchified outputs (Wan2.2): no walk for them (the fast path declines
+    the structure), yet chunked decoding, streaming and tiling still run on diffusers' forward."""
+    torch.manual_seed(0)
+    config = dict(base_dim=8, decoder_base_dim=8, z_dim=4, dim_mult=[1, 2, 2, 2], num_res_blocks=1,
+                  temperal_downsample=[False, True, True], is_residual=True, patch_size=2, in_channels=12,
+                  out_channels=12, scale_factor_spatial=16, latents_mean=[0.1] * 4, latents_std=[1.5] * 4)  # fmt: skip
+    vae = AutoencoderKLWan(**config).eval()
+    engine = engine_for(vae)
+    assert engine.fast_path.chunk_walks == {"lossless": None, "high": None}
+    z = latents(vae, (3, 3, 5), seed=8)
+    with torch.inference_mode():
+        reference = vae.decode(z).sample
+    assert torch.equal(torch.cat(chunked(vae, z, None), 2), reference)
+    chunks, streamed_result = streamed(engine, z)
+    assert streamed_result.output is None
+    whole = engine.decode([engine.prepare(DecodeRequest(z, scaling_factor=None))])[0].output
+    assert whole.shape == (1, 9, 48, 80, 3) and torch.equal(torch.cat([c.pixels for c in chunks], 1), whole)
