@@ -36,14 +36,18 @@ RMS_EPS = 1e-12  # F.normalize's default, which WanRMS_norm uses
 NormSiLU = Callable[..., torch.Tensor]  # (x, norm, in_bias=None, out=None): fused_norms.WanRMSNormSiLU
 
 
-def exact_rms_norm_silu_into(x: torch.Tensor, norm: nn.Module, out: torch.Tensor) -> None:
+def exact_rms_norm_silu_into(x: torch.Tensor, norm: nn.Module, out: torch.Tensor, x_is_spare: bool = False) -> None:
     """SiLU(WanRMS_norm(x)) copied into `out`: diffusers' ops in diffusers' order (the norm is
     F.normalize's: x / max(||x||_2 over channels, eps)), in place on one temporary instead of five.
     The temporary is laid out like diffusers' (SiLU's vectorised and scalar loops round `exp`
-    differently, so it must see the same element order); `out` gets a plain copy."""
+    differently, so it must see the same element order); `out` gets a plain copy. `x_is_spare`:
+    nothing reads x afterwards, so it is the temporary (fp32, contiguous: the layout diffusers'
+    result would have)."""
     low_precision = x.dtype in (torch.float16, torch.bfloat16)
     xf = x.float() if low_precision else x
-    y = xf / xf.norm(2, 1, keepdim=True).clamp_min_(RMS_EPS)
+    denom = xf.norm(2, 1, keepdim=True).clamp_min_(RMS_EPS)
+    spare = x_is_spare and not low_precision and x.is_contiguous()
+    y = x.div_(denom) if spare else xf / denom
     if low_precision:
         y = y.to(x.dtype)
     y.mul_(norm.scale).mul_(norm.gamma).add_(norm.bias)
@@ -96,7 +100,11 @@ class _Walk:
             )
             out = F.conv2d(frames[:, :, 0], weight, bias, conv.stride[1:], padding[1:])
             return out.unsqueeze(2)
-        self.history[conv] = buf[:, :, -HISTORY:].clone()
+        history = self.history.get(conv)
+        if history is None:
+            self.history[conv] = buf[:, :, -HISTORY:].clone()
+        else:  # the same shape every chunk: refilled in place, no fresh allocation
+            history.copy_(buf[:, :, -HISTORY:])
         return F.conv3d(buf, conv.weight, bias, conv.stride, padding)
 
     def _norm_conv(
@@ -106,12 +114,14 @@ class _Walk:
         conv: nn.Module,
         in_bias: torch.Tensor | None = None,
         conv_bias: bool = True,
+        x_is_spare: bool = False,
     ) -> torch.Tensor:
         """conv(SiLU(norm(x + in_bias))), the norm's output written straight into the conv's input
-        buffer; `conv_bias` False leaves the conv's bias to the next norm (conv_bias_fold)."""
+        buffer; `conv_bias` False leaves the conv's bias to the next norm (conv_bias_fold);
+        `x_is_spare`: x is not read afterwards."""
         buf, frames = self._input_of(conv, x)
         if self.options.norm_silu is None:
-            exact_rms_norm_silu_into(x, norm, frames)
+            exact_rms_norm_silu_into(x, norm, frames, x_is_spare)
         else:
             self.options.norm_silu(x, norm, in_bias=in_bias, out=frames)
         return self._conv(conv, buf, frames, conv_bias)
@@ -126,7 +136,8 @@ class _Walk:
         shortcut = block.conv_shortcut(x)  # identity or a 1x1x1 conv: diffusers' module as is
         fold = self.options.conv_bias_fold
         h = self._norm_conv(block.norm1, x, block.conv1, conv_bias=not fold)
-        h = self._norm_conv(block.norm2, h, block.conv2, block.conv1.bias if fold else None)  # dropout: identity
+        in_bias = block.conv1.bias if fold else None
+        h = self._norm_conv(block.norm2, h, block.conv2, in_bias, x_is_spare=True)  # dropout: identity
         return h.add_(shortcut)
 
     def _resample(self, m: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -156,7 +167,7 @@ class _Walk:
                 x = self._residual(resnet, x)
             if up.upsamplers is not None:
                 x = self._resample(up.upsamplers[0], x)
-        x = self._norm_conv(d.norm_out, x, d.conv_out)
+        x = self._norm_conv(d.norm_out, x, d.conv_out, x_is_spare=True)
         self.first_chunk = False
         return x
 
