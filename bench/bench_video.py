@@ -23,7 +23,7 @@ from _common import print_table
 
 from vae_service.config import Limits, ServiceConfig
 from vae_service.engine import DecodeEngine, DecodeRequest
-from vae_service.engine.memory import _LiveBytes
+from vae_service.engine.memory import LiveBytes
 
 
 def _sync(device: torch.device) -> None:
@@ -108,7 +108,7 @@ def peak_bytes(engine: DecodeEngine, z: torch.Tensor, bound: int | None) -> tupl
     """(peak live tensor bytes of one `high` uint8 decode, tiled?, estimate the plan used)."""
     engine.limits = Limits(max_decode_bytes=bound)
     request = engine.prepare(DecodeRequest(z.cpu().float(), quality="high", scaling_factor=None))
-    live = _LiveBytes()
+    live = LiveBytes()
     with live:
         result = engine.decode([request])[0]
     engine.limits = Limits()

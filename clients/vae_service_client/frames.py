@@ -23,7 +23,7 @@ import msgpack
 import numpy as np
 
 from vae_service_client.errors import make_error
-from vae_service_client.messages import DecodeResponse, pack
+from vae_service_client.messages import DecodeResponse, pack, tensor_map_of_proto
 from vae_service_client.tensors import decode_tensor, encode_tensor
 
 STREAM_MEDIA_TYPE = "application/vnd.vae-service.frames+msgpack"
@@ -55,12 +55,7 @@ def message_of_proto(msg) -> dict:
     """A DecodeStream frames message (vae_service.v1.DecodeResponse) as the HTTP stream's map."""
     if msg.done:
         return {"done": DecodeResponse.from_proto(msg).summary()}
-    t = msg.tensor
-    return {
-        "item": msg.item_index,
-        "frame": msg.frame_start,
-        "pixels": {"dtype": t.dtype, "shape": list(t.shape), "data": t.data},
-    }
+    return {"item": msg.item_index, "frame": msg.frame_start, "pixels": tensor_map_of_proto(msg.tensor)}
 
 
 class MessageReader:

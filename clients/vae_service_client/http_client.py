@@ -28,10 +28,12 @@ def _headers(token: str | None) -> dict[str, str]:
     return {"authorization": f"Bearer {token}"} if token else {}
 
 
-class VaeClient:
+class _Base:
     """`retries`: extra attempts on 429/503 (backoff doubling from `backoff_s`, at least the
     server's Retry-After); `timeout`: seconds per attempt; `token`: the service's bearer token,
     when it requires one."""
+
+    _client_class: type = httpx.Client
 
     def __init__(
         self,
@@ -41,16 +43,21 @@ class VaeClient:
         backoff_s: float = 0.5,
         token: str | None = None,
     ):
-        self._http = httpx.Client(base_url=base_url, timeout=timeout, headers=_headers(token))
+        self._http = self._client_class(base_url=base_url, timeout=timeout, headers=_headers(token))
         self.retries, self.backoff_s = retries, backoff_s
 
+    def _decode_request(self, body: bytes) -> httpx.Request:
+        return self._http.build_request("POST", "/decode", content=body, headers={"content-type": MSGPACK})
+
+
+class VaeClient(_Base):
     def decode(self, latents, quality: str = "lossless", output: str = "uint8", **options) -> DecodeResponse:
         """latents: numpy array or torch tensor. options: scaling_factor, shift_factor (None = already
         scaled), height, width (packed latents), request_id, model."""
         body = pack(request_map(latents, quality, output, **options))
 
         def attempt() -> DecodeResponse:
-            return _response(self._http.post("/decode", content=body, headers={"content-type": MSGPACK}))
+            return _response(self._http.send(self._decode_request(body)))
 
         return with_retries(attempt, self.retries, self.backoff_s)
 
@@ -61,8 +68,7 @@ class VaeClient:
         body = pack(request_map(latents, quality, output, stream=True, **options))
 
         def attempt() -> httpx.Response:
-            request = self._http.build_request("POST", "/decode", content=body, headers={"content-type": MSGPACK})
-            response = self._http.send(request, stream=True)
+            response = self._http.send(self._decode_request(body), stream=True)
             if response.status_code != 200:
                 response.read()
                 response.close()
@@ -93,23 +99,14 @@ class VaeClient:
         self.close()
 
 
-class AsyncVaeClient:
-    def __init__(
-        self,
-        base_url: str = "http://127.0.0.1:8000",
-        timeout: float = 120.0,
-        retries: int = 3,
-        backoff_s: float = 0.5,
-        token: str | None = None,
-    ):
-        self._http = httpx.AsyncClient(base_url=base_url, timeout=timeout, headers=_headers(token))
-        self.retries, self.backoff_s = retries, backoff_s
+class AsyncVaeClient(_Base):
+    _client_class = httpx.AsyncClient
 
     async def decode(self, latents, quality: str = "lossless", output: str = "uint8", **options) -> DecodeResponse:
         body = pack(request_map(latents, quality, output, **options))
 
         async def attempt() -> DecodeResponse:
-            return _response(await self._http.post("/decode", content=body, headers={"content-type": MSGPACK}))
+            return _response(await self._http.send(self._decode_request(body)))
 
         return await with_retries_async(attempt, self.retries, self.backoff_s)
 
@@ -118,8 +115,7 @@ class AsyncVaeClient:
         body = pack(request_map(latents, quality, output, stream=True, **options))
 
         async def attempt() -> httpx.Response:
-            request = self._http.build_request("POST", "/decode", content=body, headers={"content-type": MSGPACK})
-            response = await self._http.send(request, stream=True)
+            response = await self._http.send(self._decode_request(body), stream=True)
             if response.status_code != 200:
                 await response.aread()
                 await response.aclose()

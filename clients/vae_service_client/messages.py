@@ -47,6 +47,19 @@ def pack(obj: Any) -> bytes:
     return msgpack.packb(obj, use_bin_type=True)
 
 
+def tensor_proto(array=None, *, encoded: dict | None = None):
+    """A numpy array or torch tensor (or its tensor map, `encoded`) as a vae_service.v1.Tensor message."""
+    from vae_service_client.grpc_gen import decode_pb2
+
+    t = encoded if encoded is not None else encode_tensor(array)
+    return decode_pb2.Tensor(dtype=t["dtype"], shape=t["shape"], data=bytes(t["data"]))
+
+
+def tensor_map_of_proto(t) -> dict:
+    """A vae_service.v1.Tensor message as the msgpack tensor map (decode_tensor reads it)."""
+    return {"dtype": t.dtype, "shape": list(t.shape), "data": t.data}
+
+
 # ---- requests ---------------------------------------------------------------------------------
 def request_map(
     latents,
@@ -98,8 +111,7 @@ def request_proto(latents, quality: str = "lossless", output: str = "uint8", **o
 
     fields = request_map(latents, quality, output, **options)
     fields.pop("stream", None)  # gRPC streams with the DecodeStream RPC
-    t = fields.pop("latents")
-    msg = decode_pb2.DecodeRequest(latents=decode_pb2.Tensor(dtype=t["dtype"], shape=t["shape"], data=bytes(t["data"])))
+    msg = decode_pb2.DecodeRequest(latents=tensor_proto(encoded=fields.pop("latents")))
     if fields.get("scaling_factor", UNSET) is None:  # nil: the latents are already scaled
         msg.latents_scaled = True
         fields.pop("scaling_factor")
@@ -114,10 +126,7 @@ def request_fields_from_proto(msg) -> dict:
     """A DecodeRequest message -> the same fields as `request_fields` (proto3 zero values = absent)."""
     if not msg.HasField("latents"):
         raise WireError("latents", "is required")
-    t = msg.latents
-    fields: dict = {
-        "latents": decode_tensor({"dtype": t.dtype, "shape": list(t.shape), "data": t.data}, "latents", LATENT_DTYPES)
-    }
+    fields: dict = {"latents": decode_tensor(tensor_map_of_proto(msg.latents), "latents", LATENT_DTYPES)}
     if msg.latents_scaled:
         fields["scaling_factor"] = fields["shift_factor"] = None
     for key in ("scaling_factor", "shift_factor"):
@@ -186,15 +195,13 @@ class DecodeResponse:
         if isinstance(self.output, list):
             msg.files.extend(self.output)
         elif self.output is not None:
-            t = encode_tensor(self.output)
-            msg.tensor.CopyFrom(decode_pb2.Tensor(dtype=t["dtype"], shape=t["shape"], data=bytes(t["data"])))
+            msg.tensor.CopyFrom(tensor_proto(self.output))
         return msg
 
     @classmethod
     def from_proto(cls, msg) -> DecodeResponse:
         if msg.HasField("tensor"):
-            t = msg.tensor
-            output = decode_tensor({"dtype": t.dtype, "shape": list(t.shape), "data": t.data}, "output").to_numpy()
+            output = decode_tensor(tensor_map_of_proto(msg.tensor), "output").to_numpy()
         else:
             output = list(msg.files)
         timing = {k: getattr(msg.timing, k) for k in TIMING_KEYS}

@@ -2,6 +2,7 @@
 their documented error), `lossless` refused over it, and the out-of-memory retry in tiles."""
 
 import math
+import os
 from dataclasses import replace
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 from tests.models import torch_threads
 from vae_service.config import Limits, ServiceConfig
 from vae_service.engine import DecodeEngine, DecodeRequest, LimitExceeded
-from vae_service.engine.memory import _LiveBytes
+from vae_service.engine.memory import LiveBytes
 from vae_service.engine.tiling import Blender, TileGrid, tiled_chunks
 
 # README "Memory bound": tiled vs untiled `high` (uint8) on the random-weight test models with tiles
@@ -71,7 +72,7 @@ def test_memory_estimate_matches_a_real_decode(engines, kind):
     real CPU decode at another shape, counted the same way."""
     engine = engines[kind]
     z = latents_for(engine, 12, 20)
-    live = _LiveBytes()
+    live = LiveBytes()
     with torch.inference_mode(), live:
         if engine.video:
             for out in engine.chunk_decoder("lossless")(z):
@@ -187,3 +188,31 @@ def test_out_of_memory_on_lossless_is_not_retried(engines, monkeypatch):
     monkeypatch.setattr(engine, "_decode_batch", out_of_memory)
     with pytest.raises(torch.OutOfMemoryError):
         decode(engine, DecodeRequest(latents_for(engine, 4, 4), scaling_factor=None))
+
+
+def test_the_bound_is_the_config_or_half_the_ram_on_a_cpu(engines):
+    engine = engines["kl"]
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert engine.decode_bound() == ram // 2
+    engine.limits = Limits(max_decode_bytes=12345)
+    try:
+        assert engine.decode_bound() == 12345
+        health = engine.describe()
+        assert health["decode_bound_bytes"] == 12345
+        assert health["decode_bytes_per_latent_pixel"] == round(engine.memory.working_per_latent_px) > 0
+    finally:
+        engine.limits = Limits()
+
+
+def test_out_of_memory_again_in_tiles_reaches_the_caller(engines, monkeypatch):
+    """The tiled retry is tried once; a second out-of-memory goes up (the service answers 503)."""
+    engine, calls = engines["kl"], []
+
+    def out_of_memory(batch, latents, force_tiles):
+        calls.append(force_tiles)
+        raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+
+    monkeypatch.setattr(engine, "_decode_batch", out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError):
+        decode(engine, DecodeRequest(latents_for(engine, 16, 16), quality="high", scaling_factor=None))
+    assert calls == [False, True]

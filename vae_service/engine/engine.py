@@ -203,13 +203,12 @@ class DecodeEngine:
         def checkpoint() -> None:
             self._stop_if_abandoned(None, None)
 
-        outputs, sinks = [r.request.output for r in batch], [r.sink for r in batch]
         if quality == "lossless" or self._together(batch, grids):
             together = quality == "high"
-            return decode_video(latents, outputs, sinks, together, chunks_for(grids[0]), checkpoint, self._host_copies)
+            return decode_video(batch, latents, together, chunks_for(grids[0]), checkpoint, self._host_copies)
         return [
-            decode_video([z], [o], [s], True, chunks_for(g), checkpoint, self._host_copies)[0]
-            for z, o, s, g in zip(latents, outputs, sinks, grids)
+            decode_video([r], [z], True, chunks_for(g), checkpoint, self._host_copies)[0]
+            for r, z, g in zip(batch, latents, grids)
         ]
 
     def _result(

@@ -25,7 +25,7 @@ CALIBRATION_LATENT = 16  # latent pixels per side of the measuring run
 CALIBRATION_FRAMES = 3  # latent frames (video): the first chunk and two steady ones
 
 
-class _LiveBytes(TorchDispatchMode):
+class LiveBytes(TorchDispatchMode):
     """Bytes of storage held by tensors that ops created and that are still referenced."""
 
     def __init__(self) -> None:
@@ -95,7 +95,7 @@ def measure(
     side = CALIBRATION_LATENT
     frames = (CALIBRATION_FRAMES,) if video else ()
     z = torch.empty(1, latent_channels, *frames, side, side, device="meta", dtype=dtype)
-    live, resident = _LiveBytes(), 0
+    live, resident = LiveBytes(), 0
     with torch.inference_mode(), live:
         for out in decode(meta_vae, z):
             del out

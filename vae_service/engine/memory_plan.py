@@ -28,7 +28,7 @@ def decode_bound(limits: Limits, device: torch.device) -> int:
 
 def answer_bytes(prepared: PreparedRequest, model: MemoryModel) -> int:
     """What the answer holds while it is decoded (nothing for a streamed request)."""
-    if prepared.sink is not None or prepared.request.stream:
+    if prepared.request.stream:
         return 0
     h, w = prepared.latents.shape[-2:]
     pixels = prepared.items * prepared.frames * h * w * model.scale**2

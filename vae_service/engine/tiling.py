@@ -117,18 +117,21 @@ class Blender:
             total[self._region(*key)] += weight
         self.weights = {key: (weight / total[self._region(*key)]).float() for key, weight in raw.items()}
         self.acc: dict[int, torch.Tensor] = {}
+        self.device = torch.device("cpu")
 
     def _region(self, y: int, x: int) -> tuple[slice, slice]:
         s, g = self.scale, self.grid
         return slice(y * s, (y + g.tile_h) * s), slice(x * s, (x + g.tile_w) * s)
 
     def add(self, key: tuple[int, int], out: torch.Tensor, slot: int = 0) -> None:
+        if out.device != self.device:  # once per decode, not per tile and chunk
+            self.weights = {k: w.to(out.device) for k, w in self.weights.items()}
+            self.device = out.device
         if slot not in self.acc:
             shape = (*out.shape[:-2], self.grid.h * self.scale, self.grid.w * self.scale)
             self.acc[slot] = torch.zeros(shape, dtype=torch.float32, device=out.device)
             self.dtype = out.dtype
-        weight = self.weights[key].to(out.device)
-        self.acc[slot][(..., *self._region(*key))].add_(out.float() * weight)
+        self.acc[slot][(..., *self._region(*key))].addcmul_(out.float(), self.weights[key])
 
     def take(self, slot: int = 0) -> torch.Tensor:
         return self.acc.pop(slot).to(self.dtype)

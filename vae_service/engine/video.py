@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from vae_service.engine.errors import DecodeFailed
+from vae_service.engine.latents import PreparedRequest
 from vae_service.engine.postprocess import convert, to_host
 
 NON_FINITE = (
@@ -40,12 +41,13 @@ ChunkDecoder = Callable[[torch.Tensor], Iterator[torch.Tensor]]  # [n, C, T, h, 
 
 
 class _Answer:
-    """One request's frames as they come: streamed to its sink (on the host at once) or collected
-    on the device and copied to the host as one tensor at the end."""
+    """One request's frames as they come: streamed to its sink (on the host at once) or written
+    into its whole output on the device, copied to the host once at the end."""
 
-    def __init__(self, output: str, sink: FrameSink | None, pending: list | None):
-        self.output, self.sink, self.pending = output, sink, pending
-        self.parts: dict[int, list[torch.Tensor]] = {}
+    def __init__(self, prepared: PreparedRequest, pending: list | None):
+        self.prepared, self.pending = prepared, pending
+        self.output, self.sink = prepared.request.output, prepared.sink
+        self.whole: torch.Tensor | None = None
         self.failed: DecodeFailed | None = None
 
     def add(self, item: int, frame: int, decoded: torch.Tensor) -> None:
@@ -54,36 +56,36 @@ class _Answer:
         if not bool(torch.isfinite(decoded).all()):
             self.failed = DecodeFailed("latents", NON_FINITE)
             return
-        pixels = convert(decoded, self.output)
+        chunk = FrameChunk(item, frame, convert(decoded, self.output))
         if self.sink is not None:
-            self.sink(FrameChunk(item, frame, to_host(pixels)))
-        else:
-            self.parts.setdefault(item, []).append(pixels)
+            self.sink(FrameChunk(item, frame, to_host(chunk.pixels)))
+            return
+        if self.whole is None:  # sized from the first chunk: every item's frames, no joining later
+            shape = list(chunk.pixels.shape)
+            shape[0], shape[chunk.frame_axis] = self.prepared.items, self.prepared.frames
+            self.whole = chunk.pixels.new_empty(shape)
+        rows = self.whole[item : item + chunk.pixels.shape[0]]
+        rows.narrow(chunk.frame_axis, frame, chunk.frames).copy_(chunk.pixels)
 
     def result(self) -> torch.Tensor | DecodeFailed | None:
         """The whole output; None when it was streamed."""
         if self.failed is not None:
             return self.failed
-        if self.sink is not None:
-            return None
-        axis = 2 if self.output == "float" else 1
-        whole = torch.cat([torch.cat(self.parts[item], axis) for item in sorted(self.parts)])
-        return to_host(whole, self.pending)
+        return None if self.sink is not None else to_host(self.whole, self.pending)
 
 
 def decode_video(
+    batch: list[PreparedRequest],
     latents: list[torch.Tensor],
-    outputs: list[str],
-    sinks: list[FrameSink | None],
     together: bool,
     chunks: ChunkDecoder,
     checkpoint: Callable[[], None],
     pending: list | None = None,
 ) -> list[torch.Tensor | DecodeFailed | None]:
-    """`together`: the requests' items share one decoder run (high); otherwise every item runs
-    alone (lossless). `checkpoint()` runs before each chunk (it raises to stop the decode).
-    `pending`: see postprocess.to_host."""
-    answers = [_Answer(o, s, pending) for o, s in zip(outputs, sinks)]
+    """`latents`: the batch's decoder inputs. `together`: the requests' items share one decoder run
+    (high); otherwise every item runs alone (lossless). `checkpoint()` runs before each chunk (it
+    raises to stop the decode). `pending`: see postprocess.to_host."""
+    answers = [_Answer(r, pending) for r in batch]
     if together:
         bounds, start = [], 0
         for z in latents:

@@ -8,7 +8,7 @@ from vae_service.engine.video import FrameChunk
 from vae_service.protocol.errors import WireErrorInfo
 from vae_service.protocol.msgpack_decode import response_of
 from vae_service_client.frames import framed, frames_message
-from vae_service_client.tensors import encode_tensor
+from vae_service_client.messages import tensor_proto
 
 
 def http_message(event: FrameChunk | DecodeResult) -> bytes:
@@ -25,12 +25,8 @@ def grpc_message(event: FrameChunk | DecodeResult):
     from vae_service_client.grpc_gen import decode_pb2
 
     if isinstance(event, FrameChunk):
-        t = encode_tensor(event.pixels)
-        return decode_pb2.DecodeResponse(
-            tensor=decode_pb2.Tensor(dtype=t["dtype"], shape=t["shape"], data=bytes(t["data"])),
-            item_index=event.item,
-            frame_start=event.frame,
-        )
+        pixels = tensor_proto(event.pixels)
+        return decode_pb2.DecodeResponse(tensor=pixels, item_index=event.item, frame_start=event.frame)
     msg = response_of(event).to_proto()
     msg.done = True
     return msg
