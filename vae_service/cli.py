@@ -53,8 +53,8 @@ def _example_shape(config: ServiceConfig) -> str:
     from vae_service.models import PRESETS
 
     preset = PRESETS.get(config.model)
-    channels = (preset.config.get("latent_channels") or preset.config.get("z_dim")) if preset else 4
-    return f"1x{channels}x16x16"  # 128 px: a few seconds even for the full-size presets on a 2-core CPU
+    # about 128 px: a few seconds even for the full-size presets on a 2-core CPU
+    return preset.example_latent if preset else "1x4x16x16"
 
 
 def _warn_about_exposure(config: ServiceConfig, host: str, grpc_port: int) -> None:

@@ -53,7 +53,7 @@ class _Base:
 class VaeClient(_Base):
     def decode(self, latents, quality: str = "lossless", output: str = "uint8", **options) -> DecodeResponse:
         """latents: numpy array or torch tensor. options: scaling_factor, shift_factor (None = already
-        scaled), height, width (packed latents), request_id, model."""
+        scaled), height, width (packed latents), request_id, model, decode_timestep (LTX)."""
         body = pack(request_map(latents, quality, output, **options))
 
         def attempt() -> DecodeResponse:

@@ -28,6 +28,7 @@ REQUEST_KEYS = (
     "request_id",
     "model",
     "stream",
+    "decode_timestep",
 )
 TIMING_KEYS = ("queue_ms", "decode_ms", "encode_ms", "batch_size")
 
@@ -73,9 +74,11 @@ def request_map(
     request_id: str | None = None,
     model: str | None = None,
     stream: bool = False,
+    decode_timestep: float | None = None,
 ) -> dict:
     """The /decode body as a map. Factors: UNSET (key absent) = the model's own, None = already scaled.
-    `stream`: video frames as they are decoded (vae_service_client.frames)."""
+    `stream`: video frames as they are decoded (vae_service_client.frames). `decode_timestep`:
+    timestep-conditioned decoders (LTX); None: the pipeline's default."""
     body = {"latents": encode_tensor(latents), "quality": quality, "output": output}
     if stream:
         body["stream"] = True
@@ -85,7 +88,13 @@ def request_map(
     body.update(
         {
             k: v
-            for k, v in (("height", height), ("width", width), ("request_id", request_id), ("model", model))
+            for k, v in (
+                ("height", height),
+                ("width", width),
+                ("request_id", request_id),
+                ("model", model),
+                ("decode_timestep", decode_timestep),
+            )
             if v is not None
         }
     )
@@ -129,7 +138,7 @@ def request_fields_from_proto(msg) -> dict:
     fields: dict = {"latents": decode_tensor(tensor_map_of_proto(msg.latents), "latents", LATENT_DTYPES)}
     if msg.latents_scaled:
         fields["scaling_factor"] = fields["shift_factor"] = None
-    for key in ("scaling_factor", "shift_factor"):
+    for key in ("scaling_factor", "shift_factor", "decode_timestep"):
         if msg.HasField(key):
             fields[key] = getattr(msg, key)
     for key in ("quality", "output", "height", "width", "request_id", "model"):

@@ -20,7 +20,7 @@ def test_loads_decoder_only_from_a_saved_folder(kl_vae, kl_dir):
     )
     assert loaded.spec.skipped_params == encoder_params
     assert not loaded.spec.random_weights
-    assert loaded.spec.scaling_factor == pytest.approx(0.18215) and loaded.spec.spatial_scale == 8
+    assert loaded.spec.normalisation.scaling == pytest.approx(0.18215) and loaded.spec.spatial_scale == 8
 
 
 def test_loads_from_a_pipeline_folder_with_vae_subfolder(kl_vae, tmp_path):
@@ -32,7 +32,7 @@ def test_loads_from_a_pipeline_folder_with_vae_subfolder(kl_vae, tmp_path):
 def test_loads_wan_decoder_only(wan_dir, wan_vae):
     loaded = load_vae(str(wan_dir))
     assert loaded.spec.family == "video" and loaded.spec.latent_channels == 4
-    assert loaded.spec.latents_std == tuple(wan_vae.config.latents_std)
+    assert loaded.spec.normalisation.std == tuple(wan_vae.config.latents_std)
     assert loaded.vae.encoder is None
 
 
@@ -52,9 +52,17 @@ def test_weights_not_matching_config(tmp_path, kl_vae):
         load_vae(str(tmp_path))
 
 
-def test_unsupported_class(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"_class_name": "AutoencoderTiny"}))
-    with pytest.raises(ModelLoadError, match="AutoencoderTiny' is not supported"):
+@pytest.mark.parametrize(
+    "class_name, text",
+    [
+        ("UNet2DModel", "'UNet2DModel' is not a diffusers autoencoder with a decode method"),
+        ("os.system", "is not a diffusers autoencoder"),
+        ("ConsistencyDecoderVAE", "not served: decodes by sampling with random noise"),
+    ],
+)
+def test_classes_that_do_not_decode_latents_to_pixels_are_refused(tmp_path, class_name, text):
+    (tmp_path / "config.json").write_text(json.dumps({"_class_name": class_name}))
+    with pytest.raises(ModelLoadError, match=text):
         load_vae(str(tmp_path))
 
 
@@ -89,7 +97,9 @@ def test_full_size_preset_parameter_counts():
     spec = load_vae("sd").spec
     assert spec.decoder_params == 49_490_199
     assert spec.skipped_params == 34_163_664
-    assert set(PRESETS) == {"sd", "sdxl", "flux", "wan2.1", "tiny-kl", "tiny-wan"}
+    assert {"sd", "sdxl", "flux", "flux2", "qwen-image", "wan2.1", "wan2.2", "hunyuan-video", "ltx-video"} < set(
+        PRESETS
+    )
 
 
 def test_preset_latent_factors_are_the_ones_diffusers_pipelines_use():
@@ -100,12 +110,13 @@ def test_preset_latent_factors_are_the_ones_diffusers_pipelines_use():
 
     default_scaling = inspect.signature(AutoencoderKL.__init__).parameters["scaling_factor"].default
     wan = inspect.signature(AutoencoderKLWan.__init__).parameters
-    specs = {name: load_vae(name).spec for name in ("sd", "sdxl", "flux", "wan2.1")}
-    assert (specs["sd"].scaling_factor, specs["sd"].shift_factor) == (default_scaling, None) == (0.18215, None)
-    assert (specs["sdxl"].scaling_factor, specs["sdxl"].shift_factor) == (0.13025, None)
-    assert (specs["flux"].scaling_factor, specs["flux"].shift_factor) == (0.3611, 0.1159)
-    assert specs["wan2.1"].latents_mean == tuple(wan["latents_mean"].default)
-    assert specs["wan2.1"].latents_std == tuple(wan["latents_std"].default)
+    norm = {name: load_vae(name).spec.normalisation for name in ("sd", "sdxl", "flux", "wan2.1")}
+    assert (norm["sd"].scaling, norm["sd"].shift) == (default_scaling, None) == (0.18215, None)
+    assert (norm["sdxl"].scaling, norm["sdxl"].shift) == (0.13025, None)
+    assert (norm["flux"].scaling, norm["flux"].shift) == (0.3611, 0.1159)
+    assert norm["wan2.1"].kind == "mean_inv_std"
+    assert norm["wan2.1"].mean == tuple(wan["latents_mean"].default)
+    assert norm["wan2.1"].std == tuple(wan["latents_std"].default)
 
 
 def test_pickled_bin_weights_are_refused(tmp_path, kl_vae):

@@ -1,13 +1,14 @@
-"""Wan decode chunk by chunk: the rewritten chunk walk is bit-identical to diffusers' decode for
-every config and shape, `high`'s walk stays within the documented bound, and streamed frames
-are exactly the non-streamed output."""
+"""Causal video decoders chunk by chunk (Wan2.1, Wan2.2's residual up blocks and patchified output,
+Qwen-Image's copy of the Wan modules): the rewritten chunk walk is bit-identical to diffusers'
+decode for every config and shape, `high`'s walk stays within the documented bound, and streamed
+frames are exactly the non-streamed output."""
 
 import math
 from dataclasses import replace
 
 import pytest
 import torch
-from diffusers import AutoencoderKLWan
+from diffusers import AutoencoderKLQwenImage, AutoencoderKLWan
 
 from tests.models import torch_threads
 from vae_service.config import ServiceConfig
@@ -16,7 +17,6 @@ from vae_service.engine.video import FrameChunk
 from vae_service.fastpath import install_fast_path
 from vae_service.fastpath.wan_chunks import WalkOptions, decode_chunks
 from vae_service.models.loading import LoadedVae
-from vae_service.models.spec import ModelSpec
 
 # Several Wan architectures: widths, depths, latent channels and where the temporal upsamplers sit
 WAN_CONFIGS = {
@@ -28,14 +28,33 @@ WAN_CONFIGS = {
         base_dim=8, z_dim=4, dim_mult=[1, 1, 2, 2], num_res_blocks=1, temperal_downsample=[True, True, False]
     ),
     "no-time": dict(base_dim=12, z_dim=8, dim_mult=[1, 2, 2], num_res_blocks=1, temperal_downsample=[False, False]),
-}
+    # Wan2.2: residual up blocks (a channel-duplicating shortcut that drops leading frames on the
+    # first chunk) and a 2x2-patchified output
+    "wan2.2": dict(base_dim=8, decoder_base_dim=12, z_dim=8, dim_mult=[1, 2, 2, 2], num_res_blocks=1,
+                   temperal_downsample=[False, True, True], is_residual=True, patch_size=2, in_channels=12,
+                   out_channels=12, latents_mean=[0.1] * 8, latents_std=[1.5] * 8),
+    "wan2.2-early-time": dict(base_dim=8, decoder_base_dim=8, z_dim=4, dim_mult=[1, 2, 2], num_res_blocks=2,
+                              temperal_downsample=[True, False], is_residual=True, patch_size=2, in_channels=12,
+                              out_channels=12, latents_mean=[0.0] * 4, latents_std=[1.0] * 4),
+}  # fmt: skip
+QWEN_CONFIGS = {
+    "qwen-image": dict(base_dim=8, z_dim=4, dim_mult=[1, 2, 2, 2], num_res_blocks=1,
+                       temperal_downsample=[False, True, True], latents_mean=[0.0] * 4, latents_std=[1.0] * 4),
+    "qwen-image-attn": dict(base_dim=8, z_dim=6, dim_mult=[1, 2, 2], num_res_blocks=2, attn_scales=[0.5],
+                            temperal_downsample=[False, True], latents_mean=[0.0] * 6, latents_std=[1.0] * 6),
+}  # fmt: skip
+ALL_CONFIGS = [*WAN_CONFIGS, *QWEN_CONFIGS]
 SHAPES = [(1, 3, 5), (2, 1, 1), (3, 5, 7), (4, 2, 9)]  # latent T, h, w
 MIN_PSNR_DB = {torch.float32: 50.0, torch.bfloat16: 35.0}  # README "Quality tiers", as for images
 
 
-def wan(config: str, seed: int = 0) -> AutoencoderKLWan:
+def wan(config: str, seed: int = 0) -> AutoencoderKLWan | AutoencoderKLQwenImage:
     torch.manual_seed(seed)
-    vae = AutoencoderKLWan(**WAN_CONFIGS[config])
+    vae = (
+        AutoencoderKLWan(**WAN_CONFIGS[config])
+        if config in WAN_CONFIGS
+        else AutoencoderKLQwenImage(**QWEN_CONFIGS[config])
+    )
     with torch.no_grad():
         for name, p in vae.named_parameters():
             if "gamma" in name or "bias" in name:  # away from diffusers' identity init
@@ -59,7 +78,7 @@ def psnr_uint8(a, b):
     return math.inf if mse == 0 else 10 * math.log10(255**2 / mse)
 
 
-@pytest.mark.parametrize("config", list(WAN_CONFIGS))
+@pytest.mark.parametrize("config", ALL_CONFIGS)
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_chunk_walk_is_bit_identical_to_diffusers(config, shape, dtype):
@@ -73,7 +92,7 @@ def test_chunk_walk_is_bit_identical_to_diffusers(config, shape, dtype):
         assert torch.equal(torch.cat(chunks, 2), reference), walk
 
 
-@pytest.mark.parametrize("config", ["tiny", "wide"])
+@pytest.mark.parametrize("config", ["tiny", "wide", "wan2.2", "qwen-image-attn"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_high_walk_is_within_the_documented_bound(config, dtype):
     vae = wan(config, seed=1)
@@ -95,11 +114,7 @@ def test_high_walk_is_within_the_documented_bound(config, dtype):
 
 
 def engine_for(vae, **config) -> DecodeEngine:
-    params = sum(p.numel() for p in vae.decoder.parameters())
-    spec = ModelSpec.from_config(
-        "wan-test", "AutoencoderKLWan", dict(vae.config), random_weights=False, decoder_params=params, skipped_params=0
-    )
-    return DecodeEngine(ServiceConfig(model="tiny-wan", device="cpu", cpu_threads=1, **config), LoadedVae(vae, spec))
+    return DecodeEngine(ServiceConfig(model="tiny-wan", device="cpu", cpu_threads=1, **config), LoadedVae.of(vae))
 
 
 @pytest.fixture(scope="module")
@@ -182,21 +197,31 @@ def test_stream_flag_must_be_a_bool():
     assert err.value.field == "stream"
 
 
-def test_a_wan22_style_vae_streams_through_diffusers_own_forward():
-    """Residual up blocks and patchified outputs (Wan2.2): no walk for them (the fast path declines
-    the structure), yet chunked decoding, streaming and tiling still run on diffusers' forward."""
-    torch.manual_seed(0)
-    config = dict(base_dim=8, decoder_base_dim=8, z_dim=4, dim_mult=[1, 2, 2, 2], num_res_blocks=1,
-                  temperal_downsample=[False, True, True], is_residual=True, patch_size=2, in_channels=12,
-                  out_channels=12, scale_factor_spatial=16, latents_mean=[0.1] * 4, latents_std=[1.5] * 4)  # fmt: skip
-    vae = AutoencoderKLWan(**config).eval()
+@pytest.mark.parametrize("config", ["wan2.2", "wan2.2-early-time"])
+def test_wan22_streams_through_the_walk_in_both_tiers(config):
+    """Wan2.2 is served by the walk, not diffusers' forward: both tiers walk, `lossless` is
+    diffusers' decode bit for bit, and the streamed frames are the whole answer."""
+    vae = wan(config, seed=8)
     engine = engine_for(vae)
-    assert engine.fast_path.chunk_walks == {"lossless": None, "high": None}
-    z = latents(vae, (3, 3, 5), seed=8)
-    with torch.inference_mode():
-        reference = vae.decode(z).sample
-    assert torch.equal(torch.cat(chunked(vae, z, None), 2), reference)
-    chunks, streamed_result = streamed(engine, z)
-    assert streamed_result.output is None
-    whole = engine.decode([engine.prepare(DecodeRequest(z, scaling_factor=None))])[0].output
-    assert whole.shape == (1, 9, 48, 80, 3) and torch.equal(torch.cat([c.pixels for c in chunks], 1), whole)
+    walks = engine.fast_path.chunk_walks
+    assert walks["lossless"] is not None and walks["high"] is not None and walks["high"].first_frame_2d
+    z = latents(vae, (3, 3, 5), batch=2, seed=8)
+    with torch.inference_mode(), torch_threads(1):
+        reference = torch.cat([vae.decode(item).sample for item in z.split(1)])
+    for quality in ("lossless", "high"):
+        with torch_threads(1):
+            whole = engine.decode(
+                [engine.prepare(DecodeRequest(z, quality=quality, output="float", scaling_factor=None))]
+            )
+            chunks, streamed_result = streamed(engine, z, quality=quality, output="float")
+        assert whole[0].quality == quality and streamed_result.output is None
+        assert whole[0].output.shape == reference.shape
+        joined = {}
+        for c in chunks:
+            joined.setdefault(c.item, []).append(c.pixels)
+        frames = torch.cat([torch.cat(joined[i], 2) for i in sorted(joined)])
+        assert torch.equal(frames, whole[0].output)
+        if quality == "lossless":
+            assert torch.equal(whole[0].output, reference)
+        else:
+            assert (whole[0].output - reference).abs().max() < 1e-3

@@ -6,12 +6,15 @@ Tier decisions live here and only here:
   item is bit-identical to `vae.decode` of that latent alone whatever it was batched with;
   batched convolutions are not batch-invariant on every backend (on our CPU a batched 1x1
   conv already differs in the last bits).
-- `high` decodes the batch in one call with the fast path's gate on (see fastpath/).
+- `high` decodes the batch in one call with the fast path's gate on (see fastpath/). A model
+  without a fast path answers `high` requests with `lossless`, and says so in the answer.
 
-Video decodes one latent frame at a time (engine/video.py): frames are converted, checked and
-streamed or kept chunk by chunk. Memory: every request's peak is estimated (engine/memory.py);
-over `limits.max_decode_bytes`, `high` decodes in spatial tiles (engine/tiling.py) and
-`lossless`, which never tiles, is refused in `prepare`.
+The model's decode path (models/catalog.py) decides how: `image_kl` through `vae.decode`;
+`causal_walk` one latent frame at a time by the chunk walk; `generic` through the class's own
+`decode`, item by item. Video (and any video-latent decoder) goes through engine/video.py: frames
+are converted, checked and streamed or kept chunk by chunk. Memory: every request's peak is
+estimated (engine/memory.py); over `limits.max_decode_bytes`, `high` decodes in spatial tiles
+(engine/tiling.py) and `lossless`, which never tiles, is refused in `prepare`.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from vae_service.config import Limits, ServiceConfig
 from vae_service.engine.cost import flops_per_output_pixel
 from vae_service.engine.encoding import ENCODED_OUTPUTS, EncodeSettings, encode_all
 from vae_service.engine.errors import DecodeAbandoned, DecodeFailed
-from vae_service.engine.latents import LatentScaling, PreparedRequest, prepare, to_decoder_input
+from vae_service.engine.latents import LatentScaling, PreparedRequest, prepare
 from vae_service.engine.memory import MemoryModel, measure
 from vae_service.engine.memory_plan import decode_bound, peak_bytes, plan_memory
 from vae_service.engine.postprocess import postprocess
@@ -38,7 +41,8 @@ from vae_service.engine.tiling import TileGrid, tiled_chunks, tiled_image
 from vae_service.engine.video import NON_FINITE, decode_video
 from vae_service.fastpath import install_fast_path
 from vae_service.fastpath.wan_chunks import decode_chunks
-from vae_service.models import LoadedVae, load_vae
+from vae_service.models import LoadedVae, ModelLoadError, load_vae
+from vae_service.models.spec import decoded_pixels, meta_twin
 
 
 class DecodeEngine:
@@ -53,30 +57,44 @@ class DecodeEngine:
         )
         loaded = loaded or load_vae(config.model, name=config.served_name, seed=config.seed)
         self.spec = loaded.spec
-        self.flops_per_pixel = flops_per_output_pixel(loaded.vae, loaded.spec)
+        self.video = self.spec.family == "video"  # answers carry frames
+        self.walk = self.spec.path == "causal_walk"
+        self.chunked = self.spec.geometry.video_latents  # decoded through engine/video.py
         # nn.Module.to, not ModelMixin.to: the latter warns about fp32-pinned modules these VAEs lack
         self.vae = torch.nn.Module.to(loaded.vae, device=self.device, dtype=self.dtype)
         self.fast_path = install_fast_path(self.vae, disabled=config.fast_path.disable)
-        self._scaling = LatentScaling(self.spec, self.device, self.dtype)
-        self.video = self.spec.family == "video"
-        self.memory: MemoryModel = measure(
-            self.vae, self.dtype, self.spec.latent_channels, self.video, self.spec.spatial_scale, self._meta_decode
-        )
+        twin = meta_twin(loaded.vae)
+        self.flops_per_pixel = flops_per_output_pixel(twin, self.spec, self._meta_decode)
+        try:
+            self._scaling = LatentScaling(self.spec, self.vae, self.dtype)
+        except ValueError as exc:
+            raise ModelLoadError(f"model: {self.spec.class_name}'s latent statistics: {exc}") from exc
+        self.memory: MemoryModel = measure(twin, self.dtype, self.spec, self._meta_decode)
         # the decoder runs once per item (lossless) and once per latent frame (Wan): the step at
         # which a decode whose requests were all abandoned stops
         self._abandoned: threading.Event | None = None
         self._host_copies: list | None = None  # CUDA events of the host copies still running
         self.vae.decoder.register_forward_pre_hook(self._stop_if_abandoned)
 
-    def chunk_decoder(self, quality: str):
-        """Video: a function from decoder-input latents to output chunks, as `quality` runs them."""
-        walk, folded = self.fast_path.chunk_walks[quality], self.fast_path.folded
-        return lambda z, vae=None: decode_chunks(vae or self.vae, z, walk, folded)
+    def chunk_decoder(self, quality: str, timestep: float | None = None):
+        """Video latents: a function from decoder-input latents to output chunks, as `quality` runs
+        them (the walk: one chunk per latent frame; other decoders: their whole output at once)."""
+        if self.walk:
+            walk, folded = self.fast_path.chunk_walks[quality], self.fast_path.folded
+            return lambda z, vae=None: decode_chunks(vae or self.vae, z, walk, folded)
+        return lambda z, vae=None: iter([self._pixels(vae or self.vae, z, timestep)])
+
+    @staticmethod
+    def _pixels(vae, z: torch.Tensor, timestep: float | None = None) -> torch.Tensor:
+        """The class's own decode (`temb` for timestep-conditioned decoders, in the latents' dtype)."""
+        temb = None if timestep is None else torch.full((z.shape[0],), timestep, dtype=z.dtype, device=z.device)
+        return decoded_pixels(vae, z, temb)
 
     def _meta_decode(self, meta_vae, z: torch.Tensor):
-        if self.video:
-            return self.chunk_decoder("lossless")(z, meta_vae)
-        return iter([meta_vae.decode(z).sample])
+        timestep = 0.0 if self.spec.timestep_conditioned else None
+        if self.chunked:
+            return self.chunk_decoder("lossless", timestep)(z, meta_vae)
+        return iter([self._pixels(meta_vae, z, timestep)])
 
     def decode_bound(self) -> int:
         return decode_bound(self.limits, self.device)
@@ -105,10 +123,11 @@ class DecodeEngine:
             "class": self.spec.class_name,
             "weights": "random (decodes noise)" if self.spec.random_weights else "loaded",
             "latent_channels": self.spec.latent_channels,
+            **self.spec.describe(),
             "precision": self.precision,
             "device": str(self.device),
             "cpu_threads": self.cpu_threads,
-            "tiers": list(QUALITIES),
+            "tiers": {q: self._tier(q) for q in QUALITIES},
             "fast_path": self.fast_path.describe(),
             "limits": self.limits.model_dump(),
             "decode_mflop_per_pixel": round(self.flops_per_pixel / 1e6, 3),
@@ -119,9 +138,15 @@ class DecodeEngine:
     def prepare(self, request: DecodeRequest) -> PreparedRequest:
         """Check against this model and the limits, plan tiling; no tensor is moved or cast yet.
         Raises InvalidInput."""
+        if request.quality != self._tier(request.quality):
+            request = replace(request, quality=self._tier(request.quality))
         prepared = prepare(request, self.spec, self.limits, self.flops_per_pixel)
         grid = plan_memory(prepared, self.memory, self.decode_bound())
         return prepared if grid is None else replace(prepared, tile=grid)
+
+    def _tier(self, quality: str) -> str:
+        """The tier that decodes a request for `quality`: `high` needs an installed fast path."""
+        return quality if quality != "high" or self.fast_path.installed else "lossless"
 
     def _stop_if_abandoned(self, module, args) -> None:
         if self._abandoned is not None and self._abandoned.is_set():
@@ -149,7 +174,7 @@ class DecodeEngine:
             raise ValueError(f"a batch must share one (tier, shape, dtype) key, got {sorted(map(str, keys))}")
         quality = batch[0].request.quality
         start = time.perf_counter()
-        latents = [to_decoder_input(r, self._scaling, self.device, self.dtype) for r in batch]
+        latents = [self._scaling.to_decoder_input(r, self.device) for r in batch]
         with torch.inference_mode(), self.fast_path.gate.use(quality == "high"):
             try:
                 outputs, tiled = self._decode_batch(batch, latents, force_tiles=False)
@@ -179,11 +204,11 @@ class DecodeEngine:
     def _decode_batch(self, batch: list[PreparedRequest], latents: list[torch.Tensor], force_tiles: bool):
         grids = self._grids(batch, force_tiles)
         tiled = grids[0] is not None
-        if self.video:
+        if self.chunked:
             return self._decode_video(batch, latents, grids), tiled
         quality = batch[0].request.quality
         if quality == "lossless":
-            decoded = [self._decode_each_alone(z) for z in latents]
+            decoded = [self._decode_each_alone(z, batch[0].timestep) for z in latents]
         elif self._together(batch, grids):
             decoded = self._decode_together(latents)
         elif tiled:
@@ -195,7 +220,7 @@ class DecodeEngine:
 
     def _decode_video(self, batch: list[PreparedRequest], latents: list[torch.Tensor], grids: list) -> list:
         quality = batch[0].request.quality
-        plain, scale = self.chunk_decoder(quality), self.spec.spatial_scale
+        plain, scale = self.chunk_decoder(quality, batch[0].timestep), self.spec.spatial_scale
 
         def chunks_for(grid: TileGrid | None):
             return plain if grid is None else lambda z: tiled_chunks(z, grid, scale, plain)
@@ -203,13 +228,16 @@ class DecodeEngine:
         def checkpoint() -> None:
             self._stop_if_abandoned(None, None)
 
+        pixels, pending = self.spec.entry.pixels, self._host_copies
         if quality == "lossless" or self._together(batch, grids):
             together = quality == "high"
-            return decode_video(batch, latents, together, chunks_for(grids[0]), checkpoint, self._host_copies)
-        return [
-            decode_video([r], [z], True, chunks_for(g), checkpoint, self._host_copies)[0]
-            for r, z, g in zip(batch, latents, grids)
-        ]
+            outputs = decode_video(batch, latents, together, chunks_for(grids[0]), checkpoint, pending, pixels)
+        else:
+            outputs = [
+                decode_video([r], [z], True, chunks_for(g), checkpoint, pending, pixels)[0]
+                for r, z, g in zip(batch, latents, grids)
+            ]
+        return outputs if self.video else [_one_frame(o) for o in outputs]
 
     def _result(
         self, output: torch.Tensor | None, prepared: PreparedRequest, timing: Timing, tiled: bool
@@ -233,15 +261,15 @@ class DecodeEngine:
     def _finish(self, decoded: torch.Tensor, prepared: PreparedRequest):
         if not bool(torch.isfinite(decoded).all()):
             return DecodeFailed("latents", NON_FINITE)
-        return postprocess(decoded, prepared.request.output, self._host_copies)
+        return postprocess(decoded, prepared.request.output, self._host_copies, self.spec.entry.pixels)
 
     def _vae_decode(self, z: torch.Tensor) -> torch.Tensor:
         return self.vae.decode(z).sample
 
-    def _decode_each_alone(self, z: torch.Tensor) -> torch.Tensor:
+    def _decode_each_alone(self, z: torch.Tensor, timestep: float | None) -> torch.Tensor:
         if z.shape[0] == 1:
-            return self._vae_decode(z)
-        return torch.cat([self._vae_decode(item) for item in z.split(1)])
+            return self._pixels(self.vae, z, timestep)
+        return torch.cat([self._pixels(self.vae, item, timestep) for item in z.split(1)])
 
     def _decode_together(self, latents: list[torch.Tensor]) -> list[torch.Tensor]:
         out = self._vae_decode(torch.cat(latents))
@@ -258,3 +286,11 @@ class DecodeEngine:
             raise RuntimeError(f"device {self.device} computes wrong results")
         if next(self.vae.parameters()).device.type != self.device.type:
             raise RuntimeError("model weights left the device")
+
+
+def _one_frame(output):
+    """An image model with a video decoder (Qwen-Image): its one frame as an image, uint8
+    [B, 1, H, W, 3] -> [B, H, W, 3], float [B, 3, 1, H, W] -> [B, 3, H, W]."""
+    if not isinstance(output, torch.Tensor):
+        return output
+    return output.squeeze(1) if output.dtype == torch.uint8 else output.squeeze(2)

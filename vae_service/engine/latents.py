@@ -1,11 +1,13 @@
 """From a DecodeRequest to decoder input, in two steps:
 
-- `prepare` (cheap, before queueing): check the latents against the model and the limits, unpack
-  packed latents (a view), and compute the batch key;
-- `to_decoder_input` (on the device thread): move, cast, unscale.
+- `prepare` (cheap, before queueing): bring the latents into the decoder's layout
+  (engine/latent_forms.py), check them against the model's traced geometry and the limits, and
+  compute the batch key;
+- `to_decoder_input` (on the device thread): move, cast, undo the latent normalisation.
 
-The arithmetic mirrors diffusers' pipelines exactly (SD/FLUX: `z / scaling + shift`; Wan:
-`z / (1 / std) + mean`, in the decode dtype) so that a lossless decode is bit-identical to theirs.
+The normalisation is the model's pipeline's, op for op (models/normalisation.py), so that a
+lossless decode is bit-identical to the pipeline's `vae.decode`. Explicit `scaling_factor` /
+`shift_factor` replace it with `z / scaling + shift` (None: that step skipped).
 """
 
 from __future__ import annotations
@@ -18,8 +20,10 @@ import torch
 
 from vae_service.config import Limits
 from vae_service.engine.errors import InvalidInput, LimitExceeded
+from vae_service.engine.latent_forms import Form, to_decoder_layout
 from vae_service.engine.request import MODEL_DEFAULT, DecodeRequest
-from vae_service.models.spec import ModelSpec
+from vae_service.models.normalisation import Denormaliser, Normalisation
+from vae_service.models.spec import DEFAULT_DECODE_TIMESTEP, ModelSpec
 
 
 class BatchKey(NamedTuple):
@@ -29,13 +33,16 @@ class BatchKey(NamedTuple):
     latent_shape: tuple[int, ...]  # without the batch dim, in decoder layout
     dtype: torch.dtype  # of the latents as sent
     tile: object  # the tiles of a tiled decode (engine.tiling.TileGrid; None: whole)
+    timestep: float | None  # the decode timestep of timestep-conditioned decoders (LTX)
 
 
 @dataclass(frozen=True)
 class PreparedRequest:
     request: DecodeRequest
-    latents: torch.Tensor  # [B, C, H, W] or [B, C, T, H, W], as sent (not yet cast or moved)
+    latents: torch.Tensor  # [B, C, H, W] or [B, C, T, H, W] in decoder layout (not yet cast or moved)
     frames: int  # output frames per item (1 for images)
+    form: Form = "decoder"  # how the latents were sent
+    timestep: float | None = None  # the decode timestep (timestep-conditioned decoders only)
     sink: Callable | None = None  # streaming: gets each chunk's frames (engine.video.FrameChunk) at once
     tile: object = None  # set by the engine's memory plan: the tiles (engine.tiling.TileGrid) or None
 
@@ -45,49 +52,42 @@ class PreparedRequest:
 
     @property
     def batch_key(self) -> BatchKey:
-        return BatchKey(self.request.quality, tuple(self.latents.shape[1:]), self.latents.dtype, self.tile)
-
-
-def _unpack_packed(z: torch.Tensor, request: DecodeRequest, spec: ModelSpec) -> torch.Tensor:
-    """FLUX-style packed latents [B, L, C*4] -> [B, C, h, w] (2x2 patches), as FluxPipeline does."""
-    if request.height is None or request.width is None:
-        raise InvalidInput(
-            "height" if request.height is None else "width", "is required for packed latents [B, L, C*4]"
+        return BatchKey(
+            self.request.quality, tuple(self.latents.shape[1:]), self.latents.dtype, self.tile, self.timestep
         )
-    b, length, packed_c = z.shape
-    if packed_c != spec.latent_channels * 4:
-        raise InvalidInput(
-            "latents",
-            f"packed latents need last dim {spec.latent_channels * 4} (4 x "
-            f"{spec.latent_channels} channels) for model '{spec.name}', got shape {list(z.shape)}",
-        )
-    h = 2 * (request.height // (spec.spatial_scale * 2))
-    w = 2 * (request.width // (spec.spatial_scale * 2))
-    if h == 0 or w == 0 or length != (h // 2) * (w // 2):
-        raise InvalidInput(
-            "latents",
-            f"{length} packed tokens do not match height={request.height}, "
-            f"width={request.width} (expected {(h // 2) * (w // 2)})",
-        )
-    z = z.view(b, h // 2, w // 2, spec.latent_channels, 2, 2).permute(0, 3, 1, 4, 2, 5)
-    return z.reshape(b, spec.latent_channels, h, w)
+
+    @property
+    def latent_frames(self) -> int:
+        return self.latents.shape[2] if self.latents.dim() == 5 else 1
 
 
-def _to_decoder_layout(request: DecodeRequest, spec: ModelSpec) -> torch.Tensor:
-    z = request.latents
-    if spec.family == "image":
-        if z.dim() == 3:
-            return _unpack_packed(z, request, spec)
-        expected = f"[B, {spec.latent_channels}, H, W] or packed [B, L, {spec.latent_channels * 4}]"
-        ok_rank = z.dim() == 4
-    else:
-        if z.dim() == 4:  # a single-frame video given as an image latent
-            z = z.unsqueeze(2)
-        expected = f"[B, {spec.latent_channels}, T, H, W] or [B, {spec.latent_channels}, H, W]"
-        ok_rank = z.dim() == 5
-    if not ok_rank or z.shape[1] != spec.latent_channels:
-        raise InvalidInput("latents", f"model '{spec.name}' takes {expected}, got shape {list(request.latents.shape)}")
-    return z
+def _check_geometry(z: torch.Tensor, spec: ModelSpec) -> None:
+    """What this model's traced geometry and statistics can decode; a 400 instead of a decoder crash."""
+    side, geometry = spec.geometry.min_latent_side, spec.geometry
+    if min(z.shape[-2:]) < side:
+        raise InvalidInput(
+            "latents", f"model '{spec.name}' decodes latents of at least {side}x{side}, got {list(z.shape)}"
+        )
+    if z.dim() != 5:
+        return
+    t = z.shape[2]
+    if spec.family == "image" and t != 1:
+        raise InvalidInput("latents", f"model '{spec.name}' decodes images: one latent frame, got {t}")
+    if t < geometry.min_latent_frames:
+        raise InvalidInput(
+            "latents", f"model '{spec.name}' decodes at least {geometry.min_latent_frames} latent frames, got {t}"
+        )
+    covered = spec.normalisation.stats_frames(spec.latent_channels)
+    if covered is not None and t > covered:
+        raise InvalidInput("latents", f"model '{spec.name}''s latent statistics cover {covered} latent frames, got {t}")
+
+
+def _timestep(request: DecodeRequest, spec: ModelSpec) -> float | None:
+    if not spec.timestep_conditioned:
+        if request.decode_timestep is not None:
+            raise InvalidInput("decode_timestep", f"model '{spec.name}''s decoder is not timestep-conditioned")
+        return None
+    return DEFAULT_DECODE_TIMESTEP if request.decode_timestep is None else request.decode_timestep
 
 
 def _check_budget(z: torch.Tensor, spec: ModelSpec, limits: Limits, flops_per_pixel: float) -> int:
@@ -95,7 +95,10 @@ def _check_budget(z: torch.Tensor, spec: ModelSpec, limits: Limits, flops_per_pi
         raise LimitExceeded(
             "latents", f"batch of {z.shape[0]} is over the limit of {limits.max_batch_items} (max_batch_items)"
         )
-    frames = spec.output_frames(z.shape[2]) if z.dim() == 5 else 1
+    try:
+        frames = spec.output_frames(z.shape[2]) if z.dim() == 5 else 1
+    except Exception as exc:  # an irregular frame law, traced for this count, and the trace failed
+        raise InvalidInput("latents", f"model '{spec.name}' cannot decode {z.shape[2]} latent frames") from exc
     if frames > limits.max_frames:
         raise LimitExceeded(
             "latents", f"decodes to {frames} frames per item, over the limit of {limits.max_frames} (max_frames)"
@@ -153,38 +156,37 @@ def _check_finite(z: torch.Tensor) -> None:
 def prepare(request: DecodeRequest, spec: ModelSpec, limits: Limits, flops_per_pixel: float) -> PreparedRequest:
     if request.model is not None and request.model != spec.name:
         raise InvalidInput("model", f"unknown model {request.model!r}; served: ['{spec.name}']")
-    z = _to_decoder_layout(request, spec)
+    z, form = to_decoder_layout(request, spec)
+    _check_geometry(z, spec)
+    timestep = _timestep(request, spec)
     frames = _check_budget(z, spec, limits, flops_per_pixel)
     _check_output(request, spec, frames, z)
     _check_finite(z)
-    return PreparedRequest(request, z, frames)
+    return PreparedRequest(request, z, frames, form, timestep)
 
 
 class LatentScaling:
-    """The model's own latent factors, held on the device in the decode dtype (built once)."""
+    """The model's latent normalisation on the device, in the decode dtype (built once); a request
+    that sends `scaling_factor`/`shift_factor` gets `z / scaling + shift` instead (a factor it leaves
+    out is the model's own where the model has plain factors, else skipped)."""
 
-    def __init__(self, spec: ModelSpec, device: torch.device, dtype: torch.dtype):
-        self.scaling, self.shift = spec.scaling_factor, spec.shift_factor
-        self.mean = self.inv_std = None
-        if spec.latents_std is not None:
-            view = (1, spec.latent_channels, 1, 1, 1)
-            self.mean = torch.tensor(spec.latents_mean).view(view).to(device, dtype)
-            self.inv_std = 1.0 / torch.tensor(spec.latents_std).view(view).to(device, dtype)
+    def __init__(self, spec: ModelSpec, vae, dtype: torch.dtype):
+        self.spec, self.dtype = spec, dtype
+        self.model = Denormaliser(spec.normalisation, vae, spec.latent_channels, dtype)
 
-    def unscale(self, z: torch.Tensor, request: DecodeRequest) -> torch.Tensor:
-        if request.scaling_factor is MODEL_DEFAULT and self.inv_std is not None:  # video: z is 5-D
-            return z / self.inv_std + self.mean
-        scaling = self.scaling if request.scaling_factor is MODEL_DEFAULT else request.scaling_factor
-        shift = self.shift if request.shift_factor is MODEL_DEFAULT else request.shift_factor
+    def to_decoder_input(self, prepared: PreparedRequest, device: torch.device) -> torch.Tensor:
+        request, norm = prepared.request, self.spec.normalisation
+        given = request.scaling_factor is not MODEL_DEFAULT or request.shift_factor is not MODEL_DEFAULT
+        as_sent = prepared.form == "decoder" and self.spec.entry.raw_is_decoded_as_is
+        if not given and not as_sent:
+            z = prepared.latents.to(device=device, dtype=self.model.work_dtype)
+            return self.model.apply(z).to(self.dtype).contiguous()
+        own = norm if norm.kind == "factors" and not as_sent else Normalisation()
+        scaling = own.scaling if request.scaling_factor is MODEL_DEFAULT else request.scaling_factor
+        shift = own.shift if request.shift_factor is MODEL_DEFAULT else request.shift_factor
+        z = prepared.latents.to(device=device, dtype=self.dtype)
         if scaling is not None:
             z = z / scaling
         if shift is not None:
             z = z + shift
-        return z
-
-
-def to_decoder_input(
-    prepared: PreparedRequest, scaling: LatentScaling, device: torch.device, dtype: torch.dtype
-) -> torch.Tensor:
-    z = prepared.latents.to(device=device, dtype=dtype)
-    return scaling.unscale(z, prepared.request).contiguous()
+        return z.contiguous()

@@ -4,8 +4,8 @@ the bytes of live tensor storage. Both numbers are linear in latent pixels (meas
 pixel from 8x8 to 60x104 latents for SD, Wan2.1 and the tiny presets), so one run at a small
 size gives them for every size:
 
-- `working`: the peak while decoding one item (one latent frame at a time for video, its causal
-  history included);
+- `working`: the peak while decoding one item (one latent frame at a time for the causal walk,
+  its causal history included; per latent frame for video decoders that take a clip at once);
 - `resident`: what a video decode holds between chunks (the causal history), which every tile of
   a tiled decode keeps at once.
 """
@@ -20,6 +20,8 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from vae_service.models.spec import ModelSpec
 
 CALIBRATION_LATENT = 16  # latent pixels per side of the measuring run
 CALIBRATION_FRAMES = 3  # latent frames (video): the first chunk and two steady ones
@@ -60,14 +62,16 @@ class LiveBytes(TorchDispatchMode):
 
 @dataclass(frozen=True)
 class MemoryModel:
-    working_per_latent_px: float  # bytes, one item
+    working_per_latent_px: float  # bytes, one item (and one latent frame when `per_latent_frame`)
     resident_per_latent_px: float  # bytes, one item (0 for images)
     dtype_bytes: int
-    video: bool
+    video: bool  # decoded through engine/video.py: frames converted as they come
     scale: int  # output pixels per latent pixel, per side
+    per_latent_frame: bool = False  # the decoder takes the whole clip at once
 
-    def working(self, items: int, h: int, w: int) -> int:
-        return int(items * self.working_per_latent_px * h * w)
+    def working(self, items: int, h: int, w: int, latent_frames: int = 1) -> int:
+        frames = latent_frames if self.per_latent_frame else 1
+        return int(items * self.working_per_latent_px * h * w * frames)
 
     def resident(self, items: int, h: int, w: int) -> int:
         return int(items * self.resident_per_latent_px * h * w)
@@ -80,25 +84,28 @@ class MemoryModel:
 
 
 def measure(
-    vae: nn.Module,
+    twin: nn.Module,
     dtype: torch.dtype,
-    latent_channels: int,
-    video: bool,
-    scale: int,
+    spec: ModelSpec,
     decode: Callable[[nn.Module, torch.Tensor], Iterator[torch.Tensor]],
 ) -> MemoryModel:
-    """`decode(meta_vae, z)` yields the decode's output chunks (one for images), each dropped at
-    once as the engine converts or streams them."""
-    with torch.device("meta"):
-        meta_vae = type(vae).from_config(vae.config)
-    meta_vae = nn.Module.to(meta_vae, dtype=dtype).eval()
-    side = CALIBRATION_LATENT
-    frames = (CALIBRATION_FRAMES,) if video else ()
-    z = torch.empty(1, latent_channels, *frames, side, side, device="meta", dtype=dtype)
+    """`twin`: the model on the meta device; `decode(twin, z)` yields the decode's output chunks
+    (one for images), each dropped at once as the engine converts or streams them."""
+    meta_vae = nn.Module.to(twin, dtype=dtype).eval()
+    geometry = spec.geometry
+    side = max(CALIBRATION_LATENT, geometry.min_latent_side)
+    video, chunked = geometry.video_latents, spec.path == "causal_walk"
+    latent_frames = 1 if spec.family == "image" else max(CALIBRATION_FRAMES, geometry.min_latent_frames)
+    frames = (latent_frames,) if video else ()
+    z = torch.empty(1, geometry.latent_channels, *frames, side, side, device="meta", dtype=dtype)
     live, resident = LiveBytes(), 0
     with torch.inference_mode(), live:
         for out in decode(meta_vae, z):
             del out
             resident = max(resident, live.current)
     itemsize = torch.empty((), dtype=dtype).element_size()
-    return MemoryModel(live.peak / side**2, resident / side**2 if video else 0.0, itemsize, video, scale)
+    per_frame = video and not chunked
+    working = live.peak / side**2 / (latent_frames if per_frame else 1)
+    return MemoryModel(
+        working, resident / side**2 if chunked else 0.0, itemsize, video, geometry.spatial_scale, per_frame
+    )

@@ -39,7 +39,7 @@ def peak_bytes(prepared: PreparedRequest, model: MemoryModel) -> int:
     """Estimated peak of decoding this request whole (`lossless` decodes its items one by one)."""
     h, w = prepared.latents.shape[-2:]
     together = prepared.items if prepared.request.quality == "high" else 1
-    return model.working(together, h, w) + answer_bytes(prepared, model)
+    return model.working(together, h, w, prepared.latent_frames) + answer_bytes(prepared, model)
 
 
 def plan_memory(prepared: PreparedRequest, model: MemoryModel, bound: int, force: bool = False) -> TileGrid | None:

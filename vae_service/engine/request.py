@@ -42,6 +42,7 @@ class DecodeRequest:
     request_id: str | None = None
     model: str | None = None  # when given, must name the served model
     stream: bool = False  # video: frames handed over chunk by chunk as they are decoded
+    decode_timestep: float | None = None  # timestep-conditioned decoders (LTX); None: the pipeline's default
 
     def __post_init__(self) -> None:
         _check_latents(self.latents)
@@ -49,6 +50,8 @@ class DecodeRequest:
         _check_choice("output", self.output, OUTPUTS)
         for key, nonzero in (("scaling_factor", True), ("shift_factor", False)):
             object.__setattr__(self, key, _factor(key, getattr(self, key), nonzero))
+        if self.decode_timestep is not None:
+            object.__setattr__(self, "decode_timestep", _factor("decode_timestep", self.decode_timestep, False))
         for key in ("height", "width"):
             value = getattr(self, key)
             if value is not None and (type(value) is not int or value <= 0):

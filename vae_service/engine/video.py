@@ -12,6 +12,7 @@ import torch
 from vae_service.engine.errors import DecodeFailed
 from vae_service.engine.latents import PreparedRequest
 from vae_service.engine.postprocess import convert, to_host
+from vae_service.models.catalog import PixelRange
 
 NON_FINITE = (
     "the decoder produced NaN/Inf for these latents (overflow at this precision?); "
@@ -36,6 +37,12 @@ class FrameChunk:
         return self.pixels.shape[self.frame_axis]
 
 
+class IncompleteOutput(RuntimeError):
+    """The decoder handed over other frames than the model's traced geometry promised: a server
+    bug, answered as an internal error. Never answered with the output, whose unwritten frames
+    would be whatever the allocator left there (another request's pixels, on a busy replica)."""
+
+
 FrameSink = Callable[[FrameChunk], None]
 ChunkDecoder = Callable[[torch.Tensor], Iterator[torch.Tensor]]  # [n, C, T, h, w] -> [n, 3, t, H, W] per chunk
 
@@ -44,19 +51,30 @@ class _Answer:
     """One request's frames as they come: streamed to its sink (on the host at once) or written
     into its whole output on the device, copied to the host once at the end."""
 
-    def __init__(self, prepared: PreparedRequest, pending: list | None):
-        self.prepared, self.pending = prepared, pending
+    def __init__(self, prepared: PreparedRequest, pending: list | None, pixels: PixelRange):
+        self.prepared, self.pending, self.pixels = prepared, pending, pixels
         self.output, self.sink = prepared.request.output, prepared.sink
         self.whole: torch.Tensor | None = None
         self.failed: DecodeFailed | None = None
+        self.written = [0] * prepared.items  # frames handed over per item, in order
+
+    def _account(self, item: int, frame: int, count: int, frames: int) -> None:
+        for i in range(item, item + count):
+            if i >= len(self.written) or self.written[i] != frame or frame + frames > self.prepared.frames:
+                raise IncompleteOutput(
+                    f"decoder handed over frames {frame}..{frame + frames - 1} of item {i}; expected frame "
+                    f"{self.written[i] if i < len(self.written) else '-'} of {self.prepared.frames}"
+                )
+            self.written[i] = frame + frames
 
     def add(self, item: int, frame: int, decoded: torch.Tensor) -> None:
         if self.failed is not None:
             return
+        self._account(item, frame, decoded.shape[0], decoded.shape[2])
         if not bool(torch.isfinite(decoded).all()):
             self.failed = DecodeFailed("latents", NON_FINITE)
             return
-        chunk = FrameChunk(item, frame, convert(decoded, self.output))
+        chunk = FrameChunk(item, frame, convert(decoded, self.output, self.pixels))
         if self.sink is not None:
             self.sink(FrameChunk(item, frame, to_host(chunk.pixels)))
             return
@@ -71,6 +89,8 @@ class _Answer:
         """The whole output; None when it was streamed."""
         if self.failed is not None:
             return self.failed
+        if any(n != self.prepared.frames for n in self.written):
+            raise IncompleteOutput(f"decoder wrote {self.written} frames per item, expected {self.prepared.frames}")
         return None if self.sink is not None else to_host(self.whole, self.pending)
 
 
@@ -81,11 +101,12 @@ def decode_video(
     chunks: ChunkDecoder,
     checkpoint: Callable[[], None],
     pending: list | None = None,
+    pixels: PixelRange = "signed",
 ) -> list[torch.Tensor | DecodeFailed | None]:
     """`latents`: the batch's decoder inputs. `together`: the requests' items share one decoder run
     (high); otherwise every item runs alone (lossless). `checkpoint()` runs before each chunk (it
-    raises to stop the decode). `pending`: see postprocess.to_host."""
-    answers = [_Answer(r, pending) for r in batch]
+    raises to stop the decode). `pending`: see postprocess.to_host; `pixels`: the decoder's range."""
+    answers = [_Answer(r, pending, pixels) for r in batch]
     if together:
         bounds, start = [], 0
         for z in latents:

@@ -56,13 +56,13 @@ class FastPath:
 
 def _structure(vae: nn.Module):
     """(family, reasons it cannot be patched, patch builder)."""
-    from diffusers import AutoencoderKL, AutoencoderKLWan
+    from diffusers import AutoencoderKL, AutoencoderKLFlux2, AutoencoderKLQwenImage, AutoencoderKLWan
 
-    if type(vae) is AutoencoderKL:
+    if type(vae) in (AutoencoderKL, AutoencoderKLFlux2):  # the same Decoder behind one post-quant conv
         from vae_service.fastpath.image_vae import check_image_decoder, image_patches
 
         return "image", check_image_decoder(vae.decoder), image_patches
-    if type(vae) is AutoencoderKLWan:
+    if type(vae) in (AutoencoderKLWan, AutoencoderKLQwenImage):
         from vae_service.fastpath.wan_vae import check_wan_decoder, wan_patches
 
         return "video", check_wan_decoder(vae.decoder), lambda v, folded, plan: wan_patches(v, plan)
@@ -85,7 +85,7 @@ def install_fast_path(vae: nn.Module, disabled: tuple[str, ...] = (), norm_backe
     if reasons:
         fast_path.skipped_because = reasons
         log.warning(
-            "fast path not installed on %s (high runs reference operators): %s",
+            "fast path not installed on %s (its high requests are answered by lossless): %s",
             type(vae).__name__,
             "; ".join(reasons[:5]),
         )

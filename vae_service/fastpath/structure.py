@@ -6,8 +6,8 @@ from __future__ import annotations
 from torch import nn
 
 
-def exact_type(module: nn.Module, cls: type) -> bool:
-    return type(module) is cls
+def exact_type(module: nn.Module, cls: type | tuple[type, ...]) -> bool:
+    return type(module) in (cls if isinstance(cls, tuple) else (cls,))
 
 
 def plain_silu(module: nn.Module) -> bool:

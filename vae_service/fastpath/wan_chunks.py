@@ -20,6 +20,7 @@ on the first chunk ("Rep") and pads with zeros on the second.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -151,6 +152,21 @@ class _Walk:
         x = m.resample(x)
         return x.view(b, t, x.size(1), x.size(2), x.size(3)).permute(0, 2, 1, 3, 4)
 
+    def _up_block(self, up: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """Wan2.1/Qwen-Image up blocks (resnets, then `upsamplers[0]`) and Wan2.2's residual ones
+        (resnets, `upsampler`, plus a channel-duplicating shortcut of the block's input that drops
+        its leading frames on the first chunk). No step writes into the block's input in place."""
+        block_input = x
+        for resnet in up.resnets:
+            x = self._residual(resnet, x)
+        upsampler = up.upsamplers[0] if getattr(up, "upsamplers", None) is not None else getattr(up, "upsampler", None)
+        if upsampler is not None:
+            x = self._resample(upsampler, x)
+        shortcut = getattr(up, "avg_shortcut", None)
+        if shortcut is not None:
+            x = x + shortcut(block_input, first_chunk=self.first_chunk)
+        return x
+
     def chunk(self, x: torch.Tensor) -> torch.Tensor:
         d = self.d
         x = self._plain_conv(d.conv_in, x)
@@ -159,19 +175,21 @@ class _Walk:
         for attention, resnet in zip(mid.attentions, mid.resnets[1:]):
             x = self._residual(resnet, attention(x))
         for up in d.up_blocks:
-            for resnet in up.resnets:
-                x = self._residual(resnet, x)
-            if up.upsamplers is not None:
-                x = self._resample(up.upsamplers[0], x)
+            x = self._up_block(up, x)
         x = self._norm_conv(d.norm_out, x, d.conv_out, x_is_spare=True)
         self.first_chunk = False
         return x
 
 
 def _stock_chunks(vae: nn.Module, x: torch.Tensor) -> Iterator[torch.Tensor]:
-    cache: list = [None] * vae._cached_conv_counts["decoder"]
+    """diffusers' own decoder forward per latent frame, with a feature cache of one slot per causal
+    conv as `_decode` sets it up (Wan's decoder also takes `first_chunk`; Qwen-Image's does not)."""
+    decoder = vae.decoder
+    cache: list = [None] * sum(isinstance(m, nn.Conv3d) and hasattr(m, "_padding") for m in decoder.modules())
+    takes_first_chunk = "first_chunk" in inspect.signature(decoder.forward).parameters
     for i in range(x.shape[2]):
-        yield vae.decoder(x[:, :, i : i + 1], feat_cache=cache, feat_idx=[0], first_chunk=i == 0)
+        extra = {"first_chunk": i == 0} if takes_first_chunk else {}
+        yield decoder(x[:, :, i : i + 1], feat_cache=cache, feat_idx=[0], **extra)
 
 
 def decode_chunks(
@@ -186,7 +204,7 @@ def decode_chunks(
     else:
         state = _Walk(vae.decoder, walk, folded or FoldedBuffers())
         chunks = (state.chunk(x[:, :, i : i + 1]) for i in range(x.shape[2]))
-    patch_size = vae.config.patch_size
+    patch_size = getattr(vae.config, "patch_size", None)  # Wan2.2: the decoder's output is patchified
     for out in chunks:
         if patch_size is not None:
             out = unpatchify(out, patch_size=patch_size)

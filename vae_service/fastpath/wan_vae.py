@@ -1,4 +1,6 @@
-"""Fast forwards for diffusers' AutoencoderKLWan decoder.
+"""Fast forwards for diffusers' Wan-style causal decoders: AutoencoderKLWan (Wan2.1, and Wan2.2's
+residual up blocks with a patchified output) and AutoencoderKLQwenImage (the same modules under
+Qwen-Image's names).
 
 Every RMSNorm in the decoder's residual blocks and output head is immediately followed by that
 block's own SiLU instance and nothing else uses it, so while the gate is on (`rms_norm_silu`) the
@@ -9,17 +11,8 @@ stays diffusers' own. With `channels_last_3d`, activations are channels-last-3d 
 from __future__ import annotations
 
 import torch
-from diffusers.models.autoencoders.autoencoder_kl_wan import (
-    WanAttentionBlock,
-    WanCausalConv3d,
-    WanDecoder3d,
-    WanMidBlock,
-    WanResample,
-    WanResidualBlock,
-    WanRMS_norm,
-    WanUpBlock,
-    WanUpsample,
-)
+from diffusers.models.autoencoders import autoencoder_kl_qwenimage as qwen
+from diffusers.models.autoencoders import autoencoder_kl_wan as wan
 from torch import nn
 
 from vae_service.fastpath.fused_norms import WanRMSNormSiLU
@@ -28,16 +21,27 @@ from vae_service.fastpath.rewrites import RewritePlan
 from vae_service.fastpath.structure import exact_type, plain_silu, unknown_modules
 from vae_service.fastpath.wan_chunks import WalkOptions
 
+DECODERS = (wan.WanDecoder3d, qwen.QwenImageDecoder3d)
+RESIDUAL_BLOCKS = (wan.WanResidualBlock, qwen.QwenImageResidualBlock)
+RMS_NORMS = (wan.WanRMS_norm, qwen.QwenImageRMS_norm)
 _ALLOWED = {
-    WanDecoder3d,
-    WanMidBlock,
-    WanUpBlock,
-    WanResidualBlock,
-    WanAttentionBlock,
-    WanResample,
-    WanUpsample,
-    WanCausalConv3d,
-    WanRMS_norm,
+    *DECODERS,
+    *RESIDUAL_BLOCKS,
+    *RMS_NORMS,
+    wan.WanMidBlock,
+    wan.WanUpBlock,
+    wan.WanResidualUpBlock,
+    wan.DupUp3D,
+    wan.WanAttentionBlock,
+    wan.WanResample,
+    wan.WanUpsample,
+    wan.WanCausalConv3d,
+    qwen.QwenImageMidBlock,
+    qwen.QwenImageUpBlock,
+    qwen.QwenImageAttentionBlock,
+    qwen.QwenImageResample,
+    qwen.QwenImageUpsample,
+    qwen.QwenImageCausalConv3d,
     nn.ModuleList,
     nn.Sequential,
     nn.SiLU,
@@ -48,17 +52,17 @@ _ALLOWED = {
 
 
 def _channel_first_rms(norm: nn.Module) -> bool:
-    return exact_type(norm, WanRMS_norm) and norm.channel_first
+    return exact_type(norm, RMS_NORMS) and norm.channel_first
 
 
 def check_wan_decoder(decoder: nn.Module) -> list[str]:
-    if not exact_type(decoder, WanDecoder3d):
-        return [f"decoder is {type(decoder).__name__}, not diffusers' WanDecoder3d"]
+    if not exact_type(decoder, DECODERS):
+        return [f"decoder is {type(decoder).__name__}, not diffusers' WanDecoder3d or QwenImageDecoder3d"]
     reasons = [f"unknown module {u}" for u in unknown_modules(decoder, _ALLOWED)]
     if not (_channel_first_rms(decoder.norm_out) and plain_silu(decoder.nonlinearity)):
         reasons.append("output head is not channel-first RMSNorm + SiLU")
     for name, m in decoder.named_modules():
-        if exact_type(m, WanResidualBlock) and not (
+        if exact_type(m, RESIDUAL_BLOCKS) and not (
             _channel_first_rms(m.norm1) and _channel_first_rms(m.norm2) and plain_silu(m.nonlinearity)
         ):
             reasons.append(f"residual block {name} is not channel-first RMSNorm + SiLU")
@@ -73,7 +77,7 @@ def _identity(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _fast_decoder(d: WanDecoder3d):
+def _fast_decoder(d: nn.Module):
     reference = d.forward
 
     def forward(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
@@ -88,7 +92,7 @@ def wan_patches(vae: nn.Module, plan: RewritePlan) -> list[Patch]:
     if "rms_norm_silu" in plan:
         op = WanRMSNormSiLU.bind(plan.active["rms_norm_silu"])
         for m in decoder.modules():
-            if exact_type(m, WanResidualBlock):
+            if exact_type(m, RESIDUAL_BLOCKS):
                 patches += [
                     Patch(m.norm1, "forward", _fused(m.norm1, op)),
                     Patch(m.norm2, "forward", _fused(m.norm2, op)),

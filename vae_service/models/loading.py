@@ -1,9 +1,9 @@
-"""Decoder-only loading of diffusers VAEs.
+"""Decoder-only loading of diffusers VAEs (any diffusers autoencoder class).
 
-The model is built on the meta device, the encoder and quant conv are dropped before any
-memory is allocated, and only `decoder.*` / `post_quant_conv.*` tensors are read from the
-safetensors files. A decode service therefore never materialises the encoder (about 40% of
-an image VAE's weights).
+The model is built with its parameters on the meta device (buffers are real: some are constants
+computed at construction), the encoder and quant conv are dropped before any weight is read, and
+only the tensors the remaining modules hold are read from the safetensors files. A decode service
+therefore never materialises the encoder (about 40% of an image VAE's weights).
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import logging
 import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,14 +21,15 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from vae_service.models.catalog import CLASSES, REFUSED, entry_for
 from vae_service.models.errors import ModelLoadError
 from vae_service.models.presets import PRESETS
-from vae_service.models.spec import SUPPORTED_CLASSES, ModelSpec
+from vae_service.models.spec import ModelSpec, inspect_vae
 
 log = logging.getLogger(__name__)
 
-_DECODER_PREFIXES = ("decoder.", "post_quant_conv.")
-_NORM_TYPES = (nn.GroupNorm, nn.LayerNorm)
+ENCODER_SIDE = ("encoder", "quant_conv")  # used by `encode` only
+_NORM_TYPES = (nn.GroupNorm, nn.LayerNorm, nn.BatchNorm2d)
 
 
 @dataclass
@@ -34,12 +37,18 @@ class LoadedVae:
     vae: nn.Module
     spec: ModelSpec
 
+    @classmethod
+    def of(cls, vae: nn.Module, name: str = "vae") -> LoadedVae:
+        """An in-memory VAE (tests, embedding callers), inspected like a loaded one."""
+        return cls(vae.eval().requires_grad_(False), inspect_vae(vae, name))
+
 
 def load_vae(source: str, *, name: str | None = None, seed: int = 0) -> LoadedVae:
     """Load a decoder-only VAE in fp32 on the CPU from a preset name, a local folder or a hub id."""
     if source in PRESETS:
         preset = PRESETS[source]
         vae, skipped = _build_decoder_only(preset.class_name, preset.config)
+        _materialise(vae)
         _init_random(vae, seed)
         log.warning(
             "\n%s\n!! Model '%s' uses SEEDED RANDOM WEIGHTS: it decodes NOISE, not images.\n"
@@ -57,32 +66,63 @@ def load_vae(source: str, *, name: str | None = None, seed: int = 0) -> LoadedVa
         _load_decoder_weights(vae, folder)
         random_weights = False
     vae.eval().requires_grad_(False)
-    spec = ModelSpec.from_config(
-        name or source,
-        class_name,
-        {**config, **dict(vae.config)},
-        random_weights=random_weights,
-        decoder_params=sum(p.numel() for p in vae.parameters()),
-        skipped_params=skipped,
-    )
+    if entry_for(class_name).enable_tiling:
+        vae.enable_tiling()  # its pipeline does, and its decode refuses to run otherwise
+    spec = inspect_vae(vae, name or source, random_weights=random_weights, skipped_params=skipped)
     return LoadedVae(vae, spec)
 
 
-def _build_decoder_only(class_name: str, config: dict) -> tuple[nn.Module, int]:
-    if class_name not in SUPPORTED_CLASSES:
+@contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Parameters are created on the meta device (no memory, no initialisation compute); buffers
+    stay real, since some are constants computed at construction (rotary tables, statistics)."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param) -> None:
+        register(module, name, param)
+        if param is not None:
+            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def _autoencoder_class(class_name: str) -> type:
+    if class_name in REFUSED:
+        raise ModelLoadError(f"model: VAE class '{class_name}' is not served: {REFUSED[class_name]}")
+    cls = getattr(diffusers, class_name, None) if class_name.isidentifier() else None
+    if not (isinstance(cls, type) and issubclass(cls, diffusers.ModelMixin) and hasattr(cls, "decode")):
         raise ModelLoadError(
-            f"model: VAE class '{class_name}' is not supported; supported: {sorted(SUPPORTED_CLASSES)}"
+            f"model: '{class_name}' is not a diffusers autoencoder with a decode method; "
+            f"served classes include {sorted(CLASSES)}"
         )
-    cls = getattr(diffusers, class_name)
-    with torch.device("meta"):
-        vae = cls.from_config({k: v for k, v in config.items() if not k.startswith("_")})
+    return cls
+
+
+def _build_decoder_only(class_name: str, config: dict) -> tuple[nn.Module, int]:
+    cls = _autoencoder_class(class_name)
+    try:
+        with _parameters_on_meta():
+            vae = cls.from_config({k: v for k, v in config.items() if not k.startswith("_")})
+    except Exception as exc:
+        raise ModelLoadError(f"model: {class_name} cannot be built from this config: {exc}") from exc
     skipped = 0
-    for part in ("encoder", "quant_conv"):
+    for part in ENCODER_SIDE:
         module = getattr(vae, part, None)
-        if module is not None:
+        if isinstance(module, nn.Module):
             skipped += sum(p.numel() for p in module.parameters())
             setattr(vae, part, None)
-    return vae.to_empty(device="cpu"), skipped
+    return vae, skipped
+
+
+def _materialise(vae: nn.Module) -> None:
+    for module in vae.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None and p.is_meta:
+                module._parameters[name] = nn.Parameter(torch.empty_like(p, device="cpu"), requires_grad=False)
 
 
 def _init_random(vae: nn.Module, seed: int) -> None:
@@ -160,13 +200,15 @@ def _weight_files(folder: Path) -> list[Path]:
 
 
 def _load_decoder_weights(vae: nn.Module, folder: Path) -> None:
-    state = {}
+    """Reads exactly the tensors the decoder-only model holds; fp32 (precision is the engine's)."""
+    wanted, state = set(vae.state_dict()), {}
     for file in _weight_files(folder):
         with safe_open(str(file), framework="pt") as f:
             for key in f.keys():  # noqa: SIM118 (safe_open has keys(), not __contains__)
-                if key.startswith(_DECODER_PREFIXES):
-                    state[key] = f.get_tensor(key).float()
+                if key in wanted:
+                    t = f.get_tensor(key)
+                    state[key] = t.float() if t.is_floating_point() else t
     try:
-        vae.load_state_dict(state, strict=True)
+        vae.load_state_dict(state, strict=True, assign=True)
     except RuntimeError as exc:
         raise ModelLoadError(f"model: weights in '{folder}' do not match its config: {exc}") from exc

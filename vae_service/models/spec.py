@@ -1,76 +1,146 @@
-"""What the engine needs to know about a loaded VAE, read from its diffusers config."""
+"""What the engine needs to know about a loaded VAE: its decode path, latent forms and
+normalisation (models/catalog.py) and its geometry, traced from its modules (models/geometry.py)."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
-from typing import Literal
+from functools import lru_cache
 
-Family = Literal["image", "video"]
+import torch
+from torch import nn
 
-# diffusers classes we can serve, and whether their latents are images or videos.
-SUPPORTED_CLASSES: dict[str, Family] = {"AutoencoderKL": "image", "AutoencoderKLWan": "video"}
+from vae_service.models.catalog import ClassEntry, Media, entry_for
+from vae_service.models.errors import ModelLoadError
+from vae_service.models.geometry import Geometry, trace_geometry
+from vae_service.models.normalisation import Normalisation
+
+DEFAULT_DECODE_TIMESTEP = 0.0  # LTX pipelines' default `decode_timestep`
 
 
 @dataclass(frozen=True)
 class ModelSpec:
     name: str
     class_name: str
-    family: Family
-    latent_channels: int
-    spatial_scale: int
-    temporal_scale: int  # 1 for image VAEs
-    scaling_factor: float | None
-    shift_factor: float | None
-    latents_mean: tuple[float, ...] | None  # per-channel (Wan)
-    latents_std: tuple[float, ...] | None
+    entry: ClassEntry
+    geometry: Geometry
+    normalisation: Normalisation
+    timestep_conditioned: bool  # the decoder takes a decode timestep (LTX with a time embedder)
     random_weights: bool
     decoder_params: int
     skipped_params: int  # encoder + quant conv, never materialised
 
-    @classmethod
-    def from_config(
-        cls,
-        name: str,
-        class_name: str,
-        config: dict,
-        *,
-        random_weights: bool,
-        decoder_params: int,
-        skipped_params: int,
-    ) -> ModelSpec:
-        family = SUPPORTED_CLASSES[class_name]
-        if family == "video":
-            return cls(
-                name=name,
-                class_name=class_name,
-                family=family,
-                latent_channels=int(config["z_dim"]),
-                spatial_scale=int(config.get("scale_factor_spatial") or 8),
-                temporal_scale=int(config.get("scale_factor_temporal") or 4),
-                scaling_factor=None,
-                shift_factor=None,
-                latents_mean=tuple(config["latents_mean"]),
-                latents_std=tuple(config["latents_std"]),
-                random_weights=random_weights,
-                decoder_params=decoder_params,
-                skipped_params=skipped_params,
-            )
-        return cls(
-            name=name,
-            class_name=class_name,
-            family=family,
-            latent_channels=int(config["latent_channels"]),
-            spatial_scale=2 ** (len(config["block_out_channels"]) - 1),
-            temporal_scale=1,
-            scaling_factor=config.get("scaling_factor"),
-            shift_factor=config.get("shift_factor"),
-            latents_mean=None,
-            latents_std=None,
-            random_weights=random_weights,
-            decoder_params=decoder_params,
-            skipped_params=skipped_params,
-        )
+    @property
+    def path(self) -> str:
+        return self.entry.path
+
+    @property
+    def family(self) -> Media:
+        """What a client gets: images [B, H, W, 3] or videos [B, T, H, W, 3]."""
+        return self.entry.media or ("video" if self.geometry.video_latents else "image")
+
+    @property
+    def latent_channels(self) -> int:
+        return self.geometry.latent_channels
+
+    @property
+    def spatial_scale(self) -> int:
+        return self.geometry.spatial_scale
 
     def output_frames(self, latent_frames: int) -> int:
-        """Wan decodes the first latent frame to one frame and each later one to `temporal_scale`."""
-        return 1 + self.temporal_scale * (latent_frames - 1)
+        return self.geometry.output_frames(latent_frames)
+
+    def describe(self) -> dict:
+        entry = self.entry
+        forms = [
+            "decoder layout " + ("[B, C, T, H, W] or [B, C, H, W]" if self.geometry.video_latents else "[B, C, H, W]")
+        ]
+        if entry.packed_patch:
+            forms.append(f"packed [B, L, {self.latent_channels * entry.packed_patch**2}] with height/width")
+        if entry.patchified:
+            forms.append(f"2x2-patchified [B, {self.latent_channels * 4}, h, w]")
+        found = {
+            "decode_path": entry.path,
+            "geometry": self.geometry.describe(),
+            "latent_forms": forms,
+            "normalisation": self.normalisation.describe(),
+            "normalisation_of": entry.pipeline or "the config's scaling_factor/shift_factor",
+            "pixels": entry.pixels,
+        }
+        if self.timestep_conditioned:
+            found["decode_timestep_default"] = DEFAULT_DECODE_TIMESTEP
+        return found
+
+
+def decoded_pixels(vae: nn.Module, z: torch.Tensor, timestep: torch.Tensor | None = None) -> torch.Tensor:
+    """`vae.decode(z)` as the pipelines call it, as a [B, 3, (T,) H, W] tensor."""
+    out = vae.decode(z) if timestep is None else vae.decode(z, temb=timestep)
+    out = out.sample if hasattr(out, "sample") else (out[0] if isinstance(out, tuple) else out)
+    return out.transpose(1, 2) if entry_for(type(vae).__name__).frames_first_output else out
+
+
+def _meta_decode(vae: nn.Module, z: torch.Tensor) -> torch.Tensor:
+    timestep = torch.zeros(z.shape[0], device=z.device, dtype=z.dtype) if timestep_conditioned(vae) else None
+    return decoded_pixels(vae, z, timestep)
+
+
+def timestep_conditioned(vae: nn.Module) -> bool:
+    return getattr(getattr(vae, "decoder", None), "time_embedder", None) is not None
+
+
+def meta_twin(vae: nn.Module) -> nn.Module:
+    """The same architecture on the meta device: shapes without memory or compute."""
+    return _twin(type(vae), dict(vae.config))
+
+
+def _twin(cls: type, config: dict) -> nn.Module:
+    with torch.device("meta"):
+        twin = cls.from_config(config)
+    twin = nn.Module.to(twin, "meta")  # parameters some classes build with torch.Tensor(data), on the CPU
+    if entry_for(cls.__name__).enable_tiling:
+        twin.enable_tiling()
+    return twin.eval()
+
+
+def geometry_of(cls: type, config: dict) -> Geometry:
+    """The geometry of `cls` built from `config`, traced on the meta device (no weights)."""
+    return _traced(cls, json.dumps(config, sort_keys=True, default=str))
+
+
+@lru_cache(maxsize=64)
+def _traced(cls: type, config_json: str) -> Geometry:
+    """One trace per architecture and process: the modules are built from the config, so equal
+    configs have equal geometry (engines of one model, tests)."""
+    config = json.loads(config_json)
+    hints = tuple(int(config[k]) for k in ("latent_channels", "z_dim") if isinstance(config.get(k), int))
+    single_frame = entry_for(cls.__name__).media == "image"
+    return trace_geometry(_twin(cls, config), _meta_decode, hints, single_frame=single_frame)
+
+
+def inspect_vae(
+    vae: nn.Module,
+    name: str,
+    *,
+    random_weights: bool = False,
+    skipped_params: int = 0,
+) -> ModelSpec:
+    """The spec of a loaded VAE: its class's catalog entry, and its geometry traced on a meta twin."""
+    class_name = type(vae).__name__
+    entry = entry_for(class_name)
+    config = dict(vae.config)
+    geometry = geometry_of(type(vae), config)
+    try:
+        normalisation = entry.normalisation(config)
+    except (KeyError, TypeError) as exc:
+        raise ModelLoadError(f"model: {class_name}'s config lacks its normalisation field {exc}") from exc
+    return ModelSpec(
+        name=name,
+        class_name=class_name,
+        entry=entry,
+        geometry=geometry,
+        normalisation=normalisation,
+        timestep_conditioned=timestep_conditioned(vae),
+        random_weights=random_weights,
+        decoder_params=sum(p.numel() for p in vae.parameters()),
+        skipped_params=skipped_params,
+    )

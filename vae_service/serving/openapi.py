@@ -23,7 +23,7 @@ _ERRORS = {
 
 DECODE = {
     "summary": "Decode latents (msgpack map: latents, quality, output, scaling_factor, shift_factor, height, "
-    "width, request_id, model, stream)",
+    "width, request_id, model, stream, decode_timestep)",
     "requestBody": {
         "required": True,
         "content": {"application/msgpack": {"schema": {"type": "string", "format": "binary"}}},
