@@ -154,3 +154,21 @@ def test_only_decoder_tensors_are_read_from_disk(kl_dir, kl_vae, monkeypatch):
     on_disk = set(kl_vae.state_dict())
     wanted = {k for k in on_disk if k.startswith(("decoder.", "post_quant_conv."))}
     assert set(read) == wanted and len(read) == len(wanted) < len(on_disk)
+
+
+@pytest.mark.parametrize("name", ["mochi", "flux2", "ltx-video-timestep", "cosmos", "minimax-h3", "kvae-video"])
+def test_a_loaded_folder_decodes_as_the_model_that_saved_it(tmp_path, name):
+    """Decoder-only loading of any class: encoder-side modules never built, buffers the decoder
+    reads (FLUX.2's BatchNorm statistics, LTX's latent statistics, Cosmos' and MiniMax's constant
+    tables) intact, parameters flagged as diffusers flags them (matmul folds differently otherwise)."""
+    from tests.models import torch_threads
+    from tests.zoo import BY_NAME, build, decode_alone, latents
+
+    case = BY_NAME[name]
+    vae = build(case, seed=5)
+    vae.save_pretrained(tmp_path)
+    loaded = load_vae(str(tmp_path))
+    assert loaded.vae.encoder is None and loaded.spec.skipped_params > 0
+    z = latents(case, batch=2, seed=6)
+    with torch_threads(1):
+        assert torch.equal(decode_alone(loaded.vae, case, z), decode_alone(vae, case, z))

@@ -40,7 +40,7 @@ class LoadedVae:
     @classmethod
     def of(cls, vae: nn.Module, name: str = "vae") -> LoadedVae:
         """An in-memory VAE (tests, embedding callers), inspected like a loaded one."""
-        return cls(vae.eval().requires_grad_(False), inspect_vae(vae, name))
+        return cls(vae.eval(), inspect_vae(vae, name))
 
 
 def load_vae(source: str, *, name: str | None = None, seed: int = 0) -> LoadedVae:
@@ -65,7 +65,10 @@ def load_vae(source: str, *, name: str | None = None, seed: int = 0) -> LoadedVa
         vae, skipped = _build_decoder_only(class_name, config)
         _load_decoder_weights(vae, folder)
         random_weights = False
-    vae.eval().requires_grad_(False)
+    # Parameters keep requires_grad as diffusers builds them: inference mode needs no grads, and
+    # matmul folds batch dims differently for weights that require grad (Mochi's decode differs in
+    # the last bits), so a pipeline's `vae.decode` is reproduced only with the same flags.
+    vae.eval()
     if entry_for(class_name).enable_tiling:
         vae.enable_tiling()  # its pipeline does, and its decode refuses to run otherwise
     spec = inspect_vae(vae, name or source, random_weights=random_weights, skipped_params=skipped)
@@ -122,7 +125,7 @@ def _materialise(vae: nn.Module) -> None:
     for module in vae.modules():
         for name, p in list(module._parameters.items()):
             if p is not None and p.is_meta:
-                module._parameters[name] = nn.Parameter(torch.empty_like(p, device="cpu"), requires_grad=False)
+                module._parameters[name] = nn.Parameter(torch.empty_like(p, device="cpu"), requires_grad=p.requires_grad)
 
 
 def _init_random(vae: nn.Module, seed: int) -> None:
