@@ -1,6 +1,6 @@
-"""Video decode side by side in one process: diffusers' own Wan decode vs our `lossless` (the
-bit-identical causal_cache walk) vs `high`, the time to the first streamed chunk, and decode
-memory untiled vs tiled.
+"""Causal video decoders (Wan2.1, Wan2.2, Qwen-Image) side by side in one process: diffusers' own
+decode vs our `lossless` (the bit-identical causal_cache walk) vs `high`, the time to the first
+streamed chunk, and decode memory untiled vs tiled.
 
 Rounds interleave the configurations so machine noise hits all alike; medians are printed.
 Presets use seeded random weights (they decode noise); speed does not depend on the weights.
@@ -156,7 +156,11 @@ def planned_memory(case: str, precision: str, bound_gib: float) -> list:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--cases", nargs="*", default=["tiny-wan:240x416:2", "wan2.1:240x416:2"])
+    parser.add_argument(
+        "--cases",
+        nargs="*",
+        default=["tiny-wan:240x416:2", "tiny-wan2.2:240x416:2", "wan2.1:240x416:2", "qwen-image:256x256:1"],
+    )
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--precision", default="fp32")
@@ -171,7 +175,7 @@ def main() -> None:
         rows.append(speed_case(case, args.device, args.precision, args.rounds))
         print(f"  done {case}", flush=True)
     print_table(
-        "Wan decode, batch 1 (median s): diffusers vs our lossless (bit-identical) vs high",
+        "causal video decode, batch 1 (median s): diffusers vs our lossless (bit-identical) vs high",
         ["model", "size", "precision", "diffusers s", "lossless s", "lossless speed-up", "bit-identical",
          "high s", "high speed-up", "max |high - diffusers|", "first chunk s", "first / whole"],
         rows,
