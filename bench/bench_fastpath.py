@@ -146,7 +146,9 @@ def main() -> None:
     parser.add_argument("--throughput", nargs="*", default=[], help="model:size for `high` images/s, e.g. sd:1024")
     parser.add_argument("--batches", nargs="*", type=int, default=[1, 4, 8])
     args = parser.parse_args()
-    cases = args.cases or (["sd:256"] if args.quick else ["sd:256", "sd:512", "flux:256", "flux2:256", "qwen-image:256"])
+    cases = args.cases or (
+        ["sd:256"] if args.quick else ["sd:256", "sd:512", "flux:256", "flux2:256", "qwen-image:256"]
+    )
     torch.backends.cudnn.benchmark = args.cudnn_benchmark
     print(
         f"torch {torch.__version__}, device {args.device}, {torch.get_num_threads()} CPU threads, "

@@ -4,7 +4,6 @@ for bit; video classes stream their frames; /health says how each model is decod
 
 import numpy as np
 import pytest
-import torch
 from ray import serve
 
 from tests.integration.conftest import TEST_DEPLOYMENT

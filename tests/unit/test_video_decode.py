@@ -225,3 +225,27 @@ def test_wan22_streams_through_the_walk_in_both_tiers(config):
             assert torch.equal(whole[0].output, reference)
         else:
             assert (whole[0].output - reference).abs().max() < 1e-3
+
+
+@pytest.mark.parametrize("config", ["wan2.2", "qwen-image"])
+def test_high_without_the_walk_runs_diffusers_forward_with_the_gated_rewrites(config):
+    """With `causal_cache` disabled both tiers run diffusers' own forward per chunk; `high` adds
+    the gated rewrites (channels-last decoder, fused norms) and must still hand Wan2.2's residual
+    up blocks their first-chunk flag through the patched forward."""
+    vae = wan(config, seed=2)
+    engine = engine_for(vae, fast_path={"disable": ["causal_cache"]})
+    assert engine.fast_path.installed and engine.fast_path.chunk_walks == {"lossless": None, "high": None}
+    z = latents(vae, (1 if config == "qwen-image" else 3, 3, 4), batch=1, seed=2)
+    with torch.inference_mode(), torch_threads(1):
+        reference = vae.decode(z).sample
+    if config == "qwen-image":  # an image model: its one frame
+        reference = reference[:, :, 0]
+    for quality in ("lossless", "high"):
+        with torch_threads(1):
+            request = DecodeRequest(z, quality=quality, output="float", scaling_factor=None)
+            (result,) = engine.decode([engine.prepare(request)])
+        assert result.quality == quality
+        if quality == "lossless":
+            assert torch.equal(result.output, reference)
+        else:
+            assert (result.output - reference).abs().max() < 1e-3

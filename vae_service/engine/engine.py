@@ -74,7 +74,7 @@ class DecodeEngine:
         # which a decode whose requests were all abandoned stops
         self._abandoned: threading.Event | None = None
         self._host_copies: list | None = None  # CUDA events of the host copies still running
-        self.vae.decoder.register_forward_pre_hook(self._stop_if_abandoned)
+        getattr(self.vae, "decoder", self.vae).register_forward_pre_hook(self._stop_if_abandoned)
 
     def chunk_decoder(self, quality: str, timestep: float | None = None):
         """Video latents: a function from decoder-input latents to output chunks, as `quality` runs

@@ -22,7 +22,7 @@ from vae_service.config import Limits
 from vae_service.engine.errors import InvalidInput, LimitExceeded
 from vae_service.engine.latent_forms import Form, to_decoder_layout
 from vae_service.engine.request import MODEL_DEFAULT, DecodeRequest
-from vae_service.models.normalisation import Denormaliser, Normalisation
+from vae_service.models.normalisation import Denormaliser, Normalisation, divide_and_shift
 from vae_service.models.spec import DEFAULT_DECODE_TIMESTEP, ModelSpec
 
 
@@ -184,9 +184,4 @@ class LatentScaling:
         own = norm if norm.kind == "factors" and not as_sent else Normalisation()
         scaling = own.scaling if request.scaling_factor is MODEL_DEFAULT else request.scaling_factor
         shift = own.shift if request.shift_factor is MODEL_DEFAULT else request.shift_factor
-        z = prepared.latents.to(device=device, dtype=self.dtype)
-        if scaling is not None:
-            z = z / scaling
-        if shift is not None:
-            z = z + shift
-        return z.contiguous()
+        return divide_and_shift(prepared.latents.to(device=device, dtype=self.dtype), scaling, shift).contiguous()

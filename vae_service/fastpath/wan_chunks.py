@@ -186,7 +186,7 @@ def _stock_chunks(vae: nn.Module, x: torch.Tensor) -> Iterator[torch.Tensor]:
     conv as `_decode` sets it up (Wan's decoder also takes `first_chunk`; Qwen-Image's does not)."""
     decoder = vae.decoder
     cache: list = [None] * sum(isinstance(m, nn.Conv3d) and hasattr(m, "_padding") for m in decoder.modules())
-    takes_first_chunk = "first_chunk" in inspect.signature(decoder.forward).parameters
+    takes_first_chunk = "first_chunk" in inspect.signature(type(decoder).forward).parameters
     for i in range(x.shape[2]):
         extra = {"first_chunk": i == 0} if takes_first_chunk else {}
         yield decoder(x[:, :, i : i + 1], feat_cache=cache, feat_idx=[0], **extra)

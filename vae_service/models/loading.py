@@ -125,7 +125,9 @@ def _materialise(vae: nn.Module) -> None:
     for module in vae.modules():
         for name, p in list(module._parameters.items()):
             if p is not None and p.is_meta:
-                module._parameters[name] = nn.Parameter(torch.empty_like(p, device="cpu"), requires_grad=p.requires_grad)
+                module._parameters[name] = nn.Parameter(
+                    torch.empty_like(p, device="cpu"), requires_grad=p.requires_grad
+                )
 
 
 def _init_random(vae: nn.Module, seed: int) -> None:

@@ -62,6 +62,13 @@ def _opt(shift: float | None) -> str | None:
     return None if shift is None else str(shift)
 
 
+def divide_and_shift(z: torch.Tensor, scaling: float | None, shift: float | None) -> torch.Tensor:
+    """`z / scaling + shift`, each step skipped where its factor is None."""
+    if scaling is not None:
+        z = z / scaling
+    return z if shift is None else z + shift
+
+
 def factors(scaling: float | None, shift: float | None = None) -> Normalisation:
     return Normalisation("factors" if scaling is not None or shift is not None else "none", scaling, shift)
 
@@ -109,9 +116,7 @@ class Denormaliser:
         if kind == "none":
             return z
         if kind == "factors":
-            if n.scaling is not None:
-                z = z / n.scaling
-            return z if n.shift is None else z + n.shift
+            return divide_and_shift(z, n.scaling, n.shift)
         if kind == "reciprocal_scaling":
             return 1 / n.scaling * z
         if kind == "batch_norm":
