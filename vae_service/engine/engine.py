@@ -127,7 +127,7 @@ class DecodeEngine:
             "precision": self.precision,
             "device": str(self.device),
             "cpu_threads": self.cpu_threads,
-            "tiers": {q: self._tier(q) for q in QUALITIES},
+            "tiers": sorted({self._tier(q) for q in QUALITIES}, key=QUALITIES.index),  # high -> lossless without it
             "fast_path": self.fast_path.describe(),
             "limits": self.limits.model_dump(),
             "decode_mflop_per_pixel": round(self.flops_per_pixel / 1e6, 3),
