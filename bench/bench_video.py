@@ -24,6 +24,7 @@ from _common import print_table
 from vae_service.config import Limits, ServiceConfig
 from vae_service.engine import DecodeEngine, DecodeRequest
 from vae_service.engine.memory import LiveBytes
+from vae_service.fastpath.wan_chunks import decode_chunks
 
 
 def _sync(device: torch.device) -> None:
@@ -54,8 +55,10 @@ def speed_case(case: str, device: str, precision: str, rounds: int) -> list:
     gate = engine.fast_path.gate
 
     def stock():
+        """diffusers' decoder forward per latent frame with its feature cache, as `_decode` runs it
+        (`vae.decode` itself needs the encoder, which a decode service never loads, for Qwen-Image)."""
         with gate.use(False):
-            return engine.vae.decode(z).sample
+            return torch.cat(list(decode_chunks(engine.vae, z, None)), 2)
 
     def ours(quality):
         def run():

@@ -49,12 +49,13 @@ def _config_from(args: argparse.Namespace) -> ServiceConfig:
         sys.exit(f"invalid configuration:\n{exc}")
 
 
-def _example_shape(config: ServiceConfig) -> str:
-    from vae_service.models import PRESETS
-
-    preset = PRESETS.get(config.model)
-    # about 128 px: a few seconds even for the full-size presets on a 2-core CPU
-    return preset.example_latent if preset else "1x4x16x16"
+def _example_shape(health: dict) -> str:
+    """Latents of about 128 px for the served model (a few seconds even for the full-size presets
+    on a 2-core CPU), from the geometry its replica traced."""
+    geometry = health["geometry"]
+    side = max(geometry["min_latent_side"], 128 // geometry["spatial_scale"])
+    frames = geometry.get("min_latent_frames", 1)
+    return "x".join(map(str, [1, geometry["latent_channels"], *([frames] if frames > 1 else []), side, side]))
 
 
 def _warn_about_exposure(config: ServiceConfig, host: str, grpc_port: int) -> None:
@@ -113,7 +114,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
     if args.grpc_port:
         print(f"gRPC vae_service.v1.VaeDecoder at {args.host}:{args.grpc_port} (metadata application=vae)")
     print("Try it (random latents -> PNGs in ./out):")
-    print(f"  vae-service decode --url {url} --random-latents {_example_shape(config)} --out out\n")
+    example = _example_shape(serve.get_app_handle("vae").describe.remote().result())
+    print(f"  vae-service decode --url {url} --random-latents {example} --out out\n")
     print("Ctrl-C to stop.", flush=True)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

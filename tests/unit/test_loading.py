@@ -172,3 +172,26 @@ def test_a_loaded_folder_decodes_as_the_model_that_saved_it(tmp_path, name):
     z = latents(case, batch=2, seed=6)
     with torch_threads(1):
         assert torch.equal(decode_alone(loaded.vae, case, z), decode_alone(vae, case, z))
+
+
+def test_a_class_whose_decode_reads_its_encoder_keeps_it(tmp_path, monkeypatch, kl_vae):
+    """Where `decode` reaches into the encoder (as Qwen-Image's `vae.decode` counts its encoder's
+    convs), dropping it would fail every request: the meta trace finds that at load and the encoder
+    is loaded too. (A subclass injects the fault; the weights are a real saved AutoencoderKL.)"""
+    import diffusers
+
+    class EncoderCountingKL(diffusers.AutoencoderKL):
+        def decode(self, z, *args, **kwargs):
+            self._encoder_convs = sum(1 for _ in self.encoder.modules())
+            return super().decode(z, *args, **kwargs)
+
+    monkeypatch.setattr(diffusers, "EncoderCountingKL", EncoderCountingKL, raising=False)
+    kl_vae.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "_class_name": "EncoderCountingKL"}))
+    loaded = load_vae(str(tmp_path))
+    assert loaded.vae.encoder is not None and loaded.spec.skipped_params == 0
+    assert loaded.spec.path == "generic"
+    z = torch.randn(1, 4, 3, 5)
+    with torch.inference_mode():
+        assert torch.equal(loaded.vae.decode(z).sample, kl_vae.decode(z).sample)

@@ -24,11 +24,10 @@ from torch import nn
 from vae_service.models.catalog import CLASSES, REFUSED, entry_for
 from vae_service.models.errors import ModelLoadError
 from vae_service.models.presets import PRESETS
-from vae_service.models.spec import ModelSpec, inspect_vae
+from vae_service.models.spec import ENCODER_SIDE, ModelSpec, geometry_of, inspect_vae
 
 log = logging.getLogger(__name__)
 
-ENCODER_SIDE = ("encoder", "quant_conv")  # used by `encode` only
 _NORM_TYPES = (nn.GroupNorm, nn.LayerNorm, nn.BatchNorm2d)
 
 
@@ -105,15 +104,28 @@ def _autoencoder_class(class_name: str) -> type:
     return cls
 
 
+def _droppable(cls: type, config: dict) -> tuple[str, ...]:
+    """The encoder-side modules this class decodes without: all of them, unless its decode reaches
+    into them (Qwen-Image's `vae.decode` counts its encoder's convs), then none."""
+    try:
+        geometry_of(cls, config, ENCODER_SIDE)
+    except ModelLoadError:
+        geometry_of(cls, config)  # raises where the class does not trace at all
+        log.info("%s's decode uses its encoder-side modules: they are loaded too", cls.__name__)
+        return ()
+    return ENCODER_SIDE
+
+
 def _build_decoder_only(class_name: str, config: dict) -> tuple[nn.Module, int]:
     cls = _autoencoder_class(class_name)
+    config = {k: v for k, v in config.items() if not k.startswith("_")}
     try:
         with _parameters_on_meta():
-            vae = cls.from_config({k: v for k, v in config.items() if not k.startswith("_")})
+            vae = cls.from_config(config)
     except Exception as exc:
         raise ModelLoadError(f"model: {class_name} cannot be built from this config: {exc}") from exc
     skipped = 0
-    for part in ENCODER_SIDE:
+    for part in _droppable(cls, dict(vae.config)):
         module = getattr(vae, part, None)
         if isinstance(module, nn.Module):
             skipped += sum(p.numel() for p in module.parameters())

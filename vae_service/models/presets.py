@@ -83,7 +83,6 @@ class Preset:
     class_name: str
     config: dict = field(hash=False)
     description: str
-    example_latent: str = "1x4x16x16"  # what `make serve` prints to try (128 px for an 8x decoder)
 
 
 PRESETS: dict[str, Preset] = {
@@ -114,21 +113,18 @@ PRESETS: dict[str, Preset] = {
                 use_post_quant_conv=False,
             ),
             "FLUX.1 VAE (16 latent channels, 8x, no quant convs)",
-            "1x16x16x16",
         ),
         Preset(
             "flux2",
             "AutoencoderKLFlux2",
             {},
             "FLUX.2 VAE (32 latent channels, 8x; the denoiser's latents 2x2-patchified, BatchNorm-normalised)",
-            "1x32x16x16",
         ),
         Preset(
             "qwen-image",
             "AutoencoderKLQwenImage",
             {},
             "Qwen-Image VAE (a Wan-style causal video decoder, 16 latent channels, one frame: images)",
-            "1x16x16x16",
         ),
         Preset(
             "wan2.1",
@@ -144,66 +140,55 @@ PRESETS: dict[str, Preset] = {
                 latents_std=WAN21_LATENTS_STD,
             ),
             "Wan2.1 video VAE (16 latent channels, 8x spatial, 4x temporal)",
-            "1x16x2x16x16",
         ),
         Preset(
             "wan2.2",
             "AutoencoderKLWan",
             _WAN22,
             "Wan2.2-TI2V-5B video VAE (48 latent channels, 16x spatial with a 2x2-patchified output, 4x temporal)",
-            "1x48x2x8x8",
         ),
         Preset(
             "hunyuan-video",
             "AutoencoderKLHunyuanVideo",
             {},
             "HunyuanVideo VAE (16 latent channels, 8x spatial, 4x temporal)",
-            "1x16x2x16x16",
         ),
         Preset(
             "hunyuan-video-1.5",
             "AutoencoderKLHunyuanVideo15",
             {},
             "HunyuanVideo 1.5 VAE (32 latent channels, 16x spatial, 4x temporal)",
-            "1x32x2x8x8",
         ),
         Preset(
             "ltx-video",
             "AutoencoderKLLTXVideo",
             {},
             "LTX-Video 0.9.0 VAE (128 latent channels, 32x spatial, 8x temporal)",
-            "1x128x2x4x4",
         ),
         Preset(
             "ltx-2",
             "AutoencoderKLLTX2Video",
             {"spatial_compression_ratio": 32, "temporal_compression_ratio": 8},
             "LTX-2 video VAE (128 latent channels, 32x spatial, 8x temporal)",
-            "1x128x2x4x4",
         ),
         Preset(
             "cogvideox",
             "AutoencoderKLCogVideoX",
             {},
             "CogVideoX VAE (16 latent channels, 8x spatial, 4x temporal)",
-            "1x16x2x16x16",
         ),
-        Preset(
-            "mochi", "AutoencoderKLMochi", {}, "Mochi VAE (12 latent channels, 8x spatial, 6x temporal)", "1x12x2x16x16"
-        ),
+        Preset("mochi", "AutoencoderKLMochi", {}, "Mochi VAE (12 latent channels, 8x spatial, 6x temporal)"),
         Preset(
             "sana",
             "AutoencoderDC",
             {"scaling_factor": 0.41407},
             "SANA's DC-AE (32 latent channels, 32x)",
-            "1x32x4x4",
         ),
         Preset(
             "cosmos",
             "AutoencoderKLCosmos",
             {},
             "Cosmos 1 video VAE (16 latent channels, 8x spatial, 8x temporal)",
-            "1x16x2x16x16",
         ),
         Preset(
             "tiny-kl",
@@ -216,7 +201,6 @@ PRESETS: dict[str, Preset] = {
             "AutoencoderKLFlux2",
             dict(_TINY_KL_BLOCKS, latent_channels=8),
             "tiny AutoencoderKLFlux2 (8x, 2x2-patchified BatchNorm-normalised latents) for tests and demos",
-            "1x8x16x16",
         ),
         Preset(
             "tiny-wan",
@@ -247,7 +231,6 @@ PRESETS: dict[str, Preset] = {
                 latents_std=WAN22_LATENTS_STD[:8],
             ),
             "tiny Wan2.2-style AutoencoderKLWan (residual up blocks, 16x with a patchified output) for tests",
-            "1x8x2x8x8",
         ),
         Preset(
             "tiny-qwen-image",
@@ -283,14 +266,12 @@ PRESETS: dict[str, Preset] = {
                 patch_size_t=1,
             ),
             "tiny timestep-conditioned AutoencoderKLLTXVideo (32x spatial, 8x temporal) for tests and demos",
-            "1x8x2x2x2",
         ),
         Preset(
             "tiny-hunyuan-video",
             "AutoencoderKLHunyuanVideo",
             dict(block_out_channels=[8, 16, 16, 16], layers_per_block=1, norm_num_groups=4, latent_channels=4),
             "tiny AutoencoderKLHunyuanVideo (8x spatial, 4x temporal) for tests and demos",
-            "1x4x2x8x8",
         ),
     ]
 }

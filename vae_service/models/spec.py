@@ -16,6 +16,7 @@ from vae_service.models.geometry import Geometry, trace_geometry
 from vae_service.models.normalisation import Normalisation
 
 DEFAULT_DECODE_TIMESTEP = 0.0  # LTX pipelines' default `decode_timestep`
+ENCODER_SIDE = ("encoder", "quant_conv")  # modules `encode` uses; a decode service drops them
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,12 @@ def decoded_pixels(vae: nn.Module, z: torch.Tensor, timestep: torch.Tensor | Non
 
 
 def _meta_decode(vae: nn.Module, z: torch.Tensor) -> torch.Tensor:
+    """What the service runs: causal decoders through diffusers' decoder forward per latent frame
+    (as `_decode` does, without the encoder bookkeeping of `vae.decode`), others through `decode`."""
+    if entry_for(type(vae).__name__).path == "causal_walk":
+        from vae_service.fastpath.wan_chunks import decode_chunks
+
+        return torch.cat(list(decode_chunks(vae, z, None)), 2)
     timestep = torch.zeros(z.shape[0], device=z.device, dtype=z.dtype) if timestep_conditioned(vae) else None
     return decoded_pixels(vae, z, timestep)
 
@@ -88,33 +95,42 @@ def timestep_conditioned(vae: nn.Module) -> bool:
     return getattr(getattr(vae, "decoder", None), "time_embedder", None) is not None
 
 
+def dropped_parts(vae: nn.Module) -> tuple[str, ...]:
+    return tuple(part for part in ENCODER_SIDE if getattr(vae, part, None) is None)
+
+
 def meta_twin(vae: nn.Module) -> nn.Module:
-    """The same architecture on the meta device: shapes without memory or compute."""
-    return _twin(type(vae), dict(vae.config))
+    """The same architecture on the meta device, without the modules the model dropped: shapes
+    without memory or compute."""
+    return _twin(type(vae), dict(vae.config), dropped_parts(vae))
 
 
-def _twin(cls: type, config: dict) -> nn.Module:
+def _twin(cls: type, config: dict, dropped: tuple[str, ...]) -> nn.Module:
     with torch.device("meta"):
         twin = cls.from_config(config)
     twin = nn.Module.to(twin, "meta")  # parameters some classes build with torch.Tensor(data), on the CPU
+    for part in dropped:
+        if hasattr(twin, part):
+            setattr(twin, part, None)
     if entry_for(cls.__name__).enable_tiling:
         twin.enable_tiling()
     return twin.eval()
 
 
-def geometry_of(cls: type, config: dict) -> Geometry:
-    """The geometry of `cls` built from `config`, traced on the meta device (no weights)."""
-    return _traced(cls, json.dumps(config, sort_keys=True, default=str))
+def geometry_of(cls: type, config: dict, dropped: tuple[str, ...] = ()) -> Geometry:
+    """The geometry of `cls` built from `config` without the `dropped` modules, traced on the meta
+    device (no weights). Raises ModelLoadError where it does not trace."""
+    return _traced(cls, json.dumps(config, sort_keys=True, default=str), dropped)
 
 
 @lru_cache(maxsize=64)
-def _traced(cls: type, config_json: str) -> Geometry:
+def _traced(cls: type, config_json: str, dropped: tuple[str, ...]) -> Geometry:
     """One trace per architecture and process: the modules are built from the config, so equal
     configs have equal geometry (engines of one model, tests)."""
     config = json.loads(config_json)
     hints = tuple(int(config[k]) for k in ("latent_channels", "z_dim") if isinstance(config.get(k), int))
     single_frame = entry_for(cls.__name__).media == "image"
-    return trace_geometry(_twin(cls, config), _meta_decode, hints, single_frame=single_frame)
+    return trace_geometry(_twin(cls, config, dropped), _meta_decode, hints, single_frame=single_frame)
 
 
 def inspect_vae(
@@ -128,7 +144,7 @@ def inspect_vae(
     class_name = type(vae).__name__
     entry = entry_for(class_name)
     config = dict(vae.config)
-    geometry = geometry_of(type(vae), config)
+    geometry = geometry_of(type(vae), config, dropped_parts(vae))
     try:
         normalisation = entry.normalisation(config)
     except (KeyError, TypeError) as exc:
