@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 import diffusers
 import torch
 
+from vae_service.models.presets import PRESETS
+
 _KL_BLOCKS = dict(down_block_types=["DownEncoderBlock2D"] * 4, up_block_types=["UpDecoderBlock2D"] * 4, sample_size=64)
 
 
@@ -100,22 +102,6 @@ class Case:
         return len(self.latent) == 4 and self.cls != "AutoencoderKLQwenImage"
 
 
-_LTX_TIMESTEP = dict(
-    block_out_channels=[8, 16, 16, 16],
-    decoder_block_out_channels=[8, 16, 32],
-    layers_per_block=[1, 1, 1, 1, 1],
-    decoder_layers_per_block=[1, 1, 1, 1],
-    spatio_temporal_scaling=[True, True, True, False],
-    decoder_spatio_temporal_scaling=[True, True, True],
-    decoder_inject_noise=[False, False, False, False],
-    upsample_residual=[True, True, True],
-    upsample_factor=[2, 2, 2],
-    timestep_conditioning=True,
-    patch_size=4,
-    patch_size_t=1,
-    scaling_factor=0.75,
-)
-
 CASES = [
     Case("flux2", "AutoencoderKLFlux2", dict(_KL_BLOCKS, block_out_channels=[8, 16, 16, 16], layers_per_block=1,
          norm_num_groups=4, latent_channels=8), (32, 3, 5), _flux2),
@@ -143,8 +129,8 @@ CASES = [
          decoder_spatio_temporal_scaling=[True, True, True, False], decoder_inject_noise=[False] * 5,
          upsample_residual=[False] * 4, upsample_factor=[1] * 4, timestep_conditioning=False, patch_size=4,
          patch_size_t=1, scaling_factor=0.5), (8, 2, 3, 5), _ltx),
-    Case("ltx-video-timestep", "AutoencoderKLLTXVideo", dict(_LTX_TIMESTEP, latent_channels=8), (8, 2, 1, 3), _ltx,
-         timestep=0.05),
+    Case("ltx-video-timestep", "AutoencoderKLLTXVideo", dict(PRESETS["tiny-ltx-video"].config, scaling_factor=0.75),
+         (8, 2, 1, 3), _ltx, timestep=0.05),
     Case("ltx-2", "AutoencoderKLLTX2Video", dict(latent_channels=8, block_out_channels=[8, 16, 16, 16],
          decoder_block_out_channels=[8, 16, 32], layers_per_block=[1, 1, 1, 1, 1],
          decoder_layers_per_block=[1, 1, 1, 1], patch_size=4, patch_size_t=1, spatial_compression_ratio=32,

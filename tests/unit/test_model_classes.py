@@ -226,3 +226,19 @@ def test_lossless_in_bf16_normalises_in_the_pipelines_dtype(name, dtype):
         expected = decode_alone(vae, replace(case, normalise=lambda vae, z: z), normalised)
     result = decode(engine, z)
     assert result.precision == "bf16" and torch.equal(result.output, expected)
+
+
+def test_imagenet_normalised_pixels_become_uint8_as_their_pipeline_maps_them():
+    """MiniMax-H3's decoder outputs ImageNet-normalised pixels; its pipeline maps them back with
+    ImageNet's mean and std and clamps to [0, 1]: uint8 follows that, `float` stays the decoder's."""
+    case = BY_NAME["minimax-h3"]
+    engine = engine_for(build(case), case.name)
+    z = latents(case, batch=1, seed=8)
+    raw = decode(engine, z).output  # [B, 3, T, H, W] float
+    with torch_threads(1):
+        (pixels,) = engine.decode([engine.prepare(DecodeRequest(z))])
+    std = torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1, 1)
+    mean = torch.tensor([0.485, 0.456, 0.406]).view(1, 3, 1, 1, 1)
+    expected = ((raw.float() * std + mean).clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 4, 1)
+    assert pixels.output.dtype == torch.uint8 and torch.equal(pixels.output, expected)
+    assert engine.describe()["pixels"] == "imagenet"

@@ -3,8 +3,8 @@ pixels an encoder turns into files (engine/encoding.py), and its copy to the hos
 
 uint8 follows diffusers' VaeImageProcessor exactly: (x / 2 + 0.5).clamp(0, 1) * 255, rounded,
 computed in fp32, on the decoding device (a quarter of the bytes to copy to the host). Decoders
-whose pixels are not in [-1, 1] say so in the catalog (`pixels`): [0, 1] (RAE) or ImageNet-
-normalised (MiniMax-H3, whose pipeline maps them back with ImageNet's mean and std).
+whose pixels are not in [-1, 1] say so in the catalog (`pixels`): ImageNet-normalised ones
+(MiniMax-H3, whose pipeline maps them back with ImageNet's mean and std).
 
 On CUDA the copy goes to pinned host memory. With `pending` the copy is only queued: its event
 is appended there and the caller must wait on it before reading the tensor; the device thread
@@ -22,8 +22,6 @@ def _unit(decoded: torch.Tensor, pixels: PixelRange) -> torch.Tensor:
     """The decoder's pixels in [0, 1] (before clamping), as a new fp32 tensor."""
     if pixels == "signed":
         return (decoded.float() / 2).add_(0.5)
-    if pixels == "unit":
-        return decoded.float().clone()
     shape = (1, 3) + (1,) * (decoded.dim() - 2)
     std = torch.tensor(IMAGENET_STD, device=decoded.device).view(shape)
     return (decoded.float() * std).add_(torch.tensor(IMAGENET_MEAN, device=decoded.device).view(shape))

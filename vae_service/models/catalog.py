@@ -25,7 +25,7 @@ from vae_service.models.normalisation import Normalisation, factors
 
 Path = Literal["image_kl", "causal_walk", "generic"]
 Media = Literal["image", "video"]
-PixelRange = Literal["signed", "unit", "imagenet"]  # [-1, 1]; [0, 1]; ImageNet-normalised
+PixelRange = Literal["signed", "imagenet"]  # [-1, 1]; ImageNet-normalised
 
 
 def _config_factors(config: dict) -> Normalisation:
@@ -153,7 +153,6 @@ CLASSES: dict[str, ClassEntry] = {
         normalisation=_reciprocal, pipeline="AllegroPipeline", frames_first_output=True, enable_tiling=True
     ),
     "AutoencoderKLMagvit": ClassEntry(normalisation=_reciprocal, pipeline="EasyAnimatePipeline"),
-    "AutoencoderRAE": ClassEntry(normalisation=lambda config: Normalisation(), pixels="unit"),
 }
 
 REFUSED: dict[str, str] = {

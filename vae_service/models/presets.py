@@ -67,6 +67,16 @@ _WAN22 = dict(
     latents_mean=WAN22_LATENTS_MEAN,
     latents_std=WAN22_LATENTS_STD,
 )
+_TINY_WAN = dict(
+    base_dim=8,
+    z_dim=4,
+    dim_mult=[1, 2, 2, 2],
+    num_res_blocks=1,
+    attn_scales=[],
+    temperal_downsample=[False, True, True],
+    latents_mean=[-0.5, 0.25, 0.1, 0.9],
+    latents_std=[2.0, 1.5, 1.25, 2.5],
+)
 _TINY_KL_BLOCKS = dict(
     block_out_channels=[16, 32, 32, 32],
     down_block_types=["DownEncoderBlock2D"] * 4,
@@ -205,16 +215,7 @@ PRESETS: dict[str, Preset] = {
         Preset(
             "tiny-wan",
             "AutoencoderKLWan",
-            dict(
-                base_dim=8,
-                z_dim=4,
-                dim_mult=[1, 2, 2, 2],
-                num_res_blocks=1,
-                attn_scales=[],
-                temperal_downsample=[False, True, True],
-                latents_mean=[-0.5, 0.25, 0.1, 0.9],
-                latents_std=[2.0, 1.5, 1.25, 2.5],
-            ),
+            _TINY_WAN,
             "tiny AutoencoderKLWan (8x spatial, 4x temporal) for tests and demos",
         ),
         Preset(
@@ -235,16 +236,7 @@ PRESETS: dict[str, Preset] = {
         Preset(
             "tiny-qwen-image",
             "AutoencoderKLQwenImage",
-            dict(
-                base_dim=8,
-                z_dim=4,
-                dim_mult=[1, 2, 2, 2],
-                num_res_blocks=1,
-                attn_scales=[],
-                temperal_downsample=[False, True, True],
-                latents_mean=[-0.5, 0.25, 0.1, 0.9],
-                latents_std=[2.0, 1.5, 1.25, 2.5],
-            ),
+            _TINY_WAN,
             "tiny AutoencoderKLQwenImage (8x, one frame) for tests and demos",
         ),
         Preset(

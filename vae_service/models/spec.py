@@ -70,6 +70,8 @@ class ModelSpec:
         }
         if self.timestep_conditioned:
             found["decode_timestep_default"] = DEFAULT_DECODE_TIMESTEP
+        if entry.notes:
+            found["notes"] = list(entry.notes)
         return found
 
 
