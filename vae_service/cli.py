@@ -261,7 +261,7 @@ def main(argv: list[str] | None = None) -> None:
     dec.add_argument(
         "--url", default="http://127.0.0.1:8000", help="the service (bearer token: $VAE_SERVICE_AUTH_TOKEN)"
     )
-    dec.add_argument("--quality", default="lossless", choices=["lossless", "high"])
+    dec.add_argument("--quality", default="lossless", choices=["lossless", "high", "preview"])
     dec.add_argument("--format", default="png", choices=["png", "jpeg"])
     dec.add_argument("--video", action="store_true", help="ask for mp4 (video models)")
     dec.add_argument(
@@ -277,7 +277,7 @@ def main(argv: list[str] | None = None) -> None:
     bench_p.add_argument("--size", type=int, default=256, help="output pixels per side")
     bench_p.add_argument("--batch", type=int, default=1)
     bench_p.add_argument("--frames", type=int, default=1, help="latent frames (video models)")
-    bench_p.add_argument("--quality", default="lossless", choices=["lossless", "high"])
+    bench_p.add_argument("--quality", default="lossless", choices=["lossless", "high", "preview"])
     bench_p.add_argument("--repeat", type=int, default=3)
     bench_p.set_defaults(func=cmd_bench)
 

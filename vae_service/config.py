@@ -9,7 +9,7 @@ field and the allowed values.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -127,6 +127,19 @@ class ServiceConfig(BaseModel):
     cpu_threads: int | None = Field(None, gt=0, description="torch threads on CPU; default: all cores")
     fast_path: FastPath = FastPath()
     encoding: Encoding = Encoding()
+    preview_decoder: str | None = Field(
+        None,
+        description="local diffusers AutoencoderTiny folder (e.g. TAESD) that decodes the `preview` tier "
+        "(default: a linear latent-to-RGB map)",
+    )
+    preview_rgb_factors: list[Annotated[list[float], Field(min_length=3, max_length=3)]] | None = Field(
+        None,
+        description="the `preview` tier's linear map: one [R, G, B] row per latent channel, applied to the "
+        "decoder's input latents (default: fitted to the model's own decoder at start-up)",
+    )
+    preview_rgb_bias: Annotated[list[float], Field(min_length=3, max_length=3)] | None = Field(
+        None, description="[R, G, B] added by the linear preview map (with preview_rgb_factors; default 0)"
+    )
     auth_token_file: str | None = Field(
         None,
         description="file holding the bearer token HTTP and gRPC callers must send (default: the "

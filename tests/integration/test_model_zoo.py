@@ -73,6 +73,18 @@ def test_video_classes_stream_their_frames(zoo, grpc_target, name):
     assert whole.shape[1] == expected_of(vaes, name, z).shape[2]
 
 
+@pytest.mark.parametrize("name", SERVED)
+def test_every_model_answers_previews(zoo, name):
+    url, _ = zoo
+    case = BY_NAME[name]
+    z = latents(case, batch=2, seed=24)
+    with VaeClient(url) as client:
+        preview = client.decode(z, model=name, quality="preview", decode_timestep=case.timestep)
+        full = client.decode(z, model=name, decode_timestep=case.timestep)
+    assert preview.quality == "preview" and preview.output.shape == full.output.shape
+    assert preview.output.dtype == full.output.dtype and not (preview.output == full.output).all()
+
+
 def test_high_on_a_model_without_a_fast_path_says_lossless(zoo):
     url, vaes = zoo
     z = latents(BY_NAME["mochi"], batch=1, seed=23)

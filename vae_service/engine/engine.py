@@ -8,6 +8,8 @@ Tier decisions live here and only here:
   conv already differs in the last bits).
 - `high` decodes the batch in one call with the fast path's gate on (see fastpath/). A model
   without a fast path answers `high` requests with `lossless`, and says so in the answer.
+- `preview` maps the batch's latents to pixels with a linear map or a tiny decoder
+  (engine/preview.py), never tiled, never with the VAE.
 
 The model's decode path (models/catalog.py) decides how: `image_kl` through `vae.decode`;
 `causal_walk` one latent frame at a time by the chunk walk; `generic` through the class's own
@@ -35,6 +37,7 @@ from vae_service.engine.memory import MemoryModel, measure
 from vae_service.engine.memory_plan import decode_bound, peak_bytes, plan_memory
 from vae_service.engine.postprocess import postprocess
 from vae_service.engine.precision import PRECISION_NAMES, resolve_device, resolve_dtype
+from vae_service.engine.preview import LinearPreview, Preview, calibration_latents, fit_linear_preview, frame_counts
 from vae_service.engine.request import QUALITIES, DecodeRequest
 from vae_service.engine.result import DecodeResult, Timing
 from vae_service.engine.tiling import TileGrid, tiled_chunks, tiled_image
@@ -70,6 +73,7 @@ class DecodeEngine:
         except ValueError as exc:
             raise ModelLoadError(f"model: {self.spec.class_name}'s latent statistics: {exc}") from exc
         self.memory: MemoryModel = measure(twin, self.dtype, self.spec, self._meta_decode)
+        self.preview = self._build_preview(config)
         # the decoder runs once per item (lossless) and once per latent frame (Wan): the step at
         # which a decode whose requests were all abandoned stops
         self._abandoned: threading.Event | None = None
@@ -89,6 +93,44 @@ class DecodeEngine:
         """The class's own decode (`temb` for timestep-conditioned decoders, in the latents' dtype)."""
         temb = None if timestep is None else torch.full((z.shape[0],), timestep, dtype=z.dtype, device=z.device)
         return decoded_pixels(vae, z, temb)
+
+    def _build_preview(self, config: ServiceConfig) -> Preview:
+        spec, scale = self.spec, self.spec.spatial_scale
+        if config.preview_decoder:
+            tiny = load_vae(config.preview_decoder, name="preview")
+            found = (tiny.spec.latent_channels, tiny.spec.spatial_scale, tiny.spec.geometry.video_latents)
+            if found != (spec.latent_channels, scale, False):
+                raise ModelLoadError(
+                    f"preview_decoder: decodes {found[0]}-channel {'video' if found[2] else 'image'} latents "
+                    f"at {found[1]}x; model '{spec.name}' needs {spec.latent_channels} channels at {scale}x"
+                )
+            tiny_vae = torch.nn.Module.to(tiny.vae, device=self.device, dtype=self.dtype)
+            return Preview(
+                lambda z: decoded_pixels(tiny_vae, z), LatentScaling(tiny.spec, tiny_vae, self.dtype), "tiny decoder"
+            )
+        if config.preview_rgb_factors is not None:
+            if len(config.preview_rgb_factors) != spec.latent_channels:
+                raise ModelLoadError(
+                    f"preview_rgb_factors: {len(config.preview_rgb_factors)} rows for {spec.latent_channels} "
+                    f"latent channels of model '{spec.name}'"
+                )
+            bias = torch.tensor(config.preview_rgb_bias or [0.0, 0.0, 0.0])
+            linear = LinearPreview(torch.tensor(config.preview_rgb_factors), bias, scale)
+            return Preview.of_linear(linear.to(self.device), self._scaling, "linear (configured)")
+        side = max(8, spec.geometry.min_latent_side)
+        frames = spec.geometry.min_latent_frames
+        z = calibration_latents(spec.latent_channels, self.chunked, side, self.dtype)
+        if self.chunked and frames > 1:  # a decoder that needs several latent frames: calibrate on its first
+            z = z.expand(-1, -1, frames, -1, -1).contiguous()
+        with torch.inference_mode():
+            linear = fit_linear_preview(self._decode_calibration, z.to(self.device), self._scaling.model.apply, scale)
+        return Preview.of_linear(linear.to(self.device), self._scaling, "linear (fitted at start-up)")
+
+    def _decode_calibration(self, z: torch.Tensor) -> torch.Tensor:
+        timestep = 0.0 if self.spec.timestep_conditioned else None
+        if self.chunked:
+            return torch.cat(list(self.chunk_decoder("lossless", timestep)(z)), 2)
+        return torch.cat([self._pixels(self.vae, item, timestep) for item in z.split(1)])
 
     def _meta_decode(self, meta_vae, z: torch.Tensor):
         timestep = 0.0 if self.spec.timestep_conditioned else None
@@ -128,6 +170,7 @@ class DecodeEngine:
             "device": str(self.device),
             "cpu_threads": self.cpu_threads,
             "tiers": sorted({self._tier(q) for q in QUALITIES}, key=QUALITIES.index),  # high -> lossless without it
+            "preview": self.preview.kind,
             "fast_path": self.fast_path.describe(),
             "limits": self.limits.model_dump(),
             "decode_mflop_per_pixel": round(self.flops_per_pixel / 1e6, 3),
@@ -140,6 +183,8 @@ class DecodeEngine:
         Raises InvalidInput."""
         if request.quality != self._tier(request.quality):
             request = replace(request, quality=self._tier(request.quality))
+        if request.quality == "preview":  # no decoder work, no tiles
+            return prepare(request, self.spec, self.limits, 0.0)
         prepared = prepare(request, self.spec, self.limits, self.flops_per_pixel)
         grid = plan_memory(prepared, self.memory, self.decode_bound())
         return prepared if grid is None else replace(prepared, tile=grid)
@@ -174,7 +219,8 @@ class DecodeEngine:
             raise ValueError(f"a batch must share one (tier, shape, dtype) key, got {sorted(map(str, keys))}")
         quality = batch[0].request.quality
         start = time.perf_counter()
-        latents = [self._scaling.to_decoder_input(r, self.device) for r in batch]
+        scaling = self.preview.scaling if quality == "preview" else self._scaling
+        latents = [scaling.to_decoder_input(r, self.device) for r in batch]
         with torch.inference_mode(), self.fast_path.gate.use(quality == "high"):
             try:
                 outputs, tiled = self._decode_batch(batch, latents, force_tiles=False)
@@ -207,7 +253,9 @@ class DecodeEngine:
         if self.chunked:
             return self._decode_video(batch, latents, grids), tiled
         quality = batch[0].request.quality
-        if quality == "lossless":
+        if quality == "preview":
+            decoded = list(self.preview.image(torch.cat(latents)).split([z.shape[0] for z in latents]))
+        elif quality == "lossless":
             decoded = [self._decode_each_alone(z, batch[0].timestep) for z in latents]
         elif self._together(batch, grids):
             decoded = self._decode_together(latents)
@@ -220,7 +268,13 @@ class DecodeEngine:
 
     def _decode_video(self, batch: list[PreparedRequest], latents: list[torch.Tensor], grids: list) -> list:
         quality = batch[0].request.quality
-        plain, scale = self.chunk_decoder(quality, batch[0].timestep), self.spec.spatial_scale
+        scale = self.spec.spatial_scale
+        if quality == "preview":
+            law = self.spec.geometry.frames.law if self.spec.geometry.frames else None
+            counts = frame_counts(batch[0].frames, batch[0].latent_frames, law)
+            plain = lambda z: self.preview.chunks(z, counts)  # noqa: E731
+        else:
+            plain = self.chunk_decoder(quality, batch[0].timestep)
 
         def chunks_for(grid: TileGrid | None):
             return plain if grid is None else lambda z: tiled_chunks(z, grid, scale, plain)
@@ -229,8 +283,8 @@ class DecodeEngine:
             self._stop_if_abandoned(None, None)
 
         pixels, pending = self.spec.entry.pixels, self._host_copies
-        if quality == "lossless" or self._together(batch, grids):
-            together = quality == "high"
+        if quality == "lossless" or quality == "preview" or self._together(batch, grids):
+            together = quality != "lossless"
             outputs = decode_video(batch, latents, together, chunks_for(grids[0]), checkpoint, pending, pixels)
         else:
             outputs = [

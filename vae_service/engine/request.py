@@ -12,7 +12,7 @@ import torch
 
 from vae_service.engine.errors import InvalidInput
 
-QUALITIES = ("lossless", "high")
+QUALITIES = ("lossless", "high", "preview")
 OUTPUTS = ("uint8", "float", "png", "jpeg", "mp4")
 LATENT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_LATENT_DIMS = 6

@@ -4,6 +4,7 @@ tests) see the real inputs."""
 
 from __future__ import annotations
 
+from vae_service.engine.request import QUALITIES
 from vae_service_client.frames import STREAM_MEDIA_TYPE
 
 _ERRORS = {
@@ -52,7 +53,7 @@ _QUERY = [
     ("shift_factor", {"type": "number"}, False),
     ("height", {"type": "integer"}, False),
     ("width", {"type": "integer"}, False),
-    ("quality", {"type": "string", "enum": ["lossless", "high"]}, False),
+    ("quality", {"type": "string", "enum": list(QUALITIES)}, False),
     ("model", {"type": "string"}, False),
 ]
 

@@ -1,0 +1,110 @@
+"""The `preview` tier: a cheap look at what the latents will decode to, for progress views.
+
+Two ways, chosen per deployment:
+- a linear latent-to-RGB map (`rgb = W z + b` per latent pixel, then upsampled to the output size,
+  bilinear): microseconds to milliseconds, no weights. `W` and `b` come from the config
+  (`preview_rgb_factors`, `preview_rgb_bias`) or, by default, are fitted at start-up to the
+  model's own decoder: a few random latents (the model's normalisation applied to N(0, 1), as a
+  denoiser's latents are) are decoded, the pixels averaged down to the latent grid, and `W`, `b`
+  solved by least squares. That fits any model and weights, presets' random ones included, where
+  a published table fits only the published weights.
+- a tiny autoencoder (`preview_decoder`: a local diffusers AutoencoderTiny folder such as TAESD),
+  decoding each latent frame as an image.
+
+Video previews have the full decode's frame count, handed over one latent frame at a time (each
+latent frame's preview repeated over the frames it stands for), so they stream like decodes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+
+RIDGE = 1e-4  # relative to the mean squared latent: keeps W defined with few calibration pixels
+CALIBRATION_SEED = 0
+
+
+def frame_counts(total: int, latent_frames: int, law: tuple[int, int] | None) -> list[int]:
+    """How many output frames each latent frame stands for: the decoder's own law where it has one
+    (Wan: 1, then 4 each), else the frames spread evenly with the remainder at the end."""
+    if latent_frames == 1:
+        return [total]
+    if law is not None:
+        a, b = law
+        return [a + b] + [a] * (latent_frames - 1)
+    base, extra = divmod(total, latent_frames)
+    return [base] * (latent_frames - extra) + [base + 1] * extra
+
+
+class LinearPreview:
+    """rgb = W z + b per latent pixel (W: [C, 3], b: [3]), upsampled by `scale`."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor, scale: int):
+        self.weight, self.bias, self.scale = weight.float(), bias.float(), scale
+
+    def to(self, device: torch.device) -> LinearPreview:
+        return LinearPreview(self.weight.to(device), self.bias.to(device), self.scale)
+
+    def image(self, z: torch.Tensor) -> torch.Tensor:
+        """[n, C, h, w] -> [n, 3, h * scale, w * scale] in the latents' dtype."""
+        rgb = torch.einsum("nchw,cr->nrhw", z.float(), self.weight) + self.bias.view(1, 3, 1, 1)
+        return F.interpolate(rgb, scale_factor=self.scale, mode="bilinear", align_corners=False).to(z.dtype)
+
+
+def preview_chunks(
+    image: Callable[[torch.Tensor], torch.Tensor], z: torch.Tensor, counts: list[int]
+) -> Iterator[torch.Tensor]:
+    """[n, C, T, h, w] -> one [n, 3, counts[t], H, W] chunk per latent frame."""
+    for t, count in enumerate(counts):
+        frame = image(z[:, :, t])
+        yield frame.unsqueeze(2).expand(-1, -1, count, -1, -1)
+
+
+def fit_linear_preview(
+    decode: Callable[[torch.Tensor], torch.Tensor],
+    denoiser_latents: torch.Tensor,
+    to_decoder: Callable[[torch.Tensor], torch.Tensor],
+    scale: int,
+) -> LinearPreview:
+    """Least squares from decoder-input latent pixels to the decoded pixels averaged over each
+    latent pixel's `scale` x `scale` block. `denoiser_latents`: [K, C, (1,) h, w] N(0, 1)."""
+    z = to_decoder(denoiser_latents)
+    pixels = decode(z).float()
+    if z.dim() == 5:  # one frame: the first, which every causal decoder decodes alone
+        z, pixels = z[:, :, 0], pixels[:, :, 0]
+    target = F.avg_pool2d(pixels, scale)  # [K, 3, h, w]
+    x = z.float().permute(0, 2, 3, 1).reshape(-1, z.shape[1]).double()
+    y = target.permute(0, 2, 3, 1).reshape(-1, 3).double()
+    x_mean, y_mean = x.mean(0), y.mean(0)
+    xc = x - x_mean
+    gram = xc.T @ xc
+    gram += torch.eye(gram.shape[0], dtype=gram.dtype) * RIDGE * gram.diagonal().mean().clamp_min(1e-12)
+    weight = torch.linalg.solve(gram, xc.T @ (y - y_mean))
+    bias = y_mean - x_mean @ weight
+    return LinearPreview(weight.float(), bias.float(), scale)
+
+
+def calibration_latents(channels: int, video: bool, side: int, dtype: torch.dtype) -> torch.Tensor:
+    """Enough N(0, 1) latent pixels to fit C + 1 unknowns per colour several times over."""
+    items = max(1, min(16, -(-4 * (channels + 1) // (side * side))))
+    g = torch.Generator().manual_seed(CALIBRATION_SEED)
+    shape = (items, channels, *((1,) if video else ()), side, side)
+    return torch.randn(shape, generator=g).to(dtype)
+
+
+class Preview:
+    """One deployment's preview: `image` maps decoder-input latents [n, C, h, w] to pixels
+    [n, 3, H, W]; `scaling` brings request latents to that input (the tiny decoder's own
+    normalisation where there is one); `linear` is the map where it is one."""
+
+    def __init__(self, image: Callable[[torch.Tensor], torch.Tensor], scaling, kind: str, linear=None):
+        self.image, self.scaling, self.kind, self.linear = image, scaling, kind, linear
+
+    @classmethod
+    def of_linear(cls, linear: LinearPreview, scaling, kind: str) -> Preview:
+        return cls(linear.image, scaling, kind, linear)
+
+    def chunks(self, z: torch.Tensor, counts: list[int]) -> Iterator[torch.Tensor]:
+        return preview_chunks(self.image, z, counts)
