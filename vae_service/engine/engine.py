@@ -45,7 +45,7 @@ from vae_service.engine.video import NON_FINITE, decode_video
 from vae_service.fastpath import install_fast_path
 from vae_service.fastpath.wan_chunks import decode_chunks
 from vae_service.models import LoadedVae, ModelLoadError, load_vae
-from vae_service.models.spec import decoded_pixels, meta_twin
+from vae_service.models.spec import decoded_pixels, jsonable_config, meta_twin, pipeline_statistics
 
 
 class DecodeEngine:
@@ -171,6 +171,8 @@ class DecodeEngine:
             "cpu_threads": self.cpu_threads,
             "tiers": sorted({self._tier(q) for q in QUALITIES}, key=QUALITIES.index),  # high -> lossless without it
             "preview": self.preview.kind,
+            "config": jsonable_config(self.vae),
+            "statistics": pipeline_statistics(self.vae),
             "fast_path": self.fast_path.describe(),
             "limits": self.limits.model_dump(),
             "decode_mflop_per_pixel": round(self.flops_per_pixel / 1e6, 3),

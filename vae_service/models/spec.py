@@ -75,6 +75,26 @@ class ModelSpec:
         return found
 
 
+PIPELINE_STATISTICS_MAX = 4096  # values: the latent statistics pipelines read from the VAE, not weights
+
+
+def pipeline_statistics(vae: nn.Module) -> dict[str, list]:
+    """Buffers outside the encoder and decoder that pipelines read from `vae` before `decode`
+    (FLUX.2's `bn.running_mean`/`running_var`, LTX's `latents_mean`/`latents_std`), as plain
+    numbers in the decode dtype's values, so a remote stand-in VAE can offer them."""
+    skip = ("decoder.", "encoder.", "post_quant_conv.", "quant_conv.")
+    return {
+        name: buffer.float().flatten().tolist()
+        for name, buffer in vae.named_buffers()
+        if not name.startswith(skip) and buffer.is_floating_point() and buffer.numel() <= PIPELINE_STATISTICS_MAX
+    }
+
+
+def jsonable_config(vae: nn.Module) -> dict:
+    """The model's diffusers config as JSON values (what a pipeline reads from `vae.config`)."""
+    return json.loads(json.dumps(dict(vae.config), default=str))
+
+
 def decoded_pixels(vae: nn.Module, z: torch.Tensor, timestep: torch.Tensor | None = None) -> torch.Tensor:
     """`vae.decode(z)` as the pipelines call it, as a [B, 3, (T,) H, W] tensor."""
     out = vae.decode(z) if timestep is None else vae.decode(z, temb=timestep)
