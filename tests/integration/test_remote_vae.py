@@ -83,7 +83,7 @@ def test_a_routing_ingress_needs_the_model_and_encode_says_what_to_do(multi_url,
         expected = torch.cat([flux_vae.decode(item).sample for item in z.split(1)])
     out = remote.decode(z, return_dict=False)[0]
     assert torch.equal(out, expected) and torch.equal(remote.decode(z).sample, expected)
-    with pytest.raises(NotImplementedError, match="decodes only.*encode with a local VAE"):
+    with pytest.raises(NotImplementedError, match=r"decodes only.*encode with a local VAE"):
         remote.encode(torch.zeros(1, 3, 8, 8))
-    with pytest.raises(ValueError, match="dtype: the service decodes in torch.float32"):
+    with pytest.raises(ValueError, match=r"dtype: the service decodes in torch\.float32"):
         remote.to(torch.bfloat16)
