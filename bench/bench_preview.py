@@ -21,11 +21,20 @@ from _common import median_s, print_table
 from vae_service.config import ServiceConfig
 from vae_service.engine import DecodeEngine, DecodeRequest
 
-DEFAULT_CASES = ["sd:256", "flux:256", "flux2:256", "qwen-image:256", "wan2.1:256:1", "hunyuan-video:256:1"]
+DEFAULT_CASES = [
+    "sd:256",
+    "flux:256",
+    "flux2:256",
+    "qwen-image:256",
+    "wan2.1:256",
+    "hunyuan-video:256",
+    "ltx-video:256",
+]
 
 
 def run_case(case: str, device: str, repeat: int) -> list:
     model, size, *frames = case.split(":")
+    frames = frames or ["1"]
     start = time.perf_counter()
     engine = DecodeEngine(ServiceConfig(model=model, device=device))
     load_s = time.perf_counter() - start
