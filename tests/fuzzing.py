@@ -85,7 +85,7 @@ def valid_request(draw, models: tuple[str, ...]) -> dict:
     body = {
         "latents": {"dtype": dtype, "shape": shape, "data": raw},
         "model": draw(st.sampled_from(models)),
-        "quality": draw(st.sampled_from(["lossless", "high"])),
+        "quality": draw(st.sampled_from(["lossless", "high", "preview"])),
         "output": draw(st.sampled_from(["uint8", "float", "png", "jpeg", "mp4"])),
     }
     if draw(st.booleans()):

@@ -23,7 +23,7 @@ def test_health_describes_the_deployment(kl_url):
     health = VaeClient(kl_url).health()
     assert health["status"] == "ok"
     assert (health["model"], health["family"], health["precision"], health["device"]) == ("kl", "image", "fp32", "cpu")
-    assert health["tiers"] == ["lossless", "high"] and health["limits"]["max_output_pixels"] == 2**22
+    assert health["tiers"] == ["lossless", "high", "preview"] and health["limits"]["max_output_pixels"] == 2**22
     assert health["weights"] == "loaded"
 
 

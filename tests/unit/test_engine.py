@@ -215,7 +215,7 @@ def test_decode_cost_budget_is_checked_before_any_tensor_work(engines):
 @pytest.mark.parametrize(
     "kw, field, text",
     [
-        (dict(quality="best"), "quality", "allowed: ['lossless', 'high']"),
+        (dict(quality="best"), "quality", "allowed: ['lossless', 'high', 'preview']"),
         (dict(output="gif"), "output", "allowed"),
         (dict(quality=1), "quality", "unknown value 1"),
         (dict(scaling_factor=0), "scaling_factor", "non-zero"),

@@ -50,9 +50,9 @@ def test_high_is_answered_by_the_fast_path_or_says_lossless(case_engine):
         expected = decode_alone(vae, case, z)
     if engine.spec.path == "generic":
         assert result.quality == "lossless" and torch.equal(result.output, expected)
-        assert engine.describe()["tiers"] == ["lossless"]
+        assert engine.describe()["tiers"] == ["lossless", "preview"]
     else:
-        assert result.quality == "high" and engine.describe()["tiers"] == ["lossless", "high"]
+        assert result.quality == "high" and engine.describe()["tiers"] == ["lossless", "high", "preview"]
         assert (result.output - expected).abs().max() < 1e-3
 
 

@@ -66,7 +66,7 @@ def field_error(raw, **kw):
         (pack("latents"), "body", "must be a msgpack map"),
         (msgpack.packb({"latents": msgpack.ExtType(1, b"x")}), "body", "extension"),
         (pack({}), "latents", "required"),
-        (body(quality="best"), "quality", "allowed: ['lossless', 'high']"),
+        (body(quality="best"), "quality", "allowed: ['lossless', 'high', 'preview']"),
         (body(output="gif"), "output", "allowed"),
         (body(qualty="high"), "qualty", "unknown key"),
         (

@@ -37,7 +37,7 @@ from vae_service.engine.memory import MemoryModel, measure
 from vae_service.engine.memory_plan import decode_bound, peak_bytes, plan_memory
 from vae_service.engine.postprocess import postprocess
 from vae_service.engine.precision import PRECISION_NAMES, resolve_device, resolve_dtype
-from vae_service.engine.preview import LinearPreview, Preview, calibration_latents, fit_linear_preview, frame_counts
+from vae_service.engine.preview import build_preview, frame_counts
 from vae_service.engine.request import QUALITIES, DecodeRequest
 from vae_service.engine.result import DecodeResult, Timing
 from vae_service.engine.tiling import TileGrid, tiled_chunks, tiled_image
@@ -67,13 +67,14 @@ class DecodeEngine:
         self.vae = torch.nn.Module.to(loaded.vae, device=self.device, dtype=self.dtype)
         self.fast_path = install_fast_path(self.vae, disabled=config.fast_path.disable)
         twin = meta_twin(loaded.vae)
-        self.flops_per_pixel = flops_per_output_pixel(twin, self.spec, self._meta_decode)
+        self.flops_per_pixel = flops_per_output_pixel(twin, self.spec, self._lossless_chunks)
         try:
             self._scaling = LatentScaling(self.spec, self.vae, self.dtype)
         except ValueError as exc:
             raise ModelLoadError(f"model: {self.spec.class_name}'s latent statistics: {exc}") from exc
-        self.memory: MemoryModel = measure(twin, self.dtype, self.spec, self._meta_decode)
-        self.preview = self._build_preview(config)
+        self.memory: MemoryModel = measure(twin, self.dtype, self.spec, self._lossless_chunks)
+        decode = lambda z: torch.cat(list(self._lossless_chunks(self.vae, z)), 2 if self.chunked else 0)  # noqa: E731
+        self.preview = build_preview(config, self.spec, self._scaling, self.device, decode)
         # the decoder runs once per item (lossless) and once per latent frame (Wan): the step at
         # which a decode whose requests were all abandoned stops
         self._abandoned: threading.Event | None = None
@@ -94,49 +95,13 @@ class DecodeEngine:
         temb = None if timestep is None else torch.full((z.shape[0],), timestep, dtype=z.dtype, device=z.device)
         return decoded_pixels(vae, z, temb)
 
-    def _build_preview(self, config: ServiceConfig) -> Preview:
-        spec, scale = self.spec, self.spec.spatial_scale
-        if config.preview_decoder:
-            tiny = load_vae(config.preview_decoder, name="preview")
-            found = (tiny.spec.latent_channels, tiny.spec.spatial_scale, tiny.spec.geometry.video_latents)
-            if found != (spec.latent_channels, scale, False):
-                raise ModelLoadError(
-                    f"preview_decoder: decodes {found[0]}-channel {'video' if found[2] else 'image'} latents "
-                    f"at {found[1]}x; model '{spec.name}' needs {spec.latent_channels} channels at {scale}x"
-                )
-            tiny_vae = torch.nn.Module.to(tiny.vae, device=self.device, dtype=self.dtype)
-            return Preview(
-                lambda z: decoded_pixels(tiny_vae, z), LatentScaling(tiny.spec, tiny_vae, self.dtype), "tiny decoder"
-            )
-        if config.preview_rgb_factors is not None:
-            if len(config.preview_rgb_factors) != spec.latent_channels:
-                raise ModelLoadError(
-                    f"preview_rgb_factors: {len(config.preview_rgb_factors)} rows for {spec.latent_channels} "
-                    f"latent channels of model '{spec.name}'"
-                )
-            bias = torch.tensor(config.preview_rgb_bias or [0.0, 0.0, 0.0])
-            linear = LinearPreview(torch.tensor(config.preview_rgb_factors), bias, scale)
-            return Preview.of_linear(linear.to(self.device), self._scaling, "linear (configured)")
-        side = max(8, spec.geometry.min_latent_side)
-        frames = spec.geometry.min_latent_frames
-        z = calibration_latents(spec.latent_channels, self.chunked, side, self.dtype)
-        if self.chunked and frames > 1:  # a decoder that needs several latent frames: calibrate on its first
-            z = z.expand(-1, -1, frames, -1, -1).contiguous()
-        with torch.inference_mode():
-            linear = fit_linear_preview(self._decode_calibration, z.to(self.device), self._scaling.model.apply, scale)
-        return Preview.of_linear(linear.to(self.device), self._scaling, "linear (fitted at start-up)")
-
-    def _decode_calibration(self, z: torch.Tensor) -> torch.Tensor:
+    def _lossless_chunks(self, vae, z: torch.Tensor):
+        """`lossless`'s decode of a whole batch as output chunks, on `vae` (the meta twin: memory and
+        FLOP counts; the model itself: the preview's fit)."""
         timestep = 0.0 if self.spec.timestep_conditioned else None
         if self.chunked:
-            return torch.cat(list(self.chunk_decoder("lossless", timestep)(z)), 2)
-        return torch.cat([self._pixels(self.vae, item, timestep) for item in z.split(1)])
-
-    def _meta_decode(self, meta_vae, z: torch.Tensor):
-        timestep = 0.0 if self.spec.timestep_conditioned else None
-        if self.chunked:
-            return self.chunk_decoder("lossless", timestep)(z, meta_vae)
-        return iter([self._pixels(meta_vae, z, timestep)])
+            return self.chunk_decoder("lossless", timestep)(z, vae)
+        return iter([self._pixels(vae, z, timestep)])
 
     def decode_bound(self) -> int:
         return decode_bound(self.limits, self.device)

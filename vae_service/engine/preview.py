@@ -22,6 +22,11 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.nn.functional as F
 
+from vae_service.config import ServiceConfig
+from vae_service.engine.latents import LatentScaling
+from vae_service.models import ModelLoadError, ModelSpec, load_vae
+from vae_service.models.spec import decoded_pixels
+
 RIDGE = 1e-4  # relative to the mean squared latent: keeps W defined with few calibration pixels
 CALIBRATION_SEED = 0
 
@@ -108,3 +113,46 @@ class Preview:
 
     def chunks(self, z: torch.Tensor, counts: list[int]) -> Iterator[torch.Tensor]:
         return preview_chunks(self.image, z, counts)
+
+
+def build_preview(
+    config: ServiceConfig,
+    spec: ModelSpec,
+    scaling: LatentScaling,
+    device: torch.device,
+    decode: Callable[[torch.Tensor], torch.Tensor],
+) -> Preview:
+    """The deployment's preview: its tiny decoder, its configured map, or a map fitted with
+    `decode` (the model's lossless decode of a batch) on `scaling`'s normalisation."""
+    scale, dtype = spec.spatial_scale, scaling.dtype
+    if config.preview_decoder:
+        tiny = load_vae(config.preview_decoder, name="preview")
+        found = (tiny.spec.latent_channels, tiny.spec.spatial_scale, tiny.spec.geometry.video_latents)
+        if found != (spec.latent_channels, scale, False):
+            raise ModelLoadError(
+                f"preview_decoder: decodes {found[0]}-channel {'video' if found[2] else 'image'} latents "
+                f"at {found[1]}x; model '{spec.name}' needs {spec.latent_channels} channels at {scale}x"
+            )
+        tiny_vae = torch.nn.Module.to(tiny.vae, device=device, dtype=dtype)
+        return Preview(lambda z: decoded_pixels(tiny_vae, z), LatentScaling(tiny.spec, tiny_vae, dtype), "tiny decoder")
+    if config.preview_rgb_factors is not None:
+        if len(config.preview_rgb_factors) != spec.latent_channels:
+            raise ModelLoadError(
+                f"preview_rgb_factors: {len(config.preview_rgb_factors)} rows for {spec.latent_channels} "
+                f"latent channels of model '{spec.name}'"
+            )
+        bias = torch.tensor(config.preview_rgb_bias or [0.0, 0.0, 0.0])
+        linear = LinearPreview(torch.tensor(config.preview_rgb_factors), bias, scale)
+        return Preview.of_linear(linear.to(device), scaling, "linear (configured)")
+    geometry = spec.geometry
+    z = calibration_latents(spec.latent_channels, geometry.video_latents, max(8, geometry.min_latent_side), dtype)
+    if geometry.min_latent_frames > 1:  # a decoder that needs several latent frames: fit on the first
+        z = z.expand(-1, -1, geometry.min_latent_frames, -1, -1).contiguous()
+    model = scaling.model  # the model's own normalisation, in its pipeline's dtype, then the decode dtype
+
+    def to_decoder(x: torch.Tensor) -> torch.Tensor:
+        return model.apply(x.to(model.work_dtype)).to(dtype)
+
+    with torch.inference_mode():
+        linear = fit_linear_preview(decode, z.to(device), to_decoder, scale)
+    return Preview.of_linear(linear.to(device), scaling, "linear (fitted at start-up)")
