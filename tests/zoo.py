@@ -32,6 +32,12 @@ def _divide(vae, z):  # SD, HunyuanVideo, SANA: latents / scaling_factor
     return z / vae.config.scaling_factor
 
 
+def _sdxl_stats(vae, z):  # StableDiffusionXLPipeline with a config that carries latents_mean/std
+    mean = torch.tensor(vae.config.latents_mean).view(1, 4, 1, 1).to(z.device, z.dtype)
+    std = torch.tensor(vae.config.latents_std).view(1, 4, 1, 1).to(z.device, z.dtype)
+    return z * std / vae.config.scaling_factor + mean
+
+
 def _reciprocal(vae, z):  # CogVideoX: 1 / scaling_factor * latents
     return 1 / vae.config.scaling_factor * z
 
@@ -103,6 +109,9 @@ class Case:
 
 
 CASES = [
+    Case("sdxl-stats", "AutoencoderKL", dict(_KL_BLOCKS, block_out_channels=[8, 16, 16, 16], layers_per_block=1,
+         norm_num_groups=4, latent_channels=4, scaling_factor=0.5, latents_mean=[0.1, -0.2, 0.3, 0.0],
+         latents_std=[1.5, 0.5, 2.0, 1.0]), (4, 3, 5), _sdxl_stats),
     Case("flux2", "AutoencoderKLFlux2", dict(_KL_BLOCKS, block_out_channels=[8, 16, 16, 16], layers_per_block=1,
          norm_num_groups=4, latent_channels=8), (32, 3, 5), _flux2),
     Case("flux2-wide", "AutoencoderKLFlux2", dict(_KL_BLOCKS, block_out_channels=[16, 32, 32, 32], layers_per_block=1,

@@ -59,7 +59,11 @@ def test_high_is_answered_by_the_fast_path_or_says_lossless(case_engine):
 def test_health_names_the_path_geometry_and_normalisation(case_engine):
     case, vae, engine = case_engine
     health = engine.describe()
-    expected_path = {"AutoencoderKLFlux2": "image_kl", "AutoencoderKLQwenImage": "causal_walk"}
+    expected_path = {
+        "AutoencoderKL": "image_kl",
+        "AutoencoderKLFlux2": "image_kl",
+        "AutoencoderKLQwenImage": "causal_walk",
+    }
     expected_path["AutoencoderKLWan"] = "causal_walk"
     assert health["decode_path"] == expected_path.get(case.cls, "generic")
     z = latents(case, batch=1)
