@@ -19,7 +19,7 @@ from vae_service.fastpath.rewrites import REWRITES
 from vae_service.fastpath.wan_chunks import decode_chunks
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-# Documented bounds of `high` (README "Quality tiers"). fp32: against lossless, on the [-1, 1]
+# Documented bounds of `high` (docs/fast-path.md, "Error bounds"). fp32: against lossless, on the [-1, 1]
 # float output and the uint8 image. bf16: bf16 rounding dominates both tiers, so `high` is
 # bounded by lossless' own error, both measured against the fp32 decode.
 FP32_MAX_ABS = 1e-3

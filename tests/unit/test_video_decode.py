@@ -45,7 +45,7 @@ QWEN_CONFIGS = {
 }  # fmt: skip
 ALL_CONFIGS = [*WAN_CONFIGS, *QWEN_CONFIGS]
 SHAPES = [(1, 3, 5), (2, 1, 1), (3, 5, 7), (4, 2, 9)]  # latent T, h, w
-MIN_PSNR_DB = {torch.float32: 50.0, torch.bfloat16: 35.0}  # README "Quality tiers", as for images
+MIN_PSNR_DB = {torch.float32: 50.0, torch.bfloat16: 35.0}  # docs/fast-path.md, as for images
 
 
 def wan(config: str, seed: int = 0) -> AutoencoderKLWan | AutoencoderKLQwenImage:

@@ -120,7 +120,7 @@ class Denormaliser:
         if kind == "reciprocal_scaling":
             return 1 / n.scaling * z
         if kind == "batch_norm":
-            return _on_patches(z, lambda p: p * self.std.view(1, -1, 1, 1) + self.mean.view(1, -1, 1, 1))
+            return _on_patches(z, lambda p, stat: p * stat(self.std) + stat(self.mean))
         mean, std = self._shaped(self.mean, z), self._shaped(self.std, z)
         if kind == "mean_inv_std":
             return z / std + mean
@@ -130,10 +130,14 @@ class Denormaliser:
 
 
 def _on_patches(z: torch.Tensor, op) -> torch.Tensor:
-    """`op` on the 2x2-patchified view of [B, C, 2h, 2w] latents (channel c*4 + dy*2 + dx holds
-    pixel (2y + dy, 2x + dx)), written back unpatchified: FLUX.2's statistics are per patchified
-    channel. The elementwise arithmetic is the same in either layout."""
+    """`op` on [B, 4C, 1, 1]-shaped statistics against [B, C, 2h, 2w] latents, per 2x2-patchified
+    channel (channel c * 4 + dy * 2 + dx holds pixel (2y + dy, 2x + dx)): the latents are viewed as
+    [B, C, h, 2, w, 2] and the statistics broadcast over it, so no patchified copy is made; each
+    element meets the same operands as in the pipeline's patchified layout."""
     b, c, h2, w2 = z.shape
-    patches = z.reshape(b, c, h2 // 2, 2, w2 // 2, 2).permute(0, 1, 3, 5, 2, 4).reshape(b, c * 4, h2 // 2, w2 // 2)
-    out = op(patches)
-    return out.reshape(b, c, 2, 2, h2 // 2, w2 // 2).permute(0, 1, 4, 2, 5, 3).reshape(b, c, h2, w2)
+    patches = z.reshape(b, c, h2 // 2, 2, w2 // 2, 2)
+
+    def per_patch_channel(stat: torch.Tensor) -> torch.Tensor:
+        return stat.reshape(1, c, 2, 2)[:, :, None, :, None, :]
+
+    return op(patches, per_patch_channel).reshape(b, c, h2, w2)
