@@ -15,7 +15,8 @@ from vae_service.engine.memory import LiveBytes
 from vae_service.engine.tiling import Blender, TileGrid, tiled_chunks
 
 # docs/performance.md, "Memory estimate and tiling": tiled vs untiled `high` (uint8) on the
-# random-weight test models with tiles of 15-17 latent px (120-136 px): measured 27.5-37.8 dB; the bound leaves room for other seeds.
+# random-weight test models with tiles of 15-17 latent px (120-136 px): measured 27.5-37.8 dB;
+# the bound leaves room for other seeds.
 # The out-of-memory retry plans for half the estimated peak (8-11 px tiles): measured 20.0-33.2 dB.
 MIN_TILED_PSNR_DB = 25.0
 MIN_RETRY_PSNR_DB = 18.0
