@@ -1,4 +1,4 @@
-"""`vae-service serve | decode | bench`: the only place that parses argv."""
+"""`vae-service serve | decode | batch-decode | bench`: the only place that parses argv."""
 
 from __future__ import annotations
 
@@ -131,25 +131,17 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
 
 def _load_latents(args: argparse.Namespace):
-    import numpy as np
     import torch
+
+    from vae_service.batch.latent_files import LatentFileError, load_latents
 
     if args.random_latents:
         shape = [int(d) for d in args.random_latents.lower().split("x")]
         return torch.randn(shape, generator=torch.Generator().manual_seed(args.seed))
-    path = Path(args.latents)
-    if path.suffix == ".npy":
-        return np.load(path, allow_pickle=False)
-    if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
-        tensors = load_file(str(path))
-        if args.key:
-            return tensors[args.key]
-        if len(tensors) != 1:
-            sys.exit(f"{path} holds {sorted(tensors)}; choose one with --key")
-        return next(iter(tensors.values()))
-    sys.exit(f"{path}: expected a .npy or .safetensors file")
+    try:
+        return load_latents(args.latents, args.key)
+    except LatentFileError as exc:
+        sys.exit(str(exc))
 
 
 def cmd_decode(args: argparse.Namespace) -> None:
@@ -194,6 +186,43 @@ def _write_streamed_frames(stream, out: Path, start: float) -> None:
         f"wrote {written} streamed frame(s) to {out}/ in {time.perf_counter() - start:.2f} s "
         f"(model {summary.model}, {summary.quality}, {summary.precision}, timing {summary.timing})"
     )
+
+
+def cmd_batch_decode(args: argparse.Namespace) -> None:
+    config = _config_from(args)
+    import ray
+
+    from vae_service.batch import BatchInputError, run_batch_decode
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, logging_level=logging.WARNING)
+    from ray.data import DataContext
+
+    DataContext.get_current().enable_progress_bars = False  # the job shows its own
+    gpus = ray.cluster_resources().get("GPU", 0)
+    num_gpus = args.num_gpus if args.num_gpus is not None else (1 if gpus else 0)
+    concurrency = args.concurrency or (max(1, int(gpus // num_gpus)) if num_gpus else 1)
+    print(f"decoding {args.input} -> {args.output_dir}: {concurrency} engine(s), {num_gpus} GPU(s) each", flush=True)
+    try:
+        summary = run_batch_decode(
+            args.input,
+            args.output_dir,
+            config,
+            quality=args.quality,
+            output=args.output,
+            concurrency=concurrency,
+            num_gpus=num_gpus,
+            progress=sys.stderr,
+        )
+    except (BatchInputError, ValueError) as exc:
+        sys.exit(str(exc))
+    finally:
+        if started:
+            ray.shutdown()
+    print(summary.report(), flush=True)
+    if summary.failures:
+        sys.exit(1)
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
@@ -271,6 +300,29 @@ def main(argv: list[str] | None = None) -> None:
     dec.add_argument("--width", type=int, help="pixel width, for packed latents")
     dec.add_argument("--out", default="out")
     dec.set_defaults(func=cmd_decode)
+
+    batch_p = sub.add_parser(
+        "batch-decode",
+        help="decode a folder of latents files or a Parquet dataset on Ray Data (resumable)",
+        description="Each .npy/.safetensors file in INPUT is one request's latents (batch dimension first); "
+        "a Parquet INPUT has columns `name` and `latents` (one latent per row, no batch dimension). Outputs are "
+        "named after their inputs; a rerun skips inputs whose outputs exist. Joins RAY_ADDRESS or starts a "
+        "local Ray. Exit status 1 when any input failed (each is listed with its reason).",
+    )
+    model_args(batch_p)
+    batch_p.add_argument("input", help="folder of .npy/.safetensors latents, or a .parquet file or folder")
+    batch_p.add_argument("output_dir", metavar="OUTPUT", help="folder for the decoded files")
+    batch_p.add_argument("--quality", default="lossless", choices=["lossless", "high", "preview"])
+    batch_p.add_argument(
+        "--output", choices=["png", "jpeg", "mp4", "npy"], help="default: png for images, mp4 for video models"
+    )
+    batch_p.add_argument(
+        "--concurrency", type=int, help="decode engines (actors); default: one per GPU, or 1 without GPUs"
+    )
+    batch_p.add_argument(
+        "--num-gpus", type=float, help="GPUs per engine (default: 1 when the cluster has GPUs, else 0)"
+    )
+    batch_p.set_defaults(func=cmd_batch_decode)
 
     bench_p = sub.add_parser("bench", help="time in-process decodes of one model")
     model_args(bench_p)

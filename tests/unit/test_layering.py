@@ -41,6 +41,10 @@ def offenders(
     ]
 
 
+# the Ray-native entry points (a plain decoder actor, offline batch decode) sit on top, beside Serve
+RAY_NATIVE = ("vae_service.ray", "vae_service.batch")
+
+
 @pytest.mark.parametrize(
     "package, forbidden",
     [
@@ -54,9 +58,13 @@ def offenders(
                 "starlette",
                 "grpc",
                 "vae_service_client",
+                *RAY_NATIVE,
             ),
         ),
-        ("vae_service/models", ("vae_service.protocol", "vae_service.serving", "vae_service.engine", "ray", "fastapi")),
+        (
+            "vae_service/models",
+            ("vae_service.protocol", "vae_service.serving", "vae_service.engine", "ray", "fastapi", *RAY_NATIVE),
+        ),
         (
             "vae_service/fastpath",
             (
@@ -66,11 +74,27 @@ def offenders(
                 "vae_service.config",
                 "ray",
                 "fastapi",
+                *RAY_NATIVE,
             ),
         ),
         (
             "vae_service/protocol",
-            ("vae_service.serving", "vae_service.fastpath", "vae_service.models", "ray", "fastapi", "starlette"),
+            (
+                "vae_service.serving",
+                "vae_service.fastpath",
+                "vae_service.models",
+                "ray",
+                "fastapi",
+                "starlette",
+                *RAY_NATIVE,
+            ),
+        ),
+        ("vae_service/serving", RAY_NATIVE),
+        # Ray-native entry points beside Serve: the engine (and the service core) without HTTP or gRPC
+        ("vae_service/ray", ("fastapi", "starlette", "grpc", "vae_service.fastpath", "vae_service.batch")),
+        (
+            "vae_service/batch",
+            ("fastapi", "starlette", "grpc", "vae_service.fastpath", "vae_service.serving", "vae_service.ray"),
         ),
         ("clients/vae_service_client", ("vae_service.", "ray", "diffusers", "pydantic", "fastapi", "triton")),
     ],

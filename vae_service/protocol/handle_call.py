@@ -17,14 +17,18 @@ from vae_service.protocol.tensors import from_numpy, to_numpy
 from vae_service_client.messages import REQUEST_KEYS
 
 
-def request_from_call(latents, **options) -> DecodeRequest:
+def request_from_call(latents, resident_device: torch.device | None = None, **options) -> DecodeRequest:
+    """Tensors come to the host, except those already on `resident_device` (the decoding one): a compiled
+    graph hands latents over GPU to GPU, and they stay there."""
     unknown = sorted(set(options) - set(REQUEST_KEYS))
     if unknown:
         raise InvalidInput(unknown[0], f"unknown argument; allowed: {sorted(set(REQUEST_KEYS) - {'latents'})}")
     if isinstance(latents, np.ndarray):
         latents = from_numpy(latents)
     if isinstance(latents, torch.Tensor):
-        latents = latents.detach().cpu()
+        latents = latents.detach()
+        if latents.device != resident_device:
+            latents = latents.cpu()
     return DecodeRequest(latents, **options)
 
 

@@ -15,9 +15,10 @@ from vae_service.protocol.tensors import to_numpy
 from vae_service.serving.decode_service import DecodeService
 
 
-async def handle_decode(service: DecodeService, latents, **options) -> dict:
+async def handle_decode(service: DecodeService, latents, resident_device=None, **options) -> dict:
+    """`resident_device`: latents already on it are not copied to the host first (request_from_call)."""
     try:
-        result = await service.decode(request_from_call(latents, **options))
+        result = await service.decode(request_from_call(latents, resident_device, **options))
     except ANSWERABLE as exc:
         raise wire_error(service.rejected(exc)).client_error() from None
     return result_to_call(result)

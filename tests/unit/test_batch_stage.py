@@ -1,0 +1,203 @@
+"""The batch job's decode stage in-process (no Ray): outputs named after their inputs and equal to
+diffusers' decode, every bad input a `failed` row with its reason while the others decode, finished
+inputs skipped by their files, and nothing from a file ever unpickled."""
+
+import io
+import os
+import pickle
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import save_file
+
+from tests.models import reference_decode, torch_threads
+from vae_service.batch.job import BatchSummary, Progress
+from vae_service.batch.outputs import OutputFolder, check_name
+from vae_service.batch.stage import DecodeStage
+from vae_service.engine.postprocess import to_uint8
+
+
+def rows(*files: Path) -> dict:
+    return {"name": np.array([f.stem for f in files]), "path": np.array([str(f) for f in files])}
+
+
+def as_dict(out: dict) -> dict:
+    columns = (out[k] for k in ("name", "status", "files", "error"))
+    return {str(n): (str(s), int(f), str(e)) for n, s, f, e in zip(*columns, strict=True)}
+
+
+@pytest.fixture
+def stage(kl_dir, tmp_path):
+    def make(output="png", quality="lossless"):
+        return DecodeStage(
+            {"model": str(kl_dir), "cpu_threads": 1}, str(tmp_path / "out"), output, quality, {"scaling_factor": None}
+        )
+
+    with torch_threads(torch.get_num_threads()):  # the stage binds its thread count; restore it after
+        yield make
+
+
+def test_files_decode_to_the_lossless_pixels_named_after_their_inputs(stage, kl_vae, tmp_path):
+    gen = torch.Generator().manual_seed(0)
+    one, two = torch.randn(1, 4, 5, 3, generator=gen), torch.randn(2, 4, 3, 4, generator=gen)
+    np.save(tmp_path / "one.npy", one.numpy())
+    save_file({"z": two.half()}, tmp_path / "two.safetensors")
+    out = stage()(rows(tmp_path / "one.npy", tmp_path / "two.safetensors"))
+    assert as_dict(out) == {"one": ("decoded", 1, ""), "two": ("decoded", 2, "")}
+    with torch_threads(1):
+        expected = {
+            "one.png": to_uint8(reference_decode(kl_vae, one))[0],
+            "two-0.png": to_uint8(reference_decode(kl_vae, two.half().float()))[0],
+            "two-1.png": to_uint8(reference_decode(kl_vae, two.half().float()))[1],
+        }
+    assert sorted(os.listdir(tmp_path / "out")) == sorted(expected)
+    for name, pixels in expected.items():
+        np.testing.assert_array_equal(np.asarray(Image.open(tmp_path / "out" / name)), pixels.numpy())
+
+
+def test_npy_output_holds_the_uint8_answer_of_each_input(stage, kl_vae, tmp_path):
+    z = torch.randn(2, 4, 4, 6, generator=torch.Generator().manual_seed(1))
+    np.save(tmp_path / "pair.npy", z.numpy())
+    assert as_dict(stage("npy")(rows(tmp_path / "pair.npy"))) == {"pair": ("decoded", 1, "")}
+    with torch_threads(1):
+        expected = to_uint8(reference_decode(kl_vae, z)).numpy()
+    np.testing.assert_array_equal(np.load(tmp_path / "out" / "pair.npy", allow_pickle=False), expected)
+
+
+class _Trap:
+    """Unpickling it would create a file: proof that nothing is unpickled."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (Path(self.marker),))
+
+
+def test_every_bad_input_fails_alone_with_its_reason(stage, tmp_path):
+    good = tmp_path / "good.npy"
+    np.save(good, np.zeros((1, 4, 3, 3), np.float32))
+    (tmp_path / "garbage.npy").write_bytes(b"not a numpy file")
+    marker = tmp_path / "unpickled"
+    np.save(tmp_path / "pickled.npy", np.array([_Trap(str(marker))], dtype=object), allow_pickle=True)
+    np.save(tmp_path / "channels.npy", np.zeros((1, 3, 3, 3), np.float32))
+    np.save(tmp_path / "ints.npy", np.zeros((1, 4, 3, 3), np.int64))
+    save_file({"a": torch.zeros(1, 4, 2, 2), "b": torch.zeros(1, 4, 2, 2)}, tmp_path / "two_tensors.safetensors")
+    names = ["garbage", "pickled", "good", "channels", "ints", "two_tensors"]
+    files = [next(tmp_path.glob(f"{n}.*")) for n in names]
+    result = as_dict(stage()(rows(*files)))
+    assert [result[n][0] for n in names] == ["failed", "failed", "decoded", "failed", "failed", "failed"]
+    assert "garbage.npy: not a readable .npy latents file" in result["garbage"][2]
+    assert "pickled.npy: not a readable .npy latents file" in result["pickled"][2]
+    assert not marker.exists()
+    assert result["channels"][2].startswith("latents: model") and "takes [B, 4, H, W]" in result["channels"][2]
+    assert result["ints"][2].startswith("latents.dtype: unknown dtype int64")
+    assert "two_tensors.safetensors holds ['a', 'b']" in result["two_tensors"][2]
+    assert os.listdir(tmp_path / "out") == ["good.png"]
+
+
+def test_a_row_name_cannot_write_outside_the_output_folder(stage, tmp_path):
+    batch = {"name": np.array(["../escape", "ok"]), "latents": np.zeros((2, 4, 3, 3), np.float32)}
+    result = as_dict(stage()(batch))
+    assert result["../escape"][0] == "failed" and "must be a plain file name" in result["../escape"][2]
+    assert result["ok"] == ("decoded", 1, "")
+    assert os.listdir(tmp_path / "out") == ["ok.png"] and not (tmp_path / "escape.png").exists()
+
+
+def nested(a: np.ndarray) -> np.ndarray:
+    """A latent as Ray Data hands over a Parquet list column: object arrays of float64 arrays."""
+    if a.ndim == 1:
+        return a.astype(np.float64)
+    out = np.empty(len(a), dtype=object)
+    for i, part in enumerate(a):
+        out[i] = nested(part)
+    return out
+
+
+def test_list_column_rows_decode_like_tensor_rows_and_ragged_ones_fail(stage, tmp_path):
+    z = np.random.default_rng(2).standard_normal((4, 3, 5)).astype(np.float32)
+    ragged = nested(z)
+    ragged[1][2] = ragged[1][2][:4]
+    latents = np.empty(3, dtype=object)
+    latents[:] = [nested(z), ragged, z]
+    result = as_dict(stage()({"name": np.array(["lists", "ragged", "tensor"]), "latents": latents}))
+    assert result["lists"] == result["tensor"] == ("decoded", 1, "")
+    assert result["ragged"][0] == "failed" and "must be rectangular" in result["ragged"][2]
+    assert (tmp_path / "out" / "lists.png").read_bytes() == (tmp_path / "out" / "tensor.png").read_bytes()
+
+
+@pytest.mark.parametrize("name", ["", ".hidden", "a/b", "..", "x\x00y"])
+def test_check_name_refuses_what_is_not_a_plain_file_name(name):
+    with pytest.raises(ValueError, match="plain file name"):
+        check_name(name)
+
+
+def test_finished_inputs_are_skipped_and_unfinished_ones_decoded_whole(stage, tmp_path):
+    np.save(tmp_path / "a.npy", np.zeros((2, 4, 3, 3), np.float32))
+    np.save(tmp_path / "b.npy", np.ones((1, 4, 3, 3), np.float32))
+    decode = stage()
+    assert [s for s, _, _ in as_dict(decode(rows(tmp_path / "a.npy", tmp_path / "b.npy"))).values()] == [
+        "decoded",
+        "decoded",
+    ]
+    out = tmp_path / "out"
+    written = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
+    # an interruption between an input's files, and a temporary left by a killed write
+    (out / "a-1.png").unlink()
+    (out / ".b.png.123.tmp").write_bytes(b"partial")
+    result = as_dict(decode(rows(tmp_path / "a.npy", tmp_path / "b.npy")))
+    assert result == {"a": ("decoded", 2, ""), "b": ("skipped", 1, "")}
+    assert (out / "b.png").stat().st_mtime_ns == written["b.png"]
+    assert (out / "a-0.png").stat().st_mtime_ns != written["a-0.png"] and (out / "a-1.png").is_file()
+
+
+def test_output_folder_writes_each_file_whole(tmp_path):
+    folder = OutputFolder(tmp_path, "png")
+    paths = folder.paths("x", 2)
+    assert [p.name for p in paths] == ["x-0.png", "x-1.png"] and not folder.finished(paths)
+    folder.write(paths, [b"a", b"b"])
+    assert folder.finished(paths) and sorted(os.listdir(tmp_path)) == ["x-0.png", "x-1.png"]
+    with pytest.raises(ValueError, match="1 outputs for 2 files"):
+        folder.write(paths, [b"a"])
+    with pytest.raises(ValueError, match="output 'gif'"):
+        OutputFolder(tmp_path, "gif")
+
+
+class _Tty(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_and_summary_say_what_happened():
+    summary = BatchSummary(total=3)
+    for row in (
+        {"name": "a", "status": "decoded", "error": ""},
+        {"name": "b", "status": "skipped", "error": ""},
+        {"name": "c", "status": "failed", "error": "latents: bad"},
+    ):
+        summary.add(row)
+    summary.seconds = 1.5
+    assert summary.progress_line() == "[3/3] 1 decoded, 1 skipped, 1 failed, 2.00 items/s"
+    assert summary.report().splitlines() == [
+        "3 of 3 inputs in 1.5 s (2.00 items/s): 1 decoded, 1 skipped (already done), 1 failed",
+        "  failed c: latents: bad",
+    ]
+    tty, log = _Tty(), io.StringIO()
+    Progress(tty).show(summary)
+    Progress(tty).show(summary, final=True)
+    assert tty.getvalue() == "\r" + summary.progress_line() + "\r" + summary.progress_line() + "\n"
+    shown = Progress(log, every_s=3600)
+    shown.show(summary)  # the first line at once, then none until the interval or the end
+    shown.show(summary)
+    shown.show(summary, final=True)
+    assert log.getvalue() == (summary.progress_line() + "\n") * 2
+
+
+def test_pickle_of_trap_would_fire(tmp_path):
+    """The trap above is armed: unpickling it does create the marker."""
+    marker = tmp_path / "fired"
+    pickle.loads(pickle.dumps(_Trap(str(marker))))
+    assert marker.exists()

@@ -1,0 +1,97 @@
+"""The decode stage of a Ray Data job: a callable class that Ray Data runs in an actor pool, each
+actor holding one engine (its model loaded once, on its GPU when it has one). Every input is
+decoded as the service decodes one request (its own engine call, the same tiers, outputs and
+encoder settings), so its files are the bytes the service would answer. A bad input becomes a
+`failed` row with its reason; it never stops the job."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from vae_service.batch.latent_files import load_latents
+from vae_service.batch.outputs import OutputFolder
+from vae_service.config import ServiceConfig
+from vae_service.engine import DecodeEngine, DecodeError
+from vae_service.protocol.handle_call import request_from_call
+
+log = logging.getLogger(__name__)
+
+RESULT_COLUMNS = ("name", "status", "files", "error", "decode_ms")
+
+
+@dataclass(frozen=True)
+class ItemResult:
+    name: str
+    status: str  # decoded | skipped (its files were there) | failed
+    files: int = 0
+    error: str = ""
+    decode_ms: float = 0.0
+
+
+class DecodeStage:
+    def __init__(self, config: dict, output_dir: str, output: str | None, quality: str = "lossless", options=None):
+        self.engine = DecodeEngine(ServiceConfig.model_validate(config))
+        self.engine.bind_thread()
+        # unset: what a service client asks for by default, PNGs of images and MP4s of videos
+        self.folder = OutputFolder(output_dir, output or ("mp4" if self.engine.video else "png"))
+        self.folder.folder.mkdir(parents=True, exist_ok=True)
+        self.quality, self.options = quality, dict(options or {})
+        log.info("decode stage in pid %d: %s", os.getpid(), self.engine.spec.name)
+
+    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        results = [self.decode_row(batch, i) for i in range(len(batch["name"]))]
+        return {key: np.array([getattr(r, key) for r in results]) for key in RESULT_COLUMNS}
+
+    def decode_row(self, batch: dict[str, np.ndarray], i: int) -> ItemResult:
+        name = str(batch["name"][i])
+        try:
+            return self.decode_item(name, _row_latents(batch, i))
+        except (DecodeError, ValueError) as exc:  # bad input: the item's own fault
+            return ItemResult(name, "failed", error=str(exc))
+        except Exception as exc:  # a fault of ours: reported, logged, and the job goes on
+            log.exception("decoding %s failed", name)
+            return ItemResult(name, "failed", error=f"internal error ({type(exc).__name__}): {exc}")
+
+    def decode_item(self, name: str, latents) -> ItemResult:
+        request = request_from_call(
+            latents,
+            **{
+                **self.options,
+                "quality": self.quality,
+                "output": "uint8" if self.folder.output == "npy" else self.folder.output,
+            },
+        )
+        paths = self.folder.paths(name, request.items)
+        if self.folder.finished(paths):
+            return ItemResult(name, "skipped", files=len(paths))
+        (result,) = self.engine.decode([self.engine.prepare(request)])
+        if isinstance(result, DecodeError):
+            raise result
+        result = self.engine.encode(result)
+        self.folder.write(paths, result.output if self.folder.output != "npy" else result.output.numpy())
+        return ItemResult(name, "decoded", files=len(paths), decode_ms=round(result.timing.decode_ms, 1))
+
+
+def _row_latents(batch: dict[str, np.ndarray], i: int):
+    """A row holds a file's path (the file's latents, as `vae-service decode` sends them) or one
+    latent item itself (Parquet: without the batch dimension)."""
+    if "path" in batch:
+        return load_latents(Path(str(batch["path"][i])))
+    value = batch["latents"][i]
+    if value.dtype == object:  # a Parquet list column: arrays of arrays, numbers without a dtype
+        value = _stacked(value).astype(np.float32)
+    return np.ascontiguousarray(value)[None]
+
+
+def _stacked(value: np.ndarray) -> np.ndarray:
+    if value.dtype != object:
+        return value
+    try:
+        return np.stack([_stacked(np.asarray(v)) for v in value])
+    except ValueError:
+        raise ValueError("latents: a list column's rows must be rectangular (equal lengths at each depth)") from None

@@ -1,0 +1,99 @@
+"""The decode service as a plain Ray actor, for pipelines built on Ray actors (Ray DAGs, compiled
+graphs) rather than Serve: a denoiser actor hands its latents to a decoder actor.
+
+It runs the same DecodeService a Serve replica runs (one engine, tier-keyed batching, one device
+thread, the encoder pool) on an event loop of its own, so calls made concurrently (the actor is
+threaded) batch by tier exactly as HTTP requests do. Arguments, answers and errors are those of
+the Serve handle API: `decode(latents, quality=..., output=..., **options)` returns the /decode
+response fields, and bad input raises vae_service_client's typed errors (InvalidRequest, ...).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+from collections.abc import Coroutine
+from typing import Any
+
+import ray
+
+from vae_service.config import ServiceConfig
+from vae_service.serving.decode_service import DecodeService
+from vae_service.serving.handle_api import handle_decode
+
+# under Ray's own logger, which Ray workers write to their log files (a bare logger's INFO is dropped)
+log = logging.getLogger("ray.vae_service")
+
+# calls in flight at once per actor: enough for concurrent callers to fill a batch; compiled
+# graphs run their own loop beside them
+MAX_CONCURRENCY = 16
+
+
+class Decoder:
+    """Works in-process as well; `DecoderActor` is this class as a Ray actor."""
+
+    def __init__(self, config: dict | ServiceConfig):
+        config = ServiceConfig.model_validate(config)
+        self._loop = asyncio.new_event_loop()
+        self._loop_thread = threading.Thread(target=self._loop.run_forever, name="vae-decoder-loop", daemon=True)
+        self._loop_thread.start()
+        self._closed = False
+        self.service: DecodeService = self._run(_start_service(config))
+        log.info("decoder actor serving %s", self.service.engine.describe())
+
+    def _run(self, coroutine: Coroutine) -> Any:
+        if self._closed:
+            coroutine.close()
+            raise RuntimeError("this decoder is closed")
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+
+    def decode(self, latents, quality: str = "lossless", output: str = "uint8", **options) -> dict:
+        """`latents` a torch tensor (CPU or GPU) or numpy array; options are the /decode keys.
+        Returns the /decode response fields with `output` a numpy array or a list of bytes."""
+        device = self.service.engine.device  # latents a compiled graph put on our GPU stay there
+        return self._run(handle_decode(self.service, latents, device, quality=quality, output=output, **options))
+
+    def describe(self) -> dict:
+        return {"pid": os.getpid(), **self.service.describe()}
+
+    def release_folded(self) -> int:
+        """Drop the fast path's folded weights now (the next `high` decode rebuilds them); bytes freed."""
+        return self.service.release_folded()
+
+    def close(self, timeout_s: float | None = None) -> int:
+        """Finish queued and running decodes, then give the folded buffers back; bytes freed.
+        Ray calls it when the actor exits gracefully (its handles go out of scope,
+        `__ray_terminate__`); `ray.kill` ends the process and the memory with it."""
+        if self._closed:
+            return 0
+        timeout_s = self.service.config.batching.request_timeout_s if timeout_s is None else timeout_s
+        drained = self._run(self.service.drain(timeout_s))
+        self._run(_cancel_other_tasks())  # the batcher's idle workers
+        self._closed = True
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._loop_thread.join()
+        self._loop.close()
+        freed = self.service.release_folded()
+        log.info("decoder actor closing: drained=%s, released %d bytes of folded buffers", drained, freed)
+        return freed
+
+    def __ray_shutdown__(self) -> None:
+        self.close()
+
+
+# module functions, not methods: Ray makes an actor with any coroutine method an asyncio actor,
+# whose plain methods would then run one at a time on its event loop
+async def _start_service(config: ServiceConfig) -> DecodeService:
+    return DecodeService(config)  # built on the loop its batcher runs on
+
+
+async def _cancel_other_tasks() -> None:
+    tasks = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+DecoderActor = ray.remote(max_concurrency=MAX_CONCURRENCY)(Decoder)
