@@ -15,10 +15,18 @@ PROXY_BODY_TIMEOUT_S = 3.0
 TEST_DEPLOYMENT = dict(graceful_shutdown_wait_loop_s=0.05, graceful_shutdown_timeout_s=0.5)
 
 
+# ports Ray's components take by default: an ephemeral port that lands on one fails ray.init
+# ("metrics_export is trying to use a port number 52365 that is used by other components", seen in CI)
+RAY_DEFAULT_PORTS = {6379, 8265, 10001, 52365}
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in RAY_DEFAULT_PORTS:
+            return port
 
 
 @pytest.fixture(scope="session")
