@@ -48,6 +48,6 @@ def print_table(title: str, header: list[str], rows: list[list]) -> None:
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
     print(f"\n## {title}")
     for i, row in enumerate(cells):
-        print("| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |")
+        print("| " + " | ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) + " |")
         if i == 0:
             print("|" + "|".join("-" * (w + 2) for w in widths) + "|")

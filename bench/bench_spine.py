@@ -124,7 +124,7 @@ def measure(http: httpx.Client, url: str, engine: DecodeEngine, label: str, shap
     # the same decode timed inside the replica (the answer's decode_ms), paired with its round trip:
     # in-process decode under the very conditions of that request
     replica_decode_s = replica_decode_s[-len(times["service"]) :]
-    added = p50_ms([rt - d for rt, d in zip(times["service"], replica_decode_s)])
+    added = p50_ms([rt - d for rt, d in zip(times["service"], replica_decode_s, strict=True)])
     met = "yes" if added <= noop_ms + 1.5 else "NO"
     return [
         label,

@@ -35,7 +35,7 @@ async def test_mixed_tier_load_is_answered_exactly_once_and_correctly(kl_url, kl
         )
     assert sorted(r.request_id for r in responses) == sorted(rid for rid, _, _ in jobs)
     assert max(r.timing["batch_size"] for r in responses) > 2  # requests were batched together
-    for (rid, quality, z), resp in zip(jobs, responses):
+    for (rid, quality, z), resp in zip(jobs, responses, strict=True):
         assert resp.request_id == rid and resp.quality == quality
         with torch_threads(threads):
             solo = reference_decode(kl_vae, z).numpy()
@@ -45,12 +45,13 @@ async def test_mixed_tier_load_is_answered_exactly_once_and_correctly(kl_url, kl
             assert np.abs(resp.output - solo).max() <= FP32_MAX_ABS
 
 
-@pytest.mark.parametrize("status", [429, 503])
-async def test_overload_gets_the_configured_status_with_retry_after_and_never_500(app, status):
+@pytest.mark.parametrize("configured, status", [(None, 429), (503, 503)], ids=["default-429", "configured-503"])
+async def test_overload_gets_the_configured_status_with_retry_after_and_never_500(app, configured, status):
+    chosen = {} if configured is None else {"backpressure_status": configured}  # None: the documented default
     url = app(
         f"tight{status}",
         batching={"max_batch_size": 1, "batch_wait_ms": 0, "max_queued_items": 2},
-        serving={"concurrent_keys": 1, "max_queued_requests": 2, "retry_after_s": 2, "backpressure_status": status},
+        serving={"concurrent_keys": 1, "max_queued_requests": 2, "retry_after_s": 2, **chosen},
     )
     z = torch.randn(1, 4, 48, 48)  # ~0.3 s per decode here
     async with httpx.AsyncClient(timeout=120) as http:

@@ -85,8 +85,18 @@ def test_cpu_yaml_starts_answers_and_stops_on_two_cpus(name, tmp_path):
         proc.send_signal(signal.SIGINT)  # Ctrl-C: serve run shuts down Serve and the Ray it started
         try:
             proc.wait(timeout=120)
+            stopped_on_ctrl_c = True
         except subprocess.TimeoutExpired:
+            stopped_on_ctrl_c = False
             os.killpg(proc.pid, signal.SIGKILL)  # only the process group this test started
             proc.wait()
         log.close()
-    assert proc.returncode is not None
+    assert stopped_on_ctrl_c, "serve run was still running 120 s after Ctrl-C"
+    deadline = time.monotonic() + 30  # and the HTTP proxy goes with it
+    while True:
+        try:
+            httpx.get(f"{url}/health", timeout=5)
+        except httpx.TransportError:
+            break
+        assert time.monotonic() < deadline, f"{url} still answers after serve run stopped"
+        time.sleep(0.5)

@@ -56,7 +56,7 @@ async def test_requests_queued_and_running_when_a_replica_is_removed_all_complet
         replies = await asyncio.gather(*tasks)
         await deleting
     with torch_threads(health["cpu_threads"]):
-        for z, reply in zip(latents, replies):
+        for z, reply in zip(latents, replies, strict=True):
             np.testing.assert_array_equal(reply.output, reference_decode(kl_vae, z).numpy())
 
 

@@ -31,7 +31,7 @@ async def test_concurrent_lossless_requests_are_bit_identical_to_solo_decodes(kl
             for i, z in enumerate(latents)
         )
     )
-    for i, (z, result) in enumerate(zip(latents, results)):
+    for i, (z, result) in enumerate(zip(latents, results, strict=True)):
         assert result.request_id == str(i) and (result.model, result.precision) == ("kl", "fp32")
         assert torch.equal(result.output, reference_decode(kl_vae, z))
         assert result.timing.queue_ms >= 0 and result.timing.decode_ms > 0
@@ -195,39 +195,43 @@ async def test_a_decode_whose_callers_left_stops_at_its_next_latent_frame(wan_di
 
 
 async def test_slow_encoding_never_holds_the_device(kl_dir):
-    """Decoder 10 ms, encoder 100 ms, 16 concurrent png requests: the device decodes on while a
-    pool of 4 encodes, so they finish in about the pool's time, not 16 x 110 ms."""
+    """16 png requests while every encoder is held: exactly the pool's 4 encode at once, and the
+    device goes on decoding the others meanwhile (counted, not timed)."""
     service = kl_service(kl_dir, encoding={"threads": 4}, batching={"max_batch_size": 1})
-    decode, decodes, encodes, lock = service.engine.decode, [], [], threading.Lock()
+    decode, lock = service.engine.decode, threading.Lock()
+    decoded, encoding, widest = [0], [0], [0]
+    pool_full, eight_decoded, release = threading.Event(), threading.Event(), threading.Event()
 
-    def slow_decode(batch, abandoned=None):
-        start = time.monotonic()
-        time.sleep(0.01)
+    def counted_decode(batch, abandoned=None):
         out = decode(batch, abandoned)
-        decodes.append((start, time.monotonic()))
-        return out
-
-    def slow_encode(item, fmt, settings):
-        start = time.monotonic()
-        time.sleep(0.1)
-        out = encode_item(item, fmt, settings)
         with lock:
-            encodes.append((start, time.monotonic()))
+            decoded[0] += 1
+            if decoded[0] >= 8 and pool_full.is_set():
+                eight_decoded.set()
         return out
 
-    service.batcher.run_batch, service.encoders.encode_item = slow_decode, slow_encode
+    def held_encode(item, fmt, settings):
+        with lock:
+            encoding[0] += 1
+            widest[0] = max(widest[0], encoding[0])
+            if encoding[0] == 4:
+                pool_full.set()
+        release.wait(30)
+        with lock:
+            encoding[0] -= 1
+        return encode_item(item, fmt, settings)
+
+    service.batcher.run_batch, service.encoders.encode_item = counted_decode, held_encode
     gen = torch.Generator().manual_seed(14)
-    start = time.monotonic()
-    results = await asyncio.gather(
+    requests = asyncio.gather(
         *(service.decode(DecodeRequest(torch.randn(1, 4, 2, 2, generator=gen), output="png")) for _ in range(16))
     )
-    elapsed = time.monotonic() - start
+    assert await asyncio.to_thread(pool_full.wait, 30)  # four encodes running, all held
+    assert await asyncio.to_thread(eight_decoded.wait, 30)  # and the device decoded on meanwhile
+    release.set()
+    results = await requests
     assert all(isinstance(r.output, list) and r.output[0].startswith(b"\x89PNG") for r in results)
-    assert all(r.timing.encode_ms >= 100 for r in results)
-    concurrent = max(sum(s <= t < e for s, e in encodes) for t, _ in encodes)
-    assert concurrent == 4  # the pool's width, never more
-    assert sum(any(s <= d < e for s, e in encodes) for d, _ in decodes) >= 8  # decoding went on meanwhile
-    assert elapsed < 0.6 * 16 * 0.11  # about 16 x 100 ms / 4 threads, far from serial
+    assert widest[0] == 4 and decoded[0] == 16  # the pool's width, never more
 
 
 async def test_a_failed_encode_fails_only_its_request_and_nothing_is_decoded_again(kl_dir):

@@ -116,6 +116,9 @@ def test_error_json_shape():
         (b"\x91" * (1 << 20), "StackError"),  # nested deeper than the parser's stack
         (b"\xdf\x00\x01\x00\x00" + b"\xa1x\x01" * 10, "exceeds max_map_len"),
         (pack({"latents": "x" * 5000}), "exceeds max_str_len"),
+        # within msgpack's own defaults (which scale with the body), so only our bounds refuse them
+        (b"\xdc\xff\xff" + b"\x90" * 0xFFFF, "exceeds max_array_len"),  # 64 Ki empty arrays, all present
+        (pack({f"k{i}": 1 for i in range(100)}), "exceeds max_map_len"),
     ],
 )
 def test_hostile_bodies_are_refused_by_container_bounds_not_walked(raw, text):

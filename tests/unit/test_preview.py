@@ -62,7 +62,9 @@ def test_the_linear_preview_is_its_definition(name):
     if x.dim() == 5 and engine.video:
         law = engine.spec.geometry.frames.law
         counts = frame_counts(full.output.shape[2], len(frames), law)
-        expected = torch.cat([e.unsqueeze(2).expand(-1, -1, n, -1, -1) for e, n in zip(expected, counts)], 2)
+        expected = torch.cat(
+            [e.unsqueeze(2).expand(-1, -1, n, -1, -1) for e, n in zip(expected, counts, strict=True)], 2
+        )
     else:
         expected = expected[0]
     assert torch.allclose(preview.output, expected.reshape(preview.output.shape), atol=1e-6)
@@ -123,7 +125,7 @@ def test_a_video_models_tiny_decoder_previews_each_latent_frame(tiny_dir):
     with torch.inference_mode(), torch_threads(1):
         frames = [tiny.decode(z[:, :, t] / 1.0 + 0.0).sample for t in range(3)]
     assert preview.shape[2] == 9
-    for frame, t in zip(range(9), [0, 1, 1, 1, 1, 2, 2, 2, 2]):
+    for frame, t in zip(range(9), [0, 1, 1, 1, 1, 2, 2, 2, 2], strict=True):
         assert torch.equal(preview[:, :, frame], frames[t])
 
 

@@ -139,7 +139,7 @@ def test_tiled_video_lockstep_and_tile_after_tile_agree_bit_for_bit(engines):
         lockstep = list(tiled_chunks(z, TileGrid(12, 20, 18, lockstep=True), 8, chunks))
         sequential = list(tiled_chunks(z, TileGrid(12, 20, 18, lockstep=False), 8, chunks))
     assert [c.shape[2] for c in lockstep] == [1, 4, 4]
-    assert all(torch.equal(a, b) for a, b in zip(lockstep, sequential))
+    assert all(torch.equal(a, b) for a, b in zip(lockstep, sequential, strict=True))
 
 
 def test_tiled_video_streams_the_same_frames(engines):

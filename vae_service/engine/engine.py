@@ -197,7 +197,10 @@ class DecodeEngine:
                 self._release_device_cache()  # then once more in tiles of half the estimated peak
                 outputs, tiled = self._decode_batch(batch, latents, force_tiles=True)
         timing = Timing(0.0, (time.perf_counter() - start) * 1e3, sum(r.items for r in batch))
-        return [o if isinstance(o, DecodeFailed) else self._result(o, r, timing, tiled) for o, r in zip(outputs, batch)]
+        return [
+            o if isinstance(o, DecodeFailed) else self._result(o, r, timing, tiled)
+            for o, r in zip(outputs, batch, strict=True)
+        ]
 
     def _release_device_cache(self) -> None:
         if self.device.type == "cuda":
@@ -228,10 +231,10 @@ class DecodeEngine:
             decoded = self._decode_together(latents)
         elif tiled:
             scale = self.spec.spatial_scale
-            decoded = [tiled_image(z, g, scale, self._vae_decode) for z, g in zip(latents, grids)]
+            decoded = [tiled_image(z, g, scale, self._vae_decode) for z, g in zip(latents, grids, strict=True)]
         else:
             decoded = [self._vae_decode(z) for z in latents]
-        return [self._finish(d, r) for d, r in zip(decoded, batch)], tiled
+        return [self._finish(d, r) for d, r in zip(decoded, batch, strict=True)], tiled
 
     def _decode_video(self, batch: list[PreparedRequest], latents: list[torch.Tensor], grids: list) -> list:
         quality = batch[0].request.quality
@@ -256,7 +259,7 @@ class DecodeEngine:
         else:
             outputs = [
                 decode_video([r], [z], True, chunks_for(g), checkpoint, pending, pixels)[0]
-                for r, z, g in zip(batch, latents, grids)
+                for r, z, g in zip(batch, latents, grids, strict=True)
             ]
         return outputs if self.video else [_one_frame(o) for o in outputs]
 

@@ -112,9 +112,11 @@ def decode_video(
         for z in latents:
             bounds.append((start, start + z.shape[0]))
             start += z.shape[0]
-        runs = [(torch.cat(latents), [(a, 0, lo, hi) for a, (lo, hi) in zip(answers, bounds)])]
+        runs = [(torch.cat(latents), [(a, 0, lo, hi) for a, (lo, hi) in zip(answers, bounds, strict=True)])]
     else:
-        runs = [(item, [(a, i, 0, 1)]) for a, z in zip(answers, latents) for i, item in enumerate(z.split(1))]
+        runs = [
+            (item, [(a, i, 0, 1)]) for a, z in zip(answers, latents, strict=True) for i, item in enumerate(z.split(1))
+        ]
     for z, members in runs:
         frame = 0
         for out in _checked(chunks(z), checkpoint):

@@ -172,7 +172,7 @@ class _Walk:
         x = self._plain_conv(d.conv_in, x)
         mid = d.mid_block
         x = self._residual(mid.resnets[0], x)
-        for attention, resnet in zip(mid.attentions, mid.resnets[1:]):
+        for attention, resnet in zip(mid.attentions, mid.resnets[1:], strict=True):
             x = self._residual(resnet, attention(x))
         for up in d.up_blocks:
             x = self._up_block(up, x)

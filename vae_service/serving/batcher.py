@@ -236,7 +236,7 @@ class KeyedBatcher(Generic[T]):
         finally:
             self._running -= 1
             watcher.cancel()
-        for pending, result in zip(batch, results):
+        for pending, result in zip(batch, results, strict=True):
             if pending.future.done():
                 continue  # the caller gave up meanwhile
             if isinstance(result, BaseException):
@@ -266,14 +266,22 @@ class KeyedBatcher(Generic[T]):
 
     async def _decode_isolating_failures(self, requests: list[T], abandoned: threading.Event) -> list[Any]:
         try:
-            return await self._in_executor(requests, abandoned)
+            return _one_each(requests, await self._in_executor(requests, abandoned))
         except Exception as exc:
             if len(requests) == 1 or abandoned.is_set():
                 return [exc] * len(requests)
         results = []
         for request in requests:  # the batch failed as a whole: each request gets one try alone
             try:
-                results.extend(await self._in_executor([request], abandoned))
+                results.extend(_one_each([request], await self._in_executor([request], abandoned)))
             except Exception as exc:
                 results.append(exc)
         return results
+
+
+def _one_each(requests: list, results: list) -> list:
+    """A runner answering more or fewer results than requests is a bug: fail those requests
+    loudly instead of leaving some callers waiting forever."""
+    if len(results) != len(requests):
+        raise RuntimeError(f"the batch runner answered {len(results)} results for {len(requests)} requests")
+    return results

@@ -75,7 +75,7 @@ def _rms_silu_kernel(
 def _dense(x: torch.Tensor) -> bool:
     """Elements fill exactly numel() slots in some dim order (what empty_like's layout keeps)."""
     expected = 1
-    for size, stride in sorted((d for d in zip(x.shape, x.stride()) if d[0] > 1), key=lambda d: d[1]):
+    for size, stride in sorted((d for d in zip(x.shape, x.stride(), strict=True) if d[0] > 1), key=lambda d: d[1]):
         if stride != expected:
             return False
         expected *= size
