@@ -63,17 +63,20 @@ def main() -> None:
     from ray import serve
 
     from vae_service.batch import decode_dataset, read_inputs
-    from vae_service.models.presets import PRESETS
     from vae_service.serving.app import decoder_app
+    from vae_service_client import VaeClient
 
     config = {"model": args.model, "cpu_threads": args.threads}
-    channels = PRESETS[args.model].config["latent_channels"]
-    shape = [1, channels, args.size // 8, args.size // 8]
     with tempfile.TemporaryDirectory() as tmp, local_serve() as url:
         tmp = Path(tmp)
         (tmp / "in").mkdir()
-        paths = write_inputs(tmp / "in", shape, args.items)
         serve.run(decoder_app(config, num_replicas=args.engines), name="vae", route_prefix="/")
+        with VaeClient(url) as client:  # the geometry the replica traced, not config fields
+            geometry = client.health()["geometry"]
+        side = max(geometry["min_latent_side"], args.size // geometry["spatial_scale"])
+        frames = [geometry.get("min_latent_frames", 1)] if "T" in geometry["latent_layout"] else []
+        shape = [1, geometry["latent_channels"], *frames, side, side]
+        paths = write_inputs(tmp / "in", shape, args.items)
         http = through_http(url, paths, tmp / "http", args.clients)
         serve.delete("vae")
         start = time.perf_counter()
