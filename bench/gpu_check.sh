@@ -8,7 +8,8 @@
 #   - png vs uint8 throughput at 1024 px, batch 8, 16 requests in flight;
 #   - Wan 81 frames at 480x832 and 720x1280, and a Qwen-Image 1024 px image: diffusers vs our
 #     lossless (bit-identical, checked on the spot) vs high, time to the first streamed chunk,
-#     peak memory untiled vs tiled.
+#     peak memory untiled vs tiled;
+#   - the memory plan: estimate vs allocated peak per tier, and a tiled decode's peak vs its bound.
 # Targets (issue notes): high <= 22 ms at 1024 px and <= 130 ms at 2048 px; lossless <= 80 ms;
 # Wan lossless <= 1.3 s and high <= 0.8 s at 480p, high <= 2.0 s at 720p; png/uint8 <= 1.3.
 # Needs torch, triton, diffusers, pydantic, msgpack, numpy, pillow, pytest, av.
@@ -31,4 +32,7 @@ encode_rc=$?
   --cases wan2.1:480x832:21 wan2.1:720x1280:21 qwen-image:1024x1024:1 --measure-memory wan2.1:720x1280:21 --tiled-fraction 0.5 \
   --memory wan2.1:720x1280:21 --bound-gib 8
 video_rc=$?
-exit $(( tests_rc || bench_rc || encode_rc || video_rc ))
+# the memory plan: each tier's calibrated estimate vs the allocator's peak, and a tiled peak vs its bound
+"$PY" bench/bench_memory.py --device cuda --precision bf16 --cases sd:1024x1024 flux:1024x1024 wan2.1:480x832:21
+memory_rc=$?
+exit $(( tests_rc || bench_rc || encode_rc || video_rc || memory_rc ))

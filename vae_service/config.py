@@ -37,8 +37,10 @@ class Limits(BaseModel):
     max_decode_bytes: int | None = Field(
         None,
         gt=0,
-        description="peak memory of one decode, estimated per model and shape: above it `high` decodes "
-        "spatially tiled and `lossless` gets 413. Unset: 80% of the GPU memory, 50% of RAM on a CPU",
+        description="peak memory of one decode, estimated per tier, model and shape: above it `high` decodes "
+        "spatially tiled and `lossless` gets 413. Unset: fixed at start-up, 80% of the GPU's memory less the "
+        "weights and 512 MiB; on a CPU half the RAM or the cgroup limit (smaller) less the weights (/health: "
+        "memory_plan)",
     )
 
 

@@ -6,7 +6,9 @@ unsigned length followed by that many bytes of one msgpack map, one of:
 
 - `{"item": i, "frame": f, "pixels": tensor}`: frames f.. of batch items i.. (uint8
   [n, t, H, W, 3] or float [n, 3, t, H, W]), sent as soon as their latent frame is decoded;
-- `{"done": {model, quality, precision, request_id, timing, tiled}}`: the last message;
+- `{"done": {model, quality, precision, request_id, timing, tiled[, retried_from_frame]}}`: the
+  last message; `retried_from_frame` when the decode failed after frames went out and ran again
+  (out of device memory: in tiles): frames from that index on came from the retry;
 - `{"error": {type, field, message}}`: the decode failed after frames were sent (the last message).
 
 Errors found before the first frame are ordinary HTTP errors (JSON, 4xx/5xx). The frames of every
@@ -85,9 +87,14 @@ class MessageReader:
 
 @dataclass
 class StreamSummary:
-    """What the last message says: model, quality, precision, request_id, timing, tiled."""
+    """What the last message says: model, quality, precision, request_id, timing, tiled, and
+    retried_from_frame (None unless the decode was retried after frames went out)."""
 
     fields: dict = field(default_factory=dict)
+
+    @property
+    def retried_from_frame(self) -> int | None:
+        return self.fields.get("retried_from_frame")
 
     def __getattr__(self, name: str):
         try:

@@ -44,6 +44,12 @@ class _Base:
         self.timeout, self.retries, self.backoff_s = timeout, retries, backoff_s
 
 
+def carries_something(msg) -> bool:
+    """False for the empty message that carries a failed stream's status (Serve's gRPC proxy relays
+    a stream's status only along with a message); the status itself raises on the next read."""
+    return msg.done or msg.HasField("tensor") or len(msg.files) > 0
+
+
 class VaeGrpcClient(_Base):
     def decode(self, latents, quality: str = "lossless", output: str = "uint8", **options) -> DecodeResponse:
         request = request_proto(latents, quality, output, **options)
@@ -66,7 +72,8 @@ class VaeGrpcClient(_Base):
         request = request_proto(latents, quality, output, **options)
         try:
             for msg in self._stub.DecodeStream(request, timeout=self.timeout, metadata=self._metadata):
-                yield DecodeResponse.from_proto(msg)
+                if carries_something(msg):
+                    yield DecodeResponse.from_proto(msg)
         except grpc.RpcError as exc:
             raise _error(exc) from None
 
@@ -77,7 +84,8 @@ class VaeGrpcClient(_Base):
         def messages():
             try:
                 for msg in self._stub.DecodeStream(request, timeout=self.timeout, metadata=self._metadata):
-                    yield message_of_proto(msg)
+                    if carries_something(msg):
+                        yield message_of_proto(msg)
             except grpc.RpcError as exc:
                 raise _error(exc) from None
 
@@ -115,7 +123,8 @@ class AsyncVaeGrpcClient(_Base):
         request = request_proto(latents, quality, output, **options)
         try:
             async for msg in self._stub.DecodeStream(request, timeout=self.timeout, metadata=self._metadata):
-                yield DecodeResponse.from_proto(msg)
+                if carries_something(msg):
+                    yield DecodeResponse.from_proto(msg)
         except grpc.RpcError as exc:
             raise _error(exc) from None
 
@@ -125,7 +134,8 @@ class AsyncVaeGrpcClient(_Base):
         async def messages():
             try:
                 async for msg in self._stub.DecodeStream(request, timeout=self.timeout, metadata=self._metadata):
-                    yield message_of_proto(msg)
+                    if carries_something(msg):
+                        yield message_of_proto(msg)
             except grpc.RpcError as exc:
                 raise _error(exc) from None
 

@@ -158,10 +158,13 @@ class DecodeResponse:
     timing: dict = field(default_factory=dict)  # TIMING_KEYS
     item_index: int = 0  # DecodeStream: which batch item this message carries
     tiled: bool = False  # decoded in spatial tiles to stay within the server's memory bound
+    # streams only: the decode failed after frames went out and ran again (out of device memory:
+    # in tiles); every item's frames from this index on came from that retry, earlier ones did not
+    retried_from_frame: int | None = None
 
     def summary(self) -> dict:
         """Everything but the output (the last message of a frame stream)."""
-        return {
+        summary = {
             "model": self.model,
             "quality": self.quality,
             "precision": self.precision,
@@ -169,6 +172,9 @@ class DecodeResponse:
             "timing": {k: self.timing[k] for k in TIMING_KEYS},
             "tiled": self.tiled,
         }
+        if self.retried_from_frame is not None:
+            summary["retried_from_frame"] = self.retried_from_frame
+        return summary
 
     def to_map(self) -> dict:
         output = self.output if isinstance(self.output, list) else encode_tensor(self.output)
@@ -187,6 +193,7 @@ class DecodeResponse:
             obj.get("request_id"),
             obj["timing"],
             tiled=bool(obj.get("tiled", False)),
+            retried_from_frame=obj.get("retried_from_frame"),
         )
 
     def to_proto(self):
@@ -201,6 +208,8 @@ class DecodeResponse:
             timing=decode_pb2.Timing(**{k: self.timing[k] for k in TIMING_KEYS}),
             tiled=self.tiled,
         )
+        if self.retried_from_frame is not None:
+            msg.retried_from_frame = self.retried_from_frame
         if isinstance(self.output, list):
             msg.files.extend(self.output)
         elif self.output is not None:
@@ -214,8 +223,17 @@ class DecodeResponse:
         else:
             output = list(msg.files)
         timing = {k: getattr(msg.timing, k) for k in TIMING_KEYS}
+        retried = msg.retried_from_frame if msg.HasField("retried_from_frame") else None
         return cls(
-            output, msg.model, msg.quality, msg.precision, msg.request_id or None, timing, msg.item_index, msg.tiled
+            output,
+            msg.model,
+            msg.quality,
+            msg.precision,
+            msg.request_id or None,
+            timing,
+            msg.item_index,
+            msg.tiled,
+            retried,
         )
 
     def images(self) -> list:

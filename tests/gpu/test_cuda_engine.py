@@ -129,19 +129,41 @@ def test_wan_chunk_walk_is_bit_identical_on_cuda(config, shape):
     assert torch.equal(walked, reference)
 
 
+def overwrite_free_device_memory(device: torch.device) -> None:
+    """Queue fills of the caching allocator's free device blocks, in both of its pools (where a
+    finished decode's intermediates and outputs were): a host copy that read memory the allocator
+    had already handed back (say, a copy on a side stream the allocator was not told about) would
+    find these bytes instead of the pixels."""
+    stats = torch.cuda.memory_stats(device)
+    fills = []  # all held until queued: each piece takes a free block of its own
+    for pool, piece in (("small_pool", 1 << 16), ("large_pool", 1 << 22)):  # the small pool serves <= 1 MiB
+        free = stats[f"reserved_bytes.{pool}.current"] - stats[f"allocated_bytes.{pool}.current"]
+        fills += [torch.full((piece,), 255, dtype=torch.uint8, device=device) for _ in range(free // piece)]
+
+
 @pytest.mark.parametrize("kind, shape", [("kl", (2, 4, 6, 5)), ("wan", (2, 4, 3, 4, 6))])
 def test_deferred_host_copies_give_the_same_pixels(engines, kind, shape):
-    """The service's path: outputs come back while their pinned copy is still queued; once the
-    events completed they equal a synchronous decode."""
+    """The service's path: outputs come back while their pinned copy is still queued. Baselines
+    first (synchronous decodes); then a deferred decode, and before waiting on it more device
+    work queued at once (a second deferred decode of other latents, fills of the freed device
+    memory): once its events completed, each output is its own baseline."""
     engine = engines[kind]
-    z = torch.randn(*shape, generator=torch.Generator().manual_seed(11))
+    gen = torch.Generator().manual_seed(11)
+    z, other = torch.randn(*shape, generator=gen), torch.randn(*shape, generator=gen)
     for output in ("uint8", "float"):
-        request = engine.prepare(DecodeRequest(z, output=output, scaling_factor=None))
-        (deferred,) = engine.decode([request], defer_host_copy=True)
-        assert deferred.host_copies and deferred.output.is_pinned()
-        ready = deferred.wait_for_host()
-        (sync,) = engine.decode([request])
-        assert not sync.host_copies and torch.equal(ready.output, sync.output)
+        first, second = (engine.prepare(DecodeRequest(x, output=output, scaling_factor=None)) for x in (z, other))
+        (baseline,), (other_baseline,) = engine.decode([first]), engine.decode([second])
+        assert not baseline.host_copies and not torch.equal(baseline.output, other_baseline.output)
+        (deferred,) = engine.decode([first], defer_host_copy=True)
+        (deferred_other,) = engine.decode([second], defer_host_copy=True)
+        overwrite_free_device_memory(engine.device)
+        for result in (deferred, deferred_other):
+            assert result.host_copies and result.output.is_pinned()
+        ready, ready_other = deferred.wait_for_host(), deferred_other.wait_for_host()
+        assert all(event.query() for event in (*deferred.host_copies, *deferred_other.host_copies))
+        assert not ready.host_copies and not ready_other.host_copies
+        assert torch.equal(ready.output, baseline.output)
+        assert torch.equal(ready_other.output, other_baseline.output)
 
 
 async def test_service_answers_after_the_host_copy(kl_dir):

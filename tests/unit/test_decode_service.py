@@ -1,10 +1,9 @@
 """The replica core without Ray: concurrent requests, live settings, fixed model and precision."""
 
 import asyncio
-import itertools
 import json
 import threading
-import time
+import types
 
 import msgpack
 import numpy as np
@@ -15,6 +14,7 @@ from tests.models import reference_decode, torch_threads
 from vae_service.config import Batching, Limits, LiveConfig, ServiceConfig
 from vae_service.engine import DecodeRequest, DecodeTimeout, LimitExceeded
 from vae_service.engine.encoding import encode_item
+from vae_service.engine.errors import DecodeAbandoned
 from vae_service.serving.decode_service import DecodeService
 from vae_service.serving.http_routes import decode_answer
 from vae_service.serving.replica import parse_live
@@ -139,57 +139,117 @@ async def test_decoder_nan_answers_422_for_that_request_alone(kl_dir, monkeypatc
 
 
 async def test_one_batch_on_the_device_at_a_time(kl_dir):
+    """Counted, not timed: the first batch is held on the device while the others wait and the event
+    loop takes many turns, in which a batcher that started batches side by side would enter the
+    runner again."""
     service = kl_service(kl_dir, batching={"max_batch_size": 2})
-    spans, decode = [], service.engine.decode
+    run, lock = service.batcher.run_batch, threading.Lock()
+    inside, widest, qualities, sizes = [0], [0], [], []
+    first_in, release = threading.Event(), threading.Event()
 
-    def recorded(batch, abandoned=None):
-        start = time.perf_counter()
+    def counted(batch, abandoned=None):
+        with lock:
+            inside[0] += 1
+            widest[0] = max(widest[0], inside[0])
+            qualities.append({r.batch_key.quality for r in batch})
+            sizes.append([r.items for r in batch])
+        first_in.set()
         try:
-            return decode(batch, abandoned)
+            assert release.wait(30), "the test never released the first batch"
+            return run(batch, abandoned)
         finally:
-            spans.append((start, time.perf_counter(), batch[0].batch_key.quality))
+            with lock:
+                inside[0] -= 1
 
-    service.batcher.run_batch = recorded
+    service.batcher.run_batch = counted
     gen = torch.Generator().manual_seed(9)
     requests = [
         DecodeRequest(torch.randn(1, 4, 4, 4, generator=gen), quality=("high", "lossless")[i % 2]) for i in range(12)
     ]
-    await asyncio.gather(*(service.decode(r) for r in requests))
-    spans.sort()
-    assert len(spans) >= 6 and {q for *_, q in spans} == {"high", "lossless"}
-    assert all(end <= next_start for (_, end, _), (next_start, _, _) in itertools.pairwise(spans))
+    answers = asyncio.gather(*(service.decode(r) for r in requests))
+    assert await asyncio.to_thread(first_in.wait, 30)
+    for _ in range(200):  # turns in which a batcher that does not wait would start the next batch
+        await asyncio.sleep(0)
+    release.set()
+    results = await answers
+    assert [r.quality for r in results] == [r.quality for r in requests]
+    assert sum(map(len, sizes)) == len(requests) and len(qualities) >= 6
+    assert all(len(q) == 1 for q in qualities)  # a batch never mixes tiers
+    assert set().union(*qualities) == {"high", "lossless"}
+    assert widest[0] == 1
 
 
-@pytest.mark.parametrize("how", ["client went away", "request timed out"])
-async def test_a_decode_whose_callers_left_stops_at_its_next_latent_frame(wan_dir, how):
-    """One request must not hold the device after it is abandoned: the Wan decoder runs once per
-    latent frame (its mid-block attention once per chunk, whichever way the chunk runs), and the
-    decode stops at the next one."""
-    timeout = 120 if how == "client went away" else 0.5
-    service = DecodeService(
-        ServiceConfig(
-            model=str(wan_dir), model_name="wan", device="cpu", cpu_threads=1, batching={"request_timeout_s": timeout}
-        )
-    )
-    frames, calls, third = 40, [], threading.Event()
+def jumpable_clocks(monkeypatch, service: DecodeService):
+    """The event loop's clock (it times request deadlines) and the batcher's run on as usual, plus
+    jumps the test makes: a deadline passes exactly when the test says, not after a real wait."""
+    loop, jump = asyncio.get_running_loop(), [0.0]
+    loop_time, batcher_clock = loop.time, service.batcher.clock
+    monkeypatch.setattr(loop, "time", lambda: loop_time() + jump[0])
+    monkeypatch.setattr(service.batcher, "clock", lambda: batcher_clock() + jump[0])
+
+    def advance(seconds: float) -> None:
+        jump[0] += seconds
+
+    return advance
+
+
+def hold_in_frame(service: DecodeService, frame: int):
+    """Counts the Wan decoder's runs (its mid-block attention runs once per latent frame, whichever
+    way the chunk runs) and holds the device thread inside latent frame `frame` until the batcher
+    has told the decode that its callers all left. Returns (calls, reached, watch): `watch` has
+    `saw_abandoned` (the held frame saw the event), `outcome` (what the batch runner returned or
+    raised) and `finished` (set once the runner returned)."""
+    calls, reached = [], threading.Event()
+    watch = types.SimpleNamespace(abandoned=[], saw_abandoned=[], outcome=[], finished=threading.Event())
+    run = service.batcher.run_batch
+
+    def watched(batch, abandoned=None):
+        watch.abandoned.append(abandoned)
+        try:
+            watch.outcome.append(run(batch, abandoned))
+        except Exception as exc:
+            watch.outcome.append(exc)
+            raise
+        finally:
+            watch.finished.set()
+        return watch.outcome[-1]
 
     def count(module, args):
         calls.append(1)
-        if len(calls) == 3:
-            third.set()
-        if how == "request timed out" and len(calls) >= 3:
-            time.sleep(0.2)  # a slow device: the deadline passes mid-clip
+        if len(calls) == frame:
+            reached.set()
+            watch.saw_abandoned.append(watch.abandoned[-1].wait(30))
 
+    service.batcher.run_batch = watched
     service.engine.vae.decoder.mid_block.attentions[0].register_forward_pre_hook(count)
+    return calls, reached, watch
+
+
+@pytest.mark.parametrize("how", ["client went away", "request timed out"])
+async def test_a_decode_whose_callers_left_stops_at_its_next_latent_frame(wan_dir, monkeypatch, how):
+    """One request must not hold the device after it is abandoned: the decode is held inside its
+    third latent frame until the service has seen its caller leave, then finishes that frame and
+    starts no other (the engine looks before each latent frame)."""
+    service = DecodeService(
+        ServiceConfig(
+            model=str(wan_dir), model_name="wan", device="cpu", cpu_threads=1, batching={"request_timeout_s": 3600}
+        )
+    )
+    advance = jumpable_clocks(monkeypatch, service)
+    frames, held = 40, 3
+    calls, reached, watch = hold_in_frame(service, held)
     task = asyncio.create_task(service.decode(DecodeRequest(torch.zeros(1, 4, frames, 2, 2), quality="high")))
-    await asyncio.to_thread(third.wait, 30)
+    assert await asyncio.to_thread(reached.wait, 30)
     if how == "client went away":
         task.cancel()
+    else:
+        advance(3600)  # the deadline passes while the device is inside the clip
     with pytest.raises(asyncio.CancelledError if how == "client went away" else DecodeTimeout):
         await task
-    while service.batcher.running:  # the device thread finishes what it is doing
-        await asyncio.sleep(0.01)
-    assert 3 <= len(calls) < frames // 2  # stopped long before the clip's end
+    assert await asyncio.to_thread(watch.finished.wait, 30)
+    assert watch.saw_abandoned == [True]
+    assert len(calls) == held  # the held frame finished; no further frame started
+    assert [type(o) for o in watch.outcome] == [DecodeAbandoned]
     ok = await service.decode(DecodeRequest(torch.zeros(1, 4, 1, 2, 2)))  # and the device is free again
     assert ok.output.shape == (1, 1, 16, 16, 3)
 

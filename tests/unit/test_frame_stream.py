@@ -1,18 +1,19 @@
 """Streamed requests in the replica core (no Ray): frames come out as each latent frame is decoded,
 bit-identical to the whole answer; errors before the first frame surface as ordinary errors;
-leaving a stream stops its decode; a retried decode never repeats a frame; the wire messages
-round-trip through the client's reader."""
+leaving a stream stops its decode; the wire messages round-trip through the client's reader (a
+retried stream: tests/unit/test_out_of_memory_retry.py)."""
 
 import asyncio
-import threading
 
 import msgpack
 import numpy as np
 import pytest
 import torch
 
+from tests.unit.test_decode_service import hold_in_frame
 from vae_service.config import ServiceConfig
 from vae_service.engine import DecodeRequest, InvalidInput
+from vae_service.engine.errors import DecodeAbandoned
 from vae_service.engine.result import DecodeResult
 from vae_service.engine.video import FrameChunk
 from vae_service.serving.decode_service import DecodeService
@@ -58,39 +59,23 @@ async def test_errors_before_the_first_frame_are_raised_by_submit(service):
 
 
 async def test_leaving_a_stream_stops_its_decode_at_the_next_latent_frame(service):
-    frames, calls, second = 40, [], threading.Event()
-
-    def count(module, args):
-        calls.append(1)
-        if len(calls) == 2:
-            second.set()
-
-    service.engine.vae.decoder.mid_block.attentions[0].register_forward_pre_hook(count)
+    """The decode is held inside its second latent frame (the first one's frames already went out)
+    until the service has seen the client leave; then it finishes that frame and starts no other."""
+    frames, held = 40, 2
+    calls, reached, watch = hold_in_frame(service, held)
     z = torch.zeros(1, 4, frames, 4, 4)
     stream = await service.submit(lambda: DecodeRequest(z, stream=True), z.nbytes)
     events = stream.events()
     first = await anext(events)
     assert isinstance(first, FrameChunk) and first.frame == 0
-    await asyncio.to_thread(second.wait, 30)
+    assert await asyncio.to_thread(reached.wait, 30)
     await events.aclose()  # the client went away
-    while service.batcher.running:
-        await asyncio.sleep(0.01)
-    assert 2 <= len(calls) < frames // 2
+    assert await asyncio.to_thread(watch.finished.wait, 30)
+    assert watch.saw_abandoned == [True]
+    assert len(calls) == held  # the held frame finished; no further frame started
+    assert [type(o) for o in watch.outcome] == [DecodeAbandoned]
     ok = await service.decode(DecodeRequest(torch.zeros(1, 4, 1, 2, 2)))  # the device is free again
     assert ok.output.shape == (1, 1, 16, 16, 3)
-
-
-async def test_a_retried_decode_never_repeats_a_frame():
-    stream = FrameStream()
-    frames = torch.arange(9 * 2 * 2 * 3, dtype=torch.uint8).reshape(1, 9, 2, 2, 3)
-    chunks = [FrameChunk(0, 0, frames[:, :1]), FrameChunk(0, 1, frames[:, 1:5])]
-    retry = [FrameChunk(0, 0, frames[:, :1]), FrameChunk(0, 1, frames[:, 1:5]), FrameChunk(0, 5, frames[:, 5:9])]
-    shifted = FrameChunk(0, 3, frames[:, 3:9])  # a chunk reaching back into sent frames
-    passed = [stream._fresh(c) for c in [*chunks, *retry, shifted]]
-    kept = [c for c in passed if c is not None]
-    assert [(c.frame, c.frames) for c in kept] == [(0, 1), (1, 4), (5, 4)]
-    assert torch.equal(torch.cat([c.pixels for c in kept], 1), frames)
-    assert stream._fresh(FrameChunk(0, 7, frames[:, 7:9])) is None
 
 
 async def test_http_stream_messages_read_back_with_the_client(service):

@@ -29,11 +29,13 @@ from dataclasses import replace
 import torch
 
 from vae_service.config import Limits, ServiceConfig
+from vae_service.engine.calibration import calibrate_on_cuda
 from vae_service.engine.cost import flops_per_output_pixel
 from vae_service.engine.encoding import ENCODED_OUTPUTS, EncodeSettings, encode_all
 from vae_service.engine.errors import DecodeAbandoned, DecodeFailed
 from vae_service.engine.latents import LatentScaling, PreparedRequest, prepare
-from vae_service.engine.memory import MemoryModel, measure
+from vae_service.engine.memory import TierMemory
+from vae_service.engine.memory_budget import memory_budget
 from vae_service.engine.memory_plan import decode_bound, peak_bytes, plan_memory
 from vae_service.engine.postprocess import postprocess
 from vae_service.engine.precision import PRECISION_NAMES, resolve_device, resolve_dtype
@@ -43,6 +45,7 @@ from vae_service.engine.result import DecodeResult, Timing
 from vae_service.engine.tiling import TileGrid, tiled_chunks, tiled_image
 from vae_service.engine.video import NON_FINITE, decode_video
 from vae_service.fastpath import install_fast_path
+from vae_service.fastpath.install import FastPath
 from vae_service.fastpath.wan_chunks import decode_chunks
 from vae_service.models import LoadedVae, ModelLoadError, load_vae
 from vae_service.models.spec import decoded_pixels, jsonable_config, meta_twin, pipeline_statistics
@@ -72,7 +75,9 @@ class DecodeEngine:
             self._scaling = LatentScaling(self.spec, self.vae, self.dtype)
         except ValueError as exc:
             raise ModelLoadError(f"model: {self.spec.class_name}'s latent statistics: {exc}") from exc
-        self.memory: MemoryModel = measure(twin, self.dtype, self.spec, self._lossless_chunks)
+        self.memory, folded = self._price_tiers(twin, config.fast_path.disable)
+        weights = sum(t.numel() * t.element_size() for t in (*self.vae.parameters(), *self.vae.buffers()))
+        self.budget = memory_budget(self.device, weights + folded)  # fixed for the engine's lifetime
         decode = lambda z: torch.cat(list(self._lossless_chunks(self.vae, z)), 2 if self.chunked else 0)  # noqa: E731
         self.preview = build_preview(config, self.spec, self._scaling, self.device, decode)
         # the decoder runs once per item (lossless) and once per latent frame (Wan): the step at
@@ -81,13 +86,46 @@ class DecodeEngine:
         self._host_copies: list | None = None  # CUDA events of the host copies still running
         getattr(self.vae, "decoder", self.vae).register_forward_pre_hook(self._stop_if_abandoned)
 
-    def chunk_decoder(self, quality: str, timestep: float | None = None):
+    def chunk_decoder(self, quality: str, timestep: float | None = None, fast_path: FastPath | None = None):
         """Video latents: a function from decoder-input latents to output chunks, as `quality` runs
-        them (the walk: one chunk per latent frame; other decoders: their whole output at once)."""
+        them (the walk: one chunk per latent frame; other decoders: their whole output at once).
+        `fast_path`: the one installed on the model passed as `vae` (the meta twin's)."""
         if self.walk:
-            walk, folded = self.fast_path.chunk_walks[quality], self.fast_path.folded
+            fast_path = fast_path or self.fast_path
+            walk, folded = fast_path.chunk_walks[quality], fast_path.folded
             return lambda z, vae=None: decode_chunks(vae or self.vae, z, walk, folded)
         return lambda z, vae=None: iter([self._pixels(vae or self.vae, z, timestep)])
+
+    def _price_tiers(self, twin: torch.nn.Module, disabled: tuple[str, ...]) -> tuple[dict[str, TierMemory], int]:
+        """Each tier's memory, counted on the meta twin running that tier's graph: `high` with the
+        fast path installed on the twin, the rewrites chosen as for this engine's device (Triton
+        kernels cannot run on meta: their exact torch composition stands in, and CUDA calibrates).
+        Also the bytes of the folded weights `high` builds (held between decodes, like weights)."""
+        twin = torch.nn.Module.to(twin, dtype=self.dtype).eval()
+        lossless = TierMemory(twin, self.spec, self._lossless_chunks)
+        if not self.fast_path.installed:
+            return {"lossless": lossless, "high": lossless}, 0
+        twin_fast = install_fast_path(twin, disabled, norm_backend="torch", plan_device=self.device)
+        if not twin_fast.installed:  # priced as lossless, which it then is not: say so and refuse
+            raise ModelLoadError(f"fast path: cannot be priced on the meta device: {twin_fast.skipped_because}")
+        timestep = 0.0 if self.spec.timestep_conditioned else None
+        if self.chunked:
+            chunks = self.chunk_decoder("high", timestep, twin_fast)
+            high_decode = lambda vae, z: chunks(z, vae)  # noqa: E731
+        else:
+            high_decode = lambda vae, z: iter([self._pixels(vae, z, timestep)])  # noqa: E731
+        high = TierMemory(twin, self.spec, high_decode, gate=lambda: twin_fast.gate.use(True))
+        if self.device.type == "cuda":
+            calibrate_on_cuda(lossless, lambda z: self._lossless_chunks(self.vae, z), self.device)
+            calibrate_on_cuda(high, self._high_chunks, self.device)
+        return {"lossless": lossless, "high": high}, twin_fast.folded.nbytes
+
+    def _high_chunks(self, z: torch.Tensor):
+        with self.fast_path.gate.use(True):
+            if self.chunked:
+                yield from self.chunk_decoder("high", 0.0 if self.spec.timestep_conditioned else None)(z)
+            else:
+                yield self._vae_decode(z)
 
     @staticmethod
     def _pixels(vae, z: torch.Tensor, timestep: float | None = None) -> torch.Tensor:
@@ -104,11 +142,16 @@ class DecodeEngine:
         return iter([self._pixels(vae, z, timestep)])
 
     def decode_bound(self) -> int:
-        return decode_bound(self.limits, self.device)
+        return decode_bound(self.limits, self.budget)
+
+    @property
+    def prices_in_constant_time(self) -> bool:
+        """False when a tier's memory is priced per shape on the meta twin (up to a second)."""
+        return all(tier.affine for tier in self.memory.values())
 
     def peak_bytes(self, prepared: PreparedRequest) -> int:
         """Estimated peak of decoding this request whole."""
-        return peak_bytes(prepared, self.memory)
+        return peak_bytes(prepared, self.memory[prepared.request.quality])
 
     def bind_thread(self) -> None:
         """Make the calling thread decode like every other one of this engine. CPU kernels split
@@ -141,8 +184,12 @@ class DecodeEngine:
             "fast_path": self.fast_path.describe(),
             "limits": self.limits.model_dump(),
             "decode_mflop_per_pixel": round(self.flops_per_pixel / 1e6, 3),
-            "decode_bound_bytes": self.decode_bound(),
-            "decode_bytes_per_latent_pixel": round(self.memory.working_per_latent_px),
+            "memory_plan": {
+                "decode_bound_bytes": self.decode_bound(),
+                "bound_from": "limits.max_decode_bytes" if self.limits.max_decode_bytes else "default",
+                **self.budget.describe(),
+                "tiers": {q: self.memory[q].describe() for q in ("lossless", "high")},
+            },
         }
 
     def prepare(self, request: DecodeRequest) -> PreparedRequest:
@@ -153,7 +200,7 @@ class DecodeEngine:
         if request.quality == "preview":  # no decoder work, no tiles
             return prepare(request, self.spec, self.limits, 0.0)
         prepared = prepare(request, self.spec, self.limits, self.flops_per_pixel)
-        grid = plan_memory(prepared, self.memory, self.decode_bound())
+        grid = plan_memory(prepared, self.memory[prepared.request.quality], self.decode_bound())
         return prepared if grid is None else replace(prepared, tile=grid)
 
     def _tier(self, quality: str) -> str:
@@ -189,18 +236,28 @@ class DecodeEngine:
         scaling = self.preview.scaling if quality == "preview" else self._scaling
         latents = [scaling.to_decoder_input(r, self.device) for r in batch]
         with torch.inference_mode(), self.fast_path.gate.use(quality == "high"):
-            try:
-                outputs, tiled = self._decode_batch(batch, latents, force_tiles=False)
-            except torch.OutOfMemoryError:
-                if quality != "high" or batch[0].tile is not None:
-                    raise
-                self._release_device_cache()  # then once more in tiles of half the estimated peak
-                outputs, tiled = self._decode_batch(batch, latents, force_tiles=True)
+            decoded = self._decode_or_out_of_memory(batch, latents)
+            if decoded is None:  # out of memory: once more in tiles of half the estimated peak
+                self._release_device_cache()
+                decoded = self._decode_batch(batch, latents, force_tiles=True)
+        outputs, tiled = decoded
         timing = Timing(0.0, (time.perf_counter() - start) * 1e3, sum(r.items for r in batch))
         return [
             o if isinstance(o, DecodeFailed) else self._result(o, r, timing, tiled)
             for o, r in zip(outputs, batch, strict=True)
         ]
+
+    def _decode_or_out_of_memory(self, batch: list[PreparedRequest], latents: list[torch.Tensor]):
+        """The decode, or None when an untiled `high` decode ran out of device memory. The retry
+        happens in the caller, after this frame and the exception's traceback are gone: inside the
+        handler they would keep the failed attempt's activations alive, and freeing the cache
+        would give nothing back."""
+        try:
+            return self._decode_batch(batch, latents, force_tiles=False)
+        except torch.OutOfMemoryError:
+            if batch[0].request.quality != "high" or batch[0].tile is not None:
+                raise
+        return None
 
     def _release_device_cache(self) -> None:
         if self.device.type == "cuda":
@@ -208,7 +265,7 @@ class DecodeEngine:
 
     def _grids(self, batch: list[PreparedRequest], force_tiles: bool) -> list[TileGrid | None]:
         if force_tiles:
-            return [plan_memory(r, self.memory, self.peak_bytes(r) // 2, force=True) for r in batch]
+            return [plan_memory(r, self.memory["high"], self.peak_bytes(r) // 2, force=True) for r in batch]
         return [r.tile for r in batch]
 
     def _together(self, batch: list[PreparedRequest], grids: list) -> bool:

@@ -1,20 +1,30 @@
-"""Peak decode memory, per model and shape, measured once without decoding anything: the model's
-decoder runs on the meta device (shapes only, no data, no compute) while a dispatch mode counts
-the bytes of live tensor storage. Both numbers are linear in latent pixels (measured: equal per
-pixel from 8x8 to 60x104 latents for SD, Wan2.1 and the tiny presets), so one run at a small
-size gives them for every size:
+"""Peak decode memory per tier, model and shape, without decoding anything: the tier's own graph
+(for `high`, the fast path installed on the twin with the rewrites the real device runs) runs on
+the meta device (shapes only, no data, no compute) while a dispatch mode counts the bytes of live
+tensor storage. It counts what a real decode on the CPU holds to within 0.1% (tests).
 
-- `working`: the peak while decoding one item (one latent frame at a time for the causal walk,
-  its causal history included; per latent frame for video decoders that take a clip at once);
+- `working`: the peak while decoding one request's items (one latent frame at a time for the
+  causal walk, its causal history included; per latent frame for video decoders that take a clip
+  at once);
 - `resident`: what a video decode holds between chunks (the causal history), which every tile of
   a tiled decode keeps at once.
+
+Most graphs hold bytes affine in latent pixels: linear for `lossless` (SD, FLUX, Wan2.1, the tiny
+presets), plus a constant for Wan's `high` (per-call copies of weight taps, ~90 MB for Wan2.1):
+three probes check it and fix the two numbers for every shape. CPU fp32 `high` of a wide image
+decoder is not affine: Winograd works in cache-sized chunks, so its scratch stops growing past a
+few hundred pixels per side (SD at 1024 px holds 35% of what a rate from 128 px predicts). Such
+a graph is priced per shape on the twin (0.1-1 s for SD, once per shape: cached).
 """
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Callable, Iterator
+from contextlib import nullcontext
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 from torch import nn
@@ -23,8 +33,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from vae_service.models.spec import ModelSpec
 
-CALIBRATION_LATENT = 16  # latent pixels per side of the measuring run
+CALIBRATION_SHAPES = ((16, 16), (24, 40), (32, 20))  # latent h, w: two fix the line, one checks it
 CALIBRATION_FRAMES = 3  # latent frames (video): the first chunk and two steady ones
+AFFINE_TOLERANCE = 0.01  # the third probe this close to the line through the first two: affine
+PRICED_SHAPES = 256  # per-shape prices kept by a tier that is not affine
 
 
 class LiveBytes(TorchDispatchMode):
@@ -60,52 +72,97 @@ class LiveBytes(TorchDispatchMode):
             self.current -= self.sizes.pop(key)
 
 
+Decode = Callable[[nn.Module, torch.Tensor], Iterator[torch.Tensor]]
+
+
 @dataclass(frozen=True)
-class MemoryModel:
-    working_per_latent_px: float  # bytes, one item (and one latent frame when `per_latent_frame`)
-    resident_per_latent_px: float  # bytes, one item (0 for images)
-    dtype_bytes: int
-    video: bool  # decoded through engine/video.py: frames converted as they come
-    scale: int  # output pixels per latent pixel, per side
-    per_latent_frame: bool = False  # the decoder takes the whole clip at once
+class Peak:
+    working: int  # bytes at the decode's peak
+    resident: int  # bytes held between chunks (the causal walk's history; 0 otherwise)
+
+
+class TierMemory:
+    """One tier's decode memory: `decode(twin, z)` yields that tier's output chunks on the meta
+    `twin` (each dropped at once, as the engine converts or streams them)."""
+
+    def __init__(self, twin: nn.Module, spec: ModelSpec, decode: Decode, gate: Callable[[], object] | None = None):
+        self.twin, self.decode, self.gate = twin, decode, gate
+        geometry = spec.geometry
+        self.dtype = next(twin.parameters()).dtype
+        self.itemsize = torch.empty((), dtype=self.dtype).element_size()
+        self.latent_channels = geometry.latent_channels
+        self.video, self.scale = geometry.video_latents, geometry.spatial_scale
+        self.min_side = geometry.min_latent_side
+        self.chunked = spec.path == "causal_walk"
+        self.frames = 1 if spec.family == "image" else max(CALIBRATION_FRAMES, geometry.min_latent_frames)
+        self.per_latent_frame = self.video and not self.chunked  # the decoder takes the whole clip at once
+        counts = [spec.output_frames(t) for t in range(1, self.frames + 1)] if self.video else [1]
+        self.chunk_frames = max(b - a for a, b in zip([0, *counts], counts, strict=False))  # most per chunk
+        self.calibration = 1.0  # measured / meta on a real device (CUDA: allocator, cuDNN workspaces)
+        self._lock = threading.Lock()  # one twin run at a time: the fast path's gate is the twin's
+        self._priced = lru_cache(maxsize=PRICED_SHAPES)(self._measure)
+        self._run(1, *CALIBRATION_SHAPES[0])  # uncounted: builds the fast path's folded weights
+        shapes = [(max(h, self.min_side), max(w, self.min_side)) for h, w in CALIBRATION_SHAPES]
+        (px1, p1), (px2, p2), (px3, p3) = [(h * w, self._priced(1, h, w)) for h, w in shapes]
+        self.lines = {}  # per number: (bytes per latent pixel, constant bytes)
+        for name in ("working", "resident"):
+            y1, y2, y3 = getattr(p1, name), getattr(p2, name), getattr(p3, name)
+            rate = (y2 - y1) / (px2 - px1)
+            self.lines[name] = (rate, y1 - rate * px1)
+            if abs(rate * px3 + y1 - rate * px1 - y3) > AFFINE_TOLERANCE * max(y3, 1):
+                self.lines = None
+                break
+        self.affine = self.lines is not None  # priced by formula, not per shape
+        self.working_per_latent_px = self.lines["working"][0] if self.affine else p1.working / px1
+
+    def _run(self, items: int, h: int, w: int, live: LiveBytes | None = None) -> int:
+        """Decode on the twin; the most bytes `live` saw held between chunks."""
+        frames = (self.frames,) if self.video else ()
+        z = torch.empty(items, self.latent_channels, *frames, h, w, device="meta", dtype=self.dtype)
+        resident = 0
+        with self._lock, torch.inference_mode(), self.gate() if self.gate else nullcontext(), live or nullcontext():
+            for out in self.decode(self.twin, z):
+                del out
+                resident = max(resident, live.current if live else 0)
+        return resident
+
+    def _measure(self, items: int, h: int, w: int) -> Peak:
+        live = LiveBytes()
+        resident = self._run(items, h, w, live)
+        frames_priced = self.frames if self.per_latent_frame else 1
+        return Peak(live.peak // frames_priced, resident if self.chunked else 0)
+
+    def _peak(self, items: int, h: int, w: int) -> Peak:
+        if self.lines is None:
+            return self._priced(items, max(h, self.min_side), max(w, self.min_side))
+        px = items * h * w
+        (rate, constant), (resident_rate, resident_constant) = self.lines["working"], self.lines["resident"]
+        return Peak(int(rate * px + constant), int(resident_rate * px + resident_constant))
 
     def working(self, items: int, h: int, w: int, latent_frames: int = 1) -> int:
         frames = latent_frames if self.per_latent_frame else 1
-        return int(items * self.working_per_latent_px * h * w * frames)
+        return int(self.calibration * self._peak(items, h, w).working * frames)
 
     def resident(self, items: int, h: int, w: int) -> int:
-        return int(items * self.resident_per_latent_px * h * w)
+        return int(self.calibration * self._peak(items, h, w).resident)
 
     def answer(self, output_pixels: int, output: str) -> int:
         """What the answer holds: video keeps converted frames only (chunks are converted as they
-        come); an image holds the decoder's output, its fp32 conversion and the uint8 pixels."""
-        kept = 3 * (self.dtype_bytes if output == "float" else 1)
-        return output_pixels * (kept if self.video else kept + 3 * self.dtype_bytes + 12)
+        come); a `float` image is the decoder's output; a uint8 one is converted from it through
+        an fp32 copy."""
+        kept = 3 * (self.itemsize if output == "float" else 1)
+        if self.video or output == "float":
+            return output_pixels * kept
+        return output_pixels * (3 * self.itemsize + 12 + kept)
 
+    def calibrate(self, measured: int, items: int, h: int, w: int, latent_frames: int = 1) -> None:
+        """Scale to what a real decode of this shape held at its peak (never below the twin's count)."""
+        self.calibration = 1.0
+        self.calibration = max(1.0, measured / max(1, self.working(items, h, w, latent_frames)))
 
-def measure(
-    twin: nn.Module,
-    dtype: torch.dtype,
-    spec: ModelSpec,
-    decode: Callable[[nn.Module, torch.Tensor], Iterator[torch.Tensor]],
-) -> MemoryModel:
-    """`twin`: the model on the meta device; `decode(twin, z)` yields the decode's output chunks
-    (one for images), each dropped at once as the engine converts or streams them."""
-    meta_vae = nn.Module.to(twin, dtype=dtype).eval()
-    geometry = spec.geometry
-    side = max(CALIBRATION_LATENT, geometry.min_latent_side)
-    video, chunked = geometry.video_latents, spec.path == "causal_walk"
-    latent_frames = 1 if spec.family == "image" else max(CALIBRATION_FRAMES, geometry.min_latent_frames)
-    frames = (latent_frames,) if video else ()
-    z = torch.empty(1, geometry.latent_channels, *frames, side, side, device="meta", dtype=dtype)
-    live, resident = LiveBytes(), 0
-    with torch.inference_mode(), live:
-        for out in decode(meta_vae, z):
-            del out
-            resident = max(resident, live.current)
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    per_frame = video and not chunked
-    working = live.peak / side**2 / (latent_frames if per_frame else 1)
-    return MemoryModel(
-        working, resident / side**2 if chunked else 0.0, itemsize, video, geometry.spatial_scale, per_frame
-    )
+    def describe(self) -> dict:
+        return {
+            "bytes_per_latent_pixel": round(self.working_per_latent_px * self.calibration),
+            "priced": "affine in pixels" if self.affine else "per shape",
+            "calibration": round(self.calibration, 3),
+        }

@@ -4,29 +4,20 @@ the bound, and what follows: decode whole, decode `high` in tiles (engine/tiling
 
 from __future__ import annotations
 
-import os
-
-import torch
-
 from vae_service.config import Limits
 from vae_service.engine.errors import LimitExceeded
 from vae_service.engine.latents import PreparedRequest
-from vae_service.engine.memory import MemoryModel
+from vae_service.engine.memory import TierMemory
+from vae_service.engine.memory_budget import MemoryBudget
 from vae_service.engine.tiling import TileGrid, tile_for
 
 
-def decode_bound(limits: Limits, device: torch.device) -> int:
-    """limits.max_decode_bytes, or by default 80% of the GPU's memory less what is allocated (the
-    weights), or half the RAM."""
-    if limits.max_decode_bytes is not None:
-        return limits.max_decode_bytes
-    if device.type == "cuda":
-        total = torch.cuda.get_device_properties(device).total_memory
-        return int(0.8 * total) - torch.cuda.memory_allocated(device)
-    return int(0.5 * os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+def decode_bound(limits: Limits, budget: MemoryBudget) -> int:
+    """limits.max_decode_bytes, or the engine's fixed default (engine/memory_budget.py)."""
+    return limits.max_decode_bytes if limits.max_decode_bytes is not None else budget.default_bound
 
 
-def answer_bytes(prepared: PreparedRequest, model: MemoryModel) -> int:
+def answer_bytes(prepared: PreparedRequest, model: TierMemory) -> int:
     """What the answer holds while it is decoded (nothing for a streamed request)."""
     if prepared.request.stream:
         return 0
@@ -35,14 +26,33 @@ def answer_bytes(prepared: PreparedRequest, model: MemoryModel) -> int:
     return model.answer(pixels, prepared.request.output)
 
 
-def peak_bytes(prepared: PreparedRequest, model: MemoryModel) -> int:
-    """Estimated peak of decoding this request whole (`lossless` decodes its items one by one)."""
+def held_beside_the_decode(prepared: PreparedRequest, model: TierMemory) -> int:
+    """Video: the frames kept so far, and the conversion of one chunk (its fp32 copy and uint8
+    pixels), both held while the decode goes on."""
     h, w = prepared.latents.shape[-2:]
-    together = prepared.items if prepared.request.quality == "high" else 1
-    return model.working(together, h, w, prepared.latent_frames) + answer_bytes(prepared, model)
+    chunk_frames = prepared.frames if model.per_latent_frame else min(prepared.frames, model.chunk_frames)
+    chunk_pixels = prepared.items * chunk_frames * h * w * model.scale**2
+    converting = 0 if prepared.request.output == "float" else chunk_pixels * (12 + 3)
+    return answer_bytes(prepared, model) + converting
 
 
-def plan_memory(prepared: PreparedRequest, model: MemoryModel, bound: int, force: bool = False) -> TileGrid | None:
+def peak_bytes(prepared: PreparedRequest, model: TierMemory) -> int:
+    """Estimated peak of decoding this request whole. Video converts and keeps frames while the
+    decode goes on; an image is decoded, then converted (its decoded pixels are in both phases),
+    and `lossless` decodes its items one by one, keeps them, then joins them."""
+    h, w = prepared.latents.shape[-2:]
+    items, high = prepared.items, prepared.request.quality == "high"
+    working = model.working(items if high else 1, h, w, prepared.latent_frames)
+    answer = answer_bytes(prepared, model)
+    if model.video:
+        return working + held_beside_the_decode(prepared, model)
+    if high:
+        return max(working, answer)
+    decoded_item = h * w * model.scale**2 * 3 * model.itemsize
+    return max(working + (items - 1) * decoded_item, 2 * items * decoded_item, answer)
+
+
+def plan_memory(prepared: PreparedRequest, model: TierMemory, bound: int, force: bool = False) -> TileGrid | None:
     """None: decode whole; else the tiles (`force`: tiles even within the bound)."""
     need = peak_bytes(prepared, model)
     if need <= bound and not force:
@@ -55,7 +65,8 @@ def plan_memory(prepared: PreparedRequest, model: MemoryModel, bound: int, force
             "(decoded in spatial tiles within the bound) or fewer items",
         )
     h, w = prepared.latents.shape[-2:]
-    grid = tile_for(model, prepared.items, prepared.frames, h, w, answer_bytes(prepared, model), bound)
+    held = held_beside_the_decode(prepared, model) if model.video else answer_bytes(prepared, model)
+    grid = tile_for(model, prepared.items, prepared.frames, h, w, held, bound)
     if grid is None:
         raise LimitExceeded("latents", f"decoding these latents needs {gib}, and even tiled it does not fit")
     return grid

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vae_service.engine.memory import MemoryModel
+from vae_service.engine.memory import TierMemory
 
 MIN_TILE = 8  # latent pixels per side
 OVERLAP_FRACTION = 4  # overlap = tile // 4, like diffusers' tiled decoders
@@ -69,25 +69,41 @@ class TileGrid:
 
 
 def tile_for(
-    model: MemoryModel, items: int, frames: int, h: int, w: int, answer_bytes: int, bound: int
+    model: TierMemory, items: int, frames: int, h: int, w: int, answer_bytes: int, bound: int
 ) -> TileGrid | None:
-    """The largest tiles whose decode fits `bound`, lockstep first (None: nothing fits)."""
+    """The largest tiles whose decode fits `bound`, lockstep first (None: nothing fits). Images: a
+    tile's need grows with its size, so a bisection finds it (a tier priced per shape runs its twin
+    a few times, not once per size)."""
     scale_px = model.scale**2
     clip_fp32 = items * frames * h * w * scale_px * 3 * 4  # tile after tile: the blended clip
-    orders = (True, False) if model.video else (True,)
-    for lockstep in orders:
+
+    def fits(tile: int, lockstep: bool) -> bool:
+        grid = TileGrid(tile, h, w, lockstep)
+        one = model.working(items, grid.tile_h, grid.tile_w)
+        others = (len(grid.tiles()) - 1) * model.resident(items, grid.tile_h, grid.tile_w)  # their history
+        return one + (others if lockstep else clip_fp32) + answer_bytes <= bound
+
+    if not model.video:
+        if not fits(MIN_TILE, True):
+            return None
+        lo, hi = MIN_TILE, max(h, w)  # fits(lo); the answer is in lo..hi
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if fits(mid, True) else (lo, mid - 1)
+        return TileGrid(lo, h, w)
+    for lockstep in (True, False):
         for tile in range(max(h, w), MIN_TILE - 1, -1):
-            grid = TileGrid(tile, h, w, lockstep)
-            one = model.working(items, grid.tile_h, grid.tile_w)
-            others = (len(grid.tiles()) - 1) * model.resident(items, grid.tile_h, grid.tile_w)  # their history
-            if one + (others if lockstep else clip_fp32) + answer_bytes <= bound:
-                return grid
+            if fits(tile, lockstep):
+                return TileGrid(tile, h, w, lockstep)
     return None
 
 
 def _ramp(starts: list[int], tile: int, size: int, scale: int) -> list[torch.Tensor]:
     """Per tile, its weight along one axis (output pixels): rising across the overlap with the tile
-    before, falling across the overlap with the tile after; 1 elsewhere."""
+    before, falling across the overlap with the tile after, 1 elsewhere; normalised so the tiles'
+    weights at every pixel sum to one. The 2-D weight of a tile is the product of its two axes'
+    (which then sum to one as well), formed per tile as it is added: the blend holds no weight map
+    of the whole output."""
     length = min(tile, size) * scale
     weights = []
     for i, start in enumerate(starts):
@@ -101,7 +117,10 @@ def _ramp(starts: list[int], tile: int, size: int, scale: int) -> list[torch.Ten
                 w[length - overlap :], torch.arange(overlap, 0, -1, dtype=torch.float64) / (overlap + 1)
             )
         weights.append(w)
-    return weights
+    total = torch.zeros(size * scale, dtype=torch.float64)
+    for start, w in zip(starts, weights, strict=True):
+        total[start * scale : start * scale + length] += w
+    return [(w / total[s * scale : s * scale + length]).float() for s, w in zip(starts, weights, strict=True)]
 
 
 class Blender:
@@ -110,12 +129,8 @@ class Blender:
 
     def __init__(self, grid: TileGrid, scale: int):
         self.grid, self.scale = grid, scale
-        wy, wx = _ramp(grid.ys, grid.tile, grid.h, scale), _ramp(grid.xs, grid.tile, grid.w, scale)
-        raw = {(y, x): wy[i][:, None] * wx[j][None, :] for i, y in enumerate(grid.ys) for j, x in enumerate(grid.xs)}
-        total = torch.zeros(grid.h * scale, grid.w * scale, dtype=torch.float64)
-        for key, weight in raw.items():
-            total[self._region(*key)] += weight
-        self.weights = {key: (weight / total[self._region(*key)]).float() for key, weight in raw.items()}
+        self.wy = dict(zip(grid.ys, _ramp(grid.ys, grid.tile, grid.h, scale), strict=True))
+        self.wx = dict(zip(grid.xs, _ramp(grid.xs, grid.tile, grid.w, scale), strict=True))
         self.acc: dict[int, torch.Tensor] = {}
         self.device = torch.device("cpu")
 
@@ -125,13 +140,16 @@ class Blender:
 
     def add(self, key: tuple[int, int], out: torch.Tensor, slot: int = 0) -> None:
         if out.device != self.device:  # once per decode, not per tile and chunk
-            self.weights = {k: w.to(out.device) for k, w in self.weights.items()}
+            self.wy = {k: w.to(out.device) for k, w in self.wy.items()}
+            self.wx = {k: w.to(out.device) for k, w in self.wx.items()}
             self.device = out.device
         if slot not in self.acc:
             shape = (*out.shape[:-2], self.grid.h * self.scale, self.grid.w * self.scale)
             self.acc[slot] = torch.zeros(shape, dtype=torch.float32, device=out.device)
             self.dtype = out.dtype
-        self.acc[slot][(..., *self._region(*key))].addcmul_(out.float(), self.weights[key])
+        y, x = key
+        weight = self.wy[y][:, None] * self.wx[x][None, :]
+        self.acc[slot][(..., *self._region(y, x))].addcmul_(out.float(), weight)
 
     def take(self, slot: int = 0) -> torch.Tensor:
         return self.acc.pop(slot).to(self.dtype)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 
 from vae_service.fastpath.folded import FoldedBuffers
@@ -69,9 +70,15 @@ def _structure(vae: nn.Module):
     return None, [f"no fast path for {type(vae).__name__}"], None
 
 
-def install_fast_path(vae: nn.Module, disabled: tuple[str, ...] = (), norm_backend: str | None = None) -> FastPath:
+def install_fast_path(
+    vae: nn.Module,
+    disabled: tuple[str, ...] = (),
+    norm_backend: str | None = None,
+    plan_device: torch.device | None = None,
+) -> FastPath:
     """`disabled`: rewrite names to leave out; `norm_backend` forces the fused norms' backend
-    (tests run the Triton kernels on CPU under TRITON_INTERPRET=1 this way)."""
+    (tests run the Triton kernels on CPU under TRITON_INTERPRET=1 this way); `plan_device`: choose
+    the rewrites as for that device (a meta twin pricing a real engine's `high` graph)."""
     existing = vae.__dict__.get(_ATTR)
     if existing is not None:
         return existing
@@ -79,7 +86,8 @@ def install_fast_path(vae: nn.Module, disabled: tuple[str, ...] = (), norm_backe
     family, reasons, make_patches = _structure(vae)
     if family is not None:
         weight = next(vae.parameters())
-        fast_path.plan = plan_rewrites(family, weight.device, weight.dtype, tuple(disabled), norm_backend)
+        device = plan_device or weight.device
+        fast_path.plan = plan_rewrites(family, device, weight.dtype, tuple(disabled), norm_backend)
         if not reasons and not fast_path.plan.active:
             reasons = ["every rewrite is disabled or does not apply here"]
     if reasons:

@@ -50,8 +50,9 @@ MIN_CHANNELS = 64  # below this the tile GEMMs are too thin to beat the direct c
 
 
 def winograd_applies(conv: nn.Conv2d, x: torch.Tensor) -> bool:
+    # meta: the memory model prices a CPU engine's `high` graph on a meta twin (engine/memory.py)
     return (
-        x.device.type == "cpu"
+        x.device.type in ("cpu", "meta")
         and x.dtype == torch.float32
         and type(conv) is nn.Conv2d
         and conv.kernel_size == (3, 3)
@@ -66,7 +67,8 @@ def winograd_applies(conv: nn.Conv2d, x: torch.Tensor) -> bool:
 
 def transform_filter(weight: torch.Tensor) -> torch.Tensor:
     """(Cout, Cin, 3, 3) -> U, (36, Cin, Cout)."""
-    u = torch.einsum("ak,oikl,bl->abio", _G, weight.double().cpu(), _G)
+    g = _G.to(weight.device)
+    u = torch.einsum("ak,oikl,bl->abio", g, weight.double(), g)
     return u.reshape(_A * _A, weight.shape[1], weight.shape[0]).to(weight.dtype).contiguous()
 
 
@@ -76,17 +78,18 @@ def conv3x3_winograd(x: torch.Tensor, u: torch.Tensor, bias: torch.Tensor | None
     cout = u.shape[2]
     tiles_h, tiles_w = -(-h // _M), -(-w // _M)
     padded = F.pad(x, (1, tiles_w * _M + 1 - w, 1, tiles_h * _M + 1 - h))
-    out = torch.empty(n, tiles_h * _M, tiles_w * _M, cout, dtype=x.dtype)
+    out = torch.empty(n, tiles_h * _M, tiles_w * _M, cout, dtype=x.dtype, device=x.device)
+    input_transform, output_transform = _INPUT_TRANSFORM.to(x.device), _OUTPUT_TRANSFORM.to(x.device)
     bytes_per_tile_row = _A * _A * n * tiles_w * max(c, cout) * x.element_size()
     rows_per_chunk = max(1, _CHUNK_BYTES // bytes_per_tile_row)
-    bias = bias if bias is not None else torch.zeros(cout, dtype=x.dtype)
+    bias = bias if bias is not None else torch.zeros(cout, dtype=x.dtype, device=x.device)
     for r0 in range(0, tiles_h, rows_per_chunk):
         rows = min(rows_per_chunk, tiles_h - r0)
         tiles = padded[:, :, r0 * _M : (r0 + rows) * _M + 2].unfold(2, _A, _M).unfold(3, _A, _M)
         d = tiles.permute(4, 5, 0, 2, 3, 1).reshape(_A * _A, -1)  # (36, tiles * C)
-        v = (_INPUT_TRANSFORM @ d).view(_A * _A, -1, c)
+        v = (input_transform @ d).view(_A * _A, -1, c)
         m = torch.bmm(v, u)  # (36, tiles, Cout)
-        y = (_OUTPUT_TRANSFORM @ m.view(_A * _A, -1)).view(_M, _M, n, rows, tiles_w, cout)
+        y = (output_transform @ m.view(_A * _A, -1)).view(_M, _M, n, rows, tiles_w, cout)
         y = y.permute(2, 3, 0, 4, 1, 5).reshape(n, rows * _M, tiles_w * _M, cout)
         torch.add(y, bias, out=out[:, r0 * _M : (r0 + rows) * _M])
     out = out.permute(0, 3, 1, 2)  # logical NCHW, channels-last in memory

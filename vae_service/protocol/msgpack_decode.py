@@ -88,6 +88,7 @@ def response_of(result: DecodeResult, output=None, item_index: int = 0) -> Decod
         timing,
         item_index,
         result.tiled,
+        result.retried_from_frame,
     )
 
 

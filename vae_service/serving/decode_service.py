@@ -98,7 +98,7 @@ class DecodeService:
         prepared = await self._prepare(parse, size)
         if not prepared.request.stream:
             return await self._decode_prepared(prepared)
-        stream = FrameStream()
+        stream = FrameStream(prepared.items)
         await stream.start(asyncio.ensure_future(self._decode_prepared(replace(prepared, sink=stream.sink))))
         if self.on_first_frames is not None:
             self.on_first_frames(prepared.request.quality, (time.perf_counter() - arrived) * 1e3)
@@ -108,7 +108,9 @@ class DecodeService:
         def prepare() -> PreparedRequest:
             return self.engine.prepare(parse())
 
-        return prepare() if size <= INLINE_BYTES else await asyncio.to_thread(prepare)
+        # a tier priced per shape (CPU Winograd) may run its meta twin for a new shape: off the loop
+        inline = size <= INLINE_BYTES and self.engine.prices_in_constant_time
+        return prepare() if inline else await asyncio.to_thread(prepare)
 
     async def _decode_prepared(self, prepared: PreparedRequest) -> DecodeResult:
         arrived = time.perf_counter()

@@ -3,24 +3,29 @@ device thread; the wire layers read them here, in order, then the request's resu
 
 A decode that is retried (a failed batch runs again item by item; a `high` decode out of device
 memory runs again in tiles) hands its chunks over again from the start: only frames not yet
-passed on go out, so a client never sees a frame twice. Leaving the stream early (a client that
-went away) cancels the request; a decode whose requests are all gone stops at its next chunk.
+passed on go out, so a client never sees a frame twice, and the result says from which frame on
+the frames came from the retry (`retried_from_frame`: the retry's frames can differ from the first
+attempt's in their last bits, or as much as tiling changes them). Leaving the stream early (a
+client that went away) cancels the request; a decode whose requests are all gone stops at its
+next chunk.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 from vae_service.engine.result import DecodeResult
 from vae_service.engine.video import FrameChunk
 
 
 class FrameStream:
-    def __init__(self) -> None:
+    def __init__(self, items: int) -> None:
         self._loop = asyncio.get_running_loop()
         self._queue: asyncio.Queue[FrameChunk] = asyncio.Queue()
-        self._sent: dict[int, int] = {}  # per first item: frames passed on
+        self._sent = [0] * items  # per item: frames passed on
+        self._retried_from: int | None = None
         self._task: asyncio.Future | None = None
         self._events: AsyncIterator | None = None
         self._first = None
@@ -50,13 +55,19 @@ class FrameStream:
             await self._events.aclose()
 
     def _fresh(self, chunk: FrameChunk) -> FrameChunk | None:
-        sent, end = self._sent.get(chunk.item, 0), chunk.frame + chunk.frames
+        """The part of `chunk` not passed on yet (None: all of it was). A decode hands an item's
+        frames over in order, so a chunk starting before what was passed on is a retry's."""
+        items = range(chunk.item, chunk.item + chunk.pixels.shape[0])
+        sent, end = self._sent[chunk.item], chunk.frame + chunk.frames
+        if chunk.frame < sent and self._retried_from is None:
+            self._retried_from = min(self._sent)
         if end <= sent:
             return None
         if chunk.frame < sent:
             pixels = chunk.pixels.narrow(chunk.frame_axis, sent - chunk.frame, end - sent)
             chunk = FrameChunk(chunk.item, sent, pixels)
-        self._sent[chunk.item] = end
+        for item in items:
+            self._sent[item] = end
         return chunk
 
     async def _iterate(self) -> AsyncIterator[FrameChunk | DecodeResult]:
@@ -77,7 +88,7 @@ class FrameStream:
                     chunk = self._fresh(self._queue.get_nowait())
                     if chunk is not None:
                         yield chunk
-                yield self._task.result()
+                yield replace(self._task.result(), retried_from_frame=self._retried_from)
                 return
         finally:
             if not self._task.done():

@@ -25,6 +25,14 @@ def fail(grpc_context, error: WireErrorInfo) -> None:
     grpc_context.set_trailing_metadata(error.grpc_trailers())
 
 
+def status_message(grpc_context, error: WireErrorInfo):
+    """The last message of a DecodeStream that fails: Serve 2.60's gRPC proxy relays a stream's
+    status only along with a message (without one the caller sees OK and an empty stream), so an
+    empty message carries it; clients skip it."""
+    fail(grpc_context, error)
+    return decode_pb2.DecodeResponse()
+
+
 @dataclass
 class GrpcAnswer:
     message: object = None
@@ -76,6 +84,6 @@ async def stream_to(grpc_context, events: AsyncIterator) -> AsyncIterator:
     """Relay grpc_events to the caller, ending with the error's status where one comes."""
     async for event in events:
         if isinstance(event, WireErrorInfo):
-            fail(grpc_context, event)
+            yield status_message(grpc_context, event)
             return
         yield event

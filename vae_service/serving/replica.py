@@ -19,7 +19,14 @@ from vae_service.protocol.errors import Unauthenticated, wire_error
 from vae_service.serving import metrics
 from vae_service.serving.auth import BearerAuth, load_token
 from vae_service.serving.decode_service import DecodeService
-from vae_service.serving.grpc_servicer import GrpcAnswer, fail, failed, grpc_answer, grpc_events, stream_to
+from vae_service.serving.grpc_servicer import (
+    GrpcAnswer,
+    failed,
+    grpc_answer,
+    grpc_events,
+    status_message,
+    stream_to,
+)
 from vae_service.serving.handle_api import handle_decode, handle_decode_frames
 from vae_service.serving.http_routes import HttpAnswer, decode_answer, decode_events, remote_decode_answer
 
@@ -130,7 +137,7 @@ class DecoderReplica:
         try:
             self.auth.check_grpc(grpc_context)
         except Unauthenticated as exc:
-            fail(grpc_context, wire_error(self.service.rejected(exc)))
+            yield status_message(grpc_context, wire_error(self.service.rejected(exc)))
             return
         async for message in stream_to(grpc_context, self.grpc_events(request)):
             yield message

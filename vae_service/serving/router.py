@@ -23,7 +23,7 @@ from vae_service.protocol.msgpack_decode import peek_routing
 from vae_service.serving import openapi
 from vae_service.serving.auth import BearerAuth, load_token
 from vae_service.serving.deployment import internal_error
-from vae_service.serving.grpc_servicer import fail, failed, stream_to
+from vae_service.serving.grpc_servicer import failed, status_message, stream_to
 from vae_service.serving.http_routes import error_answer, health_fields, query_lists, read_body, respond
 
 router_app = FastAPI(title="vae-service", summary="VAE decoding for diffusion serving (several models)")
@@ -140,4 +140,4 @@ class VaeRouter:
             async for message in stream_to(grpc_context, self._relay(events)):
                 yield message
         except ANSWERABLE as exc:
-            fail(grpc_context, wire_error(exc))
+            yield status_message(grpc_context, wire_error(exc))

@@ -1,0 +1,68 @@
+"""The memory plan on CUDA (skipped without a GPU): each tier's calibrated estimate within 10% of
+what a real decode allocated at its peak, a tiled decode's allocated peak within the bound, and
+the same plan for a request however much else is allocated."""
+
+import pytest
+import torch
+
+from tests.models import build_full_vae
+from vae_service.config import Limits, ServiceConfig
+from vae_service.engine import DecodeEngine, DecodeRequest
+from vae_service.models.loading import LoadedVae
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+@pytest.fixture(scope="module", params=[("kl64", "bf16"), ("wan", "bf16"), ("kl64", "fp32")])
+def engine(request):
+    kind, precision = request.param
+    model = "tiny-wan" if kind == "wan" else "tiny-kl"
+    config = ServiceConfig(model=model, model_name=kind, device="cuda", decode_precision=precision)
+    return DecodeEngine(config, LoadedVae.of(build_full_vae(kind)))
+
+
+def allocated_peak(engine, prepared) -> tuple[int, object]:
+    engine.decode([prepared])  # folded weights built, cuDNN tuned
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    (result,) = engine.decode([prepared])
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base, result
+
+
+def latents(engine, h, w, batch=1):
+    frames = (3,) if engine.video else ()
+    return torch.randn(batch, engine.spec.latent_channels, *frames, h, w, generator=torch.Generator().manual_seed(2))
+
+
+@pytest.mark.parametrize("quality", ["lossless", "high"])
+@pytest.mark.parametrize("h, w, batch", [(64, 96, 1), (97, 61, 2)])
+def test_each_tiers_estimate_is_within_ten_percent_of_the_allocated_peak(engine, quality, h, w, batch):
+    prepared = engine.prepare(DecodeRequest(latents(engine, h, w, batch), quality=quality, scaling_factor=None))
+    peak, result = allocated_peak(engine, prepared)
+    assert not result.tiled
+    assert 0.9 * peak <= engine.peak_bytes(prepared) <= 1.1 * peak, (peak, engine.memory[quality].describe())
+
+
+def test_a_tiled_decodes_allocated_peak_stays_within_the_bound(engine):
+    request = DecodeRequest(latents(engine, 96, 80), quality="high", scaling_factor=None)
+    bound = int(0.4 * engine.peak_bytes(engine.prepare(request)))
+    engine.limits = Limits(max_decode_bytes=bound)
+    try:
+        prepared = engine.prepare(request)
+        peak, result = allocated_peak(engine, prepared)
+    finally:
+        engine.limits = Limits()
+    assert result.tiled and peak <= bound, (peak, bound, prepared.tile)
+
+
+def test_the_default_bound_is_fixed_whatever_is_allocated(engine):
+    request = DecodeRequest(latents(engine, 256, 256), quality="high", scaling_factor=None)
+    before = engine.decode_bound(), engine.prepare(request).tile
+    ballast = torch.empty(8 * 2**30, dtype=torch.uint8, device="cuda")
+    during = engine.decode_bound(), engine.prepare(request).tile
+    del ballast
+    total = torch.cuda.get_device_properties(0).total_memory
+    assert before == during
+    assert before[0] == int(total * engine.budget.fraction) - engine.budget.weights - engine.budget.reserve
