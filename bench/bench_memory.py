@@ -77,6 +77,9 @@ def main() -> None:
     rows = [row for case in args.cases for row in rows_for(case, args.device, args.precision, args.tiled_fraction)]
     header = ["model", "size", "tier", "priced", "estimate / bound MiB", "peak MiB", "ratio", "tiled", "within"]
     print_table(f"Memory plan vs real decodes ({args.device}, {args.precision})", header, rows)
+    missed = [row for row in rows if row[8] == "NO" or (row[7] == "-" and not 0.9 <= row[6] <= 1.1)]
+    if missed:  # an estimate off by more than 10%, or a tiled peak over its bound
+        raise SystemExit(f"memory plan missed: {missed}")
 
 
 if __name__ == "__main__":

@@ -39,8 +39,8 @@ class Limits(BaseModel):
         gt=0,
         description="peak memory of one decode, estimated per tier, model and shape: above it `high` decodes "
         "spatially tiled and `lossless` gets 413. Unset: fixed at start-up, 80% of the GPU's memory less the "
-        "weights and 512 MiB; on a CPU half the RAM or the cgroup limit (smaller) less the weights (/health: "
-        "memory_plan)",
+        "weights, folded weights and 512 MiB; on a CPU half the RAM or the cgroup limit (smaller) less the "
+        "weights and folded weights (/health: memory_plan)",
     )
 
 

@@ -8,7 +8,9 @@ unsigned length followed by that many bytes of one msgpack map, one of:
   [n, t, H, W, 3] or float [n, 3, t, H, W]), sent as soon as their latent frame is decoded;
 - `{"done": {model, quality, precision, request_id, timing, tiled[, retried_from_frame]}}`: the
   last message; `retried_from_frame` when the decode failed after frames went out and ran again
-  (out of device memory: in tiles): frames from that index on came from the retry;
+  (out of device memory: in tiles): every item's frames before it came from the first attempt,
+  later ones from the retry (`high`: all of them; items decoded alone: those the first attempt
+  had not sent);
 - `{"error": {type, field, message}}`: the decode failed after frames were sent (the last message).
 
 Errors found before the first frame are ordinary HTTP errors (JSON, 4xx/5xx). The frames of every

@@ -159,7 +159,8 @@ class DecodeResponse:
     item_index: int = 0  # DecodeStream: which batch item this message carries
     tiled: bool = False  # decoded in spatial tiles to stay within the server's memory bound
     # streams only: the decode failed after frames went out and ran again (out of device memory:
-    # in tiles); every item's frames from this index on came from that retry, earlier ones did not
+    # in tiles); every item's frames before this index came from the first attempt, later ones from
+    # the retry (`high`, whose items advance together: all of them)
     retried_from_frame: int | None = None
 
     def summary(self) -> dict:

@@ -57,12 +57,22 @@ def test_a_tiled_decodes_allocated_peak_stays_within_the_bound(engine):
     assert result.tiled and peak <= bound, (peak, bound, prepared.tile)
 
 
-def test_the_default_bound_is_fixed_whatever_is_allocated(engine):
+def test_the_default_bound_is_fixed_whatever_is_allocated(engine, monkeypatch):
+    """Planning never reads the allocator (what it holds moves with whatever else runs): with 8 GiB
+    more allocated, and with every allocator query made to fail, the same bound and tiles."""
     request = DecodeRequest(latents(engine, 256, 256), quality="high", scaling_factor=None)
     before = engine.decode_bound(), engine.prepare(request).tile
     ballast = torch.empty(8 * 2**30, dtype=torch.uint8, device="cuda")
     during = engine.decode_bound(), engine.prepare(request).tile
     del ballast
+
+    def never(*args, **kwargs):
+        raise AssertionError("the plan read the allocator")
+
+    for query in ("memory_allocated", "memory_reserved", "mem_get_info", "max_memory_allocated"):
+        monkeypatch.setattr(torch.cuda, query, never)
+    blind = engine.decode_bound(), engine.prepare(request).tile
     total = torch.cuda.get_device_properties(0).total_memory
-    assert before == during
-    assert before[0] == int(total * engine.budget.fraction) - engine.budget.weights - engine.budget.reserve
+    assert before == during == blind
+    budget = engine.budget
+    assert before[0] == int(total * budget.fraction) - budget.weights - budget.folded - budget.reserve

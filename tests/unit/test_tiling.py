@@ -36,7 +36,9 @@ def engines(kl_dir, flux_dir, wan_dir, wide_kl_vae):
     }
     # 64 channels: CPU fp32 `high` runs Winograd, whose chunked scratch is not linear in pixels
     config = ServiceConfig(model="tiny-kl", model_name="kl64", device="cpu", cpu_threads=1)
-    return {**built, "kl64": DecodeEngine(config, LoadedVae.of(wide_kl_vae))}
+    # bf16: its float answer (6 B/px) is smaller than the tiled blend's fp32 accumulator (12 B/px)
+    bf16 = ServiceConfig(model=str(kl_dir), model_name="kl-bf16", device="cpu", cpu_threads=1, decode_precision="bf16")
+    return {**built, "kl64": DecodeEngine(config, LoadedVae.of(wide_kl_vae)), "kl-bf16": DecodeEngine(bf16)}
 
 
 def latents_for(engine, h, w, batch=1, frames=3, seed=0):
@@ -87,7 +89,8 @@ def test_each_tiers_estimate_is_within_ten_percent_of_a_real_decode(engines, kin
     engine = engines[kind]
     prepared = engine.prepare(DecodeRequest(latents_for(engine, h, w, batch), quality=quality, scaling_factor=None))
     assert prepared.tile is None and prepared.request.quality == quality
-    decode(engine, prepared.request)  # the first `high` decode builds the folded weights: not per decode
+    if quality == "high":  # its first decode builds the folded weights, held like weights, not per decode
+        decode(engine, prepared.request)
     peak, result = measured_peak(engine, prepared)
     assert not result.tiled
     assert 0.9 * peak <= engine.peak_bytes(prepared) <= 1.1 * peak
@@ -105,11 +108,17 @@ def test_the_tiers_are_priced_apart_where_their_graphs_differ(engines):
     assert small["lossless"].working(2, 12, 40) == pytest.approx(4 * small["lossless"].working(1, 12, 20), rel=1e-6)
 
 
-@pytest.mark.parametrize("kind", ["kl", "kl64", "flux", "wan"])
-@pytest.mark.parametrize("fraction", [0.6, 0.35])
-def test_a_tiled_decodes_measured_peak_stays_within_the_bound(engines, kind, fraction):
+@pytest.mark.parametrize(
+    "kind, fraction, output",
+    [
+        *[(kind, fraction, "uint8") for kind in ("kl", "kl64", "flux", "wan") for fraction in (0.6, 0.35)],
+        ("kl-bf16", 0.35, "float"),
+        ("wan", 0.35, "float"),
+    ],
+)
+def test_a_tiled_decodes_measured_peak_stays_within_the_bound(engines, kind, fraction, output):
     engine = engines[kind]
-    request = DecodeRequest(latents_for(engine, 24, 20), quality="high", scaling_factor=None)
+    request = DecodeRequest(latents_for(engine, 24, 20), quality="high", output=output, scaling_factor=None)
     decode(engine, request)  # folded weights built
     bound = int(fraction * engine.peak_bytes(engine.prepare(request)))
     engine.limits = Limits(max_decode_bytes=bound)
@@ -141,7 +150,7 @@ def test_high_over_the_bound_decodes_tiled_within_the_documented_error(engines, 
     request = DecodeRequest(latents_for(engine, h, w, batch), quality="high", scaling_factor=None)
     _, whole = decode(engine, request)
     need = engine.peak_bytes(engine.prepare(request))
-    prepared, tiled = decode(engine, request, bound=int(0.6 * need))
+    prepared, tiled = decode(engine, request, bound=int(0.7 * need))
     assert tiled.tiled and not whole.tiled and prepared.tile.tile >= 15
     assert tiled.output.shape == whole.output.shape and tiled.output.dtype == torch.uint8
     assert psnr(tiled.output, whole.output) >= MIN_TILED_PSNR_DB

@@ -46,6 +46,7 @@ from vae_service.engine.tiling import TileGrid, tiled_chunks, tiled_image
 from vae_service.engine.video import NON_FINITE, decode_video
 from vae_service.fastpath import install_fast_path
 from vae_service.fastpath.install import FastPath
+from vae_service.fastpath.rewrites import NORM_REWRITES
 from vae_service.fastpath.wan_chunks import decode_chunks
 from vae_service.models import LoadedVae, ModelLoadError, load_vae
 from vae_service.models.spec import decoded_pixels, jsonable_config, meta_twin, pipeline_statistics
@@ -77,7 +78,7 @@ class DecodeEngine:
             raise ModelLoadError(f"model: {self.spec.class_name}'s latent statistics: {exc}") from exc
         self.memory, folded = self._price_tiers(twin, config.fast_path.disable)
         weights = sum(t.numel() * t.element_size() for t in (*self.vae.parameters(), *self.vae.buffers()))
-        self.budget = memory_budget(self.device, weights + folded)  # fixed for the engine's lifetime
+        self.budget = memory_budget(self.device, weights, folded)  # fixed for the engine's lifetime
         decode = lambda z: torch.cat(list(self._lossless_chunks(self.vae, z)), 2 if self.chunked else 0)  # noqa: E731
         self.preview = build_preview(config, self.spec, self._scaling, self.device, decode)
         # the decoder runs once per item (lossless) and once per latent frame (Wan): the step at
@@ -97,28 +98,34 @@ class DecodeEngine:
         return lambda z, vae=None: iter([self._pixels(vae or self.vae, z, timestep)])
 
     def _price_tiers(self, twin: torch.nn.Module, disabled: tuple[str, ...]) -> tuple[dict[str, TierMemory], int]:
-        """Each tier's memory, counted on the meta twin running that tier's graph: `high` with the
-        fast path installed on the twin, the rewrites chosen as for this engine's device (Triton
-        kernels cannot run on meta: their exact torch composition stands in, and CUDA calibrates).
-        Also the bytes of the folded weights `high` builds (held between decodes, like weights)."""
+        """Each tier's memory, counted on the meta twin running that tier's graph: the twin carries
+        the fast path with this engine's rewrites (the exact ones run in both tiers; Triton kernels
+        stand in on meta by allocating their outputs), `high` with its gate on. On CUDA both
+        tiers are then checked against real decodes. Also the bytes of the folded weights `high`
+        builds (held between decodes, like the weights)."""
         twin = torch.nn.Module.to(twin, dtype=self.dtype).eval()
-        lossless = TierMemory(twin, self.spec, self._lossless_chunks)
-        if not self.fast_path.installed:
-            return {"lossless": lossless, "high": lossless}, 0
-        twin_fast = install_fast_path(twin, disabled, norm_backend="torch", plan_device=self.device)
-        if not twin_fast.installed:  # priced as lossless, which it then is not: say so and refuse
-            raise ModelLoadError(f"fast path: cannot be priced on the meta device: {twin_fast.skipped_because}")
-        timestep = 0.0 if self.spec.timestep_conditioned else None
-        if self.chunked:
-            chunks = self.chunk_decoder("high", timestep, twin_fast)
-            high_decode = lambda vae, z: chunks(z, vae)  # noqa: E731
-        else:
-            high_decode = lambda vae, z: iter([self._pixels(vae, z, timestep)])  # noqa: E731
-        high = TierMemory(twin, self.spec, high_decode, gate=lambda: twin_fast.gate.use(True))
+        twin_fast = None
+        if self.fast_path.installed:
+            norms = [b for name, b in self.fast_path.plan.active.items() if name in NORM_REWRITES]
+            twin_fast = install_fast_path(twin, disabled, norms[0] if norms else None, plan_device=self.device)
+            if twin_fast.plan.active != self.fast_path.plan.active or not twin_fast.installed:
+                raise ModelLoadError(f"fast path: its twin differs ({twin_fast.skipped_because or twin_fast.plan})")
+        lock = threading.Lock()
+        lossless = TierMemory(twin, self.spec, self._lossless_chunks, lock)
+        high = lossless
+        if twin_fast is not None:
+            timestep = 0.0 if self.spec.timestep_conditioned else None
+            if self.chunked:
+                chunks = self.chunk_decoder("high", timestep, twin_fast)
+                high_decode = lambda vae, z: chunks(z, vae)  # noqa: E731
+            else:
+                high_decode = lambda vae, z: iter([self._pixels(vae, z, timestep)])  # noqa: E731
+            high = TierMemory(twin, self.spec, high_decode, lock, gate=lambda: twin_fast.gate.use(True))
         if self.device.type == "cuda":
             calibrate_on_cuda(lossless, lambda z: self._lossless_chunks(self.vae, z), self.device)
-            calibrate_on_cuda(high, self._high_chunks, self.device)
-        return {"lossless": lossless, "high": high}, twin_fast.folded.nbytes
+            if high is not lossless:
+                calibrate_on_cuda(high, self._high_chunks, self.device)
+        return {"lossless": lossless, "high": high}, twin_fast.folded.nbytes if twin_fast else 0
 
     def _high_chunks(self, z: torch.Tensor):
         with self.fast_path.gate.use(True):

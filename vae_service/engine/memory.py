@@ -1,7 +1,9 @@
 """Peak decode memory per tier, model and shape, without decoding anything: the tier's own graph
 (for `high`, the fast path installed on the twin with the rewrites the real device runs) runs on
 the meta device (shapes only, no data, no compute) while a dispatch mode counts the bytes of live
-tensor storage. It counts what a real decode on the CPU holds to within 0.1% (tests).
+tensor storage. For the same graph it counts what a real CPU decode holds to within 0.1%
+(measured on the 64-channel test decoder); a request's estimate adds the answer's conversion
+(engine/memory_plan.py) and is tested within 10% of a real decode's peak.
 
 - `working`: the peak while decoding one request's items (one latent frame at a time for the
   causal walk, its causal history included; per latent frame for video decoders that take a clip
@@ -33,7 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from vae_service.models.spec import ModelSpec
 
-CALIBRATION_SHAPES = ((16, 16), (24, 40), (32, 20))  # latent h, w: two fix the line, one checks it
+PROBE_SIDE = 16  # latent pixels per side of the smallest probe
 CALIBRATION_FRAMES = 3  # latent frames (video): the first chunk and two steady ones
 AFFINE_TOLERANCE = 0.01  # the third probe this close to the line through the first two: affine
 PRICED_SHAPES = 256  # per-shape prices kept by a tier that is not affine
@@ -75,6 +77,12 @@ class LiveBytes(TorchDispatchMode):
 Decode = Callable[[nn.Module, torch.Tensor], Iterator[torch.Tensor]]
 
 
+def probe_shapes(min_side: int) -> list[tuple[int, int]]:
+    """Three latent shapes (h, w) of distinct pixel counts: two fix a line, the third checks it."""
+    side = max(PROBE_SIDE, min_side)
+    return [(side, side), (side + 8, side + 24), (side + 16, side + 4)]
+
+
 @dataclass(frozen=True)
 class Peak:
     working: int  # bytes at the decode's peak
@@ -83,10 +91,19 @@ class Peak:
 
 class TierMemory:
     """One tier's decode memory: `decode(twin, z)` yields that tier's output chunks on the meta
-    `twin` (each dropped at once, as the engine converts or streams them)."""
+    `twin` (each dropped at once, as the engine converts or streams them). `lock`: the twin's, held
+    by every run on it (tiers share the twin and its fast-path gate); `gate()`: the context the
+    tier's runs need (high: the twin's gate on)."""
 
-    def __init__(self, twin: nn.Module, spec: ModelSpec, decode: Decode, gate: Callable[[], object] | None = None):
-        self.twin, self.decode, self.gate = twin, decode, gate
+    def __init__(
+        self,
+        twin: nn.Module,
+        spec: ModelSpec,
+        decode: Decode,
+        lock: threading.Lock,
+        gate: Callable[[], object] | None = None,
+    ):
+        self.twin, self.decode, self.gate, self._lock = twin, decode, gate, lock
         geometry = spec.geometry
         self.dtype = next(twin.parameters()).dtype
         self.itemsize = torch.empty((), dtype=self.dtype).element_size()
@@ -96,13 +113,15 @@ class TierMemory:
         self.chunked = spec.path == "causal_walk"
         self.frames = 1 if spec.family == "image" else max(CALIBRATION_FRAMES, geometry.min_latent_frames)
         self.per_latent_frame = self.video and not self.chunked  # the decoder takes the whole clip at once
-        counts = [spec.output_frames(t) for t in range(1, self.frames + 1)] if self.video else [1]
-        self.chunk_frames = max(b - a for a, b in zip([0, *counts], counts, strict=False))  # most per chunk
-        self.calibration = 1.0  # measured / meta on a real device (CUDA: allocator, cuDNN workspaces)
-        self._lock = threading.Lock()  # one twin run at a time: the fast path's gate is the twin's
+        # the causal walk's largest chunk in output frames (other decoders hand over the whole clip)
+        counts = [spec.output_frames(t) for t in range(1, self.frames + 1)] if self.chunked else [1]
+        self.chunk_frames = max(b - a for a, b in zip([0, *counts], counts, strict=False))
+        # CUDA: what a real decode held beyond the count (allocator, cuDNN workspaces), per latent
+        # pixel and constant, per latent frame where the decoder takes the whole clip
+        self.correction: tuple[float, float] | None = None
         self._priced = lru_cache(maxsize=PRICED_SHAPES)(self._measure)
-        self._run(1, *CALIBRATION_SHAPES[0])  # uncounted: builds the fast path's folded weights
-        shapes = [(max(h, self.min_side), max(w, self.min_side)) for h, w in CALIBRATION_SHAPES]
+        shapes = probe_shapes(self.min_side)
+        self._run(1, *shapes[0])  # uncounted: builds the fast path's folded weights
         (px1, p1), (px2, p2), (px3, p3) = [(h * w, self._priced(1, h, w)) for h, w in shapes]
         self.lines = {}  # per number: (bytes per latent pixel, constant bytes)
         for name in ("working", "resident"):
@@ -141,10 +160,11 @@ class TierMemory:
 
     def working(self, items: int, h: int, w: int, latent_frames: int = 1) -> int:
         frames = latent_frames if self.per_latent_frame else 1
-        return int(self.calibration * self._peak(items, h, w).working * frames)
+        rate, constant = self.correction or (0.0, 0.0)
+        return max(0, int((self._peak(items, h, w).working + rate * items * h * w + constant) * frames))
 
     def resident(self, items: int, h: int, w: int) -> int:
-        return int(self.calibration * self._peak(items, h, w).resident)
+        return self._peak(items, h, w).resident
 
     def answer(self, output_pixels: int, output: str) -> int:
         """What the answer holds: video keeps converted frames only (chunks are converted as they
@@ -155,14 +175,22 @@ class TierMemory:
             return output_pixels * kept
         return output_pixels * (3 * self.itemsize + 12 + kept)
 
-    def calibrate(self, measured: int, items: int, h: int, w: int, latent_frames: int = 1) -> None:
-        """Scale to what a real decode of this shape held at its peak (never below the twin's count)."""
-        self.calibration = 1.0
-        self.calibration = max(1.0, measured / max(1, self.working(items, h, w, latent_frames)))
+    def calibrate(self, samples: list[tuple[int, int, int]]) -> None:
+        """`samples`: two (h, w, bytes) where a real one-item decode of `self.frames` latent frames
+        held `bytes` at its peak; the difference from the count, as a line in latent pixels, is
+        added to every price from now on (up or down)."""
+        self.correction = None
+        frames = self.frames if self.per_latent_frame else 1
+        (px1, d1), (px2, d2) = [(h * w, (held - self.working(1, h, w, self.frames)) / frames) for h, w, held in samples]
+        rate = (d2 - d1) / (px2 - px1)
+        self.correction = (rate, d1 - rate * px1)
 
     def describe(self) -> dict:
+        rate, constant = self.correction or (0.0, 0.0)
         return {
-            "bytes_per_latent_pixel": round(self.working_per_latent_px * self.calibration),
+            "bytes_per_latent_pixel": round(self.working_per_latent_px + rate),
             "priced": "affine in pixels" if self.affine else "per shape",
-            "calibration": round(self.calibration, 3),
+            "calibrated": None
+            if self.correction is None
+            else {"bytes_per_latent_pixel": round(rate), "constant_bytes": round(constant)},
         }

@@ -2,11 +2,14 @@
 once per engine from the device, never from what is allocated when a request arrives (a request
 then gets the same plan whatever else runs):
 
-- CUDA: the device's memory x DEVICE_FRACTION, less the weights and CUDA_RESERVE (the context,
-  cuDNN workspaces and allocator fragmentation the live-bytes count cannot see);
+- CUDA: the device's memory x DEVICE_FRACTION, less the weights, the fast path's folded weights
+  and CUDA_RESERVE (the CUDA context and allocator fragmentation);
 - CPU: the host's RAM or the container's cgroup limit (`memory.max`), whichever is smaller,
   x HOST_FRACTION (the encoders, Ray's object store and the process itself share it), less the
-  weights.
+  weights and folded weights.
+
+Replicas that share one GPU (fractional `num_gpus`) each assume the whole device: give them
+`limits.max_decode_bytes`.
 """
 
 from __future__ import annotations
@@ -29,12 +32,13 @@ class MemoryBudget:
     capacity: int  # bytes of the device (CUDA) or of RAM / the cgroup limit (CPU)
     capacity_source: str
     fraction: float
-    weights: int
+    weights: int  # parameters and buffers
+    folded: int  # the fast path's folded weights, built by the first `high` decode and kept
     reserve: int
 
     @property
     def default_bound(self) -> int:
-        return max(0, int(self.capacity * self.fraction) - self.weights - self.reserve)
+        return max(0, int(self.capacity * self.fraction) - self.weights - self.folded - self.reserve)
 
     def describe(self) -> dict:
         return {
@@ -42,18 +46,19 @@ class MemoryBudget:
             "capacity_source": self.capacity_source,
             "fraction": self.fraction,
             "weights_bytes": self.weights,
+            "folded_bytes": self.folded,
             "reserve_bytes": self.reserve,
             "default_bound_bytes": self.default_bound,
         }
 
 
-def memory_budget(device: torch.device, weights: int) -> MemoryBudget:
+def memory_budget(device: torch.device, weights: int, folded: int) -> MemoryBudget:
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
         name = f"{torch.cuda.get_device_name(device)} memory"
-        return MemoryBudget(total, name, DEVICE_FRACTION, weights, CUDA_RESERVE)
+        return MemoryBudget(total, name, DEVICE_FRACTION, weights, folded, CUDA_RESERVE)
     capacity, source = host_memory()
-    return MemoryBudget(capacity, source, HOST_FRACTION, weights, 0)
+    return MemoryBudget(capacity, source, HOST_FRACTION, weights, folded, 0)
 
 
 def host_memory(cgroup_root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_CGROUP) -> tuple[int, str]:

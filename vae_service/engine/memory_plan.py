@@ -17,23 +17,38 @@ def decode_bound(limits: Limits, budget: MemoryBudget) -> int:
     return limits.max_decode_bytes if limits.max_decode_bytes is not None else budget.default_bound
 
 
+def _output_pixels(prepared: PreparedRequest, model: TierMemory, frames: int = 1) -> int:
+    """Output pixels of `frames` frames of every item."""
+    h, w = prepared.latents.shape[-2:]
+    return prepared.items * frames * h * w * model.scale**2
+
+
 def answer_bytes(prepared: PreparedRequest, model: TierMemory) -> int:
     """What the answer holds while it is decoded (nothing for a streamed request)."""
     if prepared.request.stream:
         return 0
-    h, w = prepared.latents.shape[-2:]
-    pixels = prepared.items * prepared.frames * h * w * model.scale**2
-    return model.answer(pixels, prepared.request.output)
+    return model.answer(_output_pixels(prepared, model, prepared.frames), prepared.request.output)
+
+
+def _chunk_pixels(prepared: PreparedRequest, model: TierMemory) -> int:
+    """Output pixels of the largest chunk a video decode hands over at once."""
+    chunk_frames = prepared.frames if model.per_latent_frame else min(prepared.frames, model.chunk_frames)
+    return _output_pixels(prepared, model, chunk_frames)
 
 
 def held_beside_the_decode(prepared: PreparedRequest, model: TierMemory) -> int:
     """Video: the frames kept so far, and the conversion of one chunk (its fp32 copy and uint8
     pixels), both held while the decode goes on."""
-    h, w = prepared.latents.shape[-2:]
-    chunk_frames = prepared.frames if model.per_latent_frame else min(prepared.frames, model.chunk_frames)
-    chunk_pixels = prepared.items * chunk_frames * h * w * model.scale**2
-    converting = 0 if prepared.request.output == "float" else chunk_pixels * (12 + 3)
+    converting = 0 if prepared.request.output == "float" else _chunk_pixels(prepared, model) * (12 + 3)
     return answer_bytes(prepared, model) + converting
+
+
+def held_while_tiled(prepared: PreparedRequest, model: TierMemory) -> int:
+    """Beside one tile's decode: the blend's fp32 accumulator (video in lockstep: one chunk's;
+    tile after tile's whole clip is counted by tile_for) and what the answer holds."""
+    if model.video:
+        return held_beside_the_decode(prepared, model) + _chunk_pixels(prepared, model) * 12
+    return answer_bytes(prepared, model) + _output_pixels(prepared, model) * 12
 
 
 def peak_bytes(prepared: PreparedRequest, model: TierMemory) -> int:
@@ -48,7 +63,7 @@ def peak_bytes(prepared: PreparedRequest, model: TierMemory) -> int:
         return working + held_beside_the_decode(prepared, model)
     if high:
         return max(working, answer)
-    decoded_item = h * w * model.scale**2 * 3 * model.itemsize
+    decoded_item = _output_pixels(prepared, model) // items * 3 * model.itemsize
     return max(working + (items - 1) * decoded_item, 2 * items * decoded_item, answer)
 
 
@@ -65,8 +80,7 @@ def plan_memory(prepared: PreparedRequest, model: TierMemory, bound: int, force:
             "(decoded in spatial tiles within the bound) or fewer items",
         )
     h, w = prepared.latents.shape[-2:]
-    held = held_beside_the_decode(prepared, model) if model.video else answer_bytes(prepared, model)
-    grid = tile_for(model, prepared.items, prepared.frames, h, w, held, bound)
+    grid = tile_for(model, prepared.items, prepared.frames, h, w, held_while_tiled(prepared, model), bound)
     if grid is None:
         raise LimitExceeded("latents", f"decoding these latents needs {gib}, and even tiled it does not fit")
     return grid

@@ -27,7 +27,7 @@ class DecodeResult:
     encode_as: str | None = None  # png | jpeg | mp4 while `output` still holds the pixels to encode
     tiled: bool = False  # decoded in overlapping spatial tiles to stay within limits.max_decode_bytes
     host_copies: tuple = ()  # CUDA events: `output` is readable once they completed (engine.decode)
-    retried_from_frame: int | None = None  # streams: frames from here on came from a retried decode
+    retried_from_frame: int | None = None  # streams: every item's frames before it: the first attempt's
 
     def wait_for_host(self) -> DecodeResult:
         for event in self.host_copies:

@@ -69,9 +69,10 @@ class TileGrid:
 
 
 def tile_for(
-    model: TierMemory, items: int, frames: int, h: int, w: int, answer_bytes: int, bound: int
+    model: TierMemory, items: int, frames: int, h: int, w: int, held_bytes: int, bound: int
 ) -> TileGrid | None:
-    """The largest tiles whose decode fits `bound`, lockstep first (None: nothing fits). Images: a
+    """The largest tiles whose decode fits `bound` with `held_bytes` beside it, lockstep first
+    (None: nothing fits). Images: a
     tile's need grows with its size, so a bisection finds it (a tier priced per shape runs its twin
     a few times, not once per size)."""
     scale_px = model.scale**2
@@ -81,7 +82,7 @@ def tile_for(
         grid = TileGrid(tile, h, w, lockstep)
         one = model.working(items, grid.tile_h, grid.tile_w)
         others = (len(grid.tiles()) - 1) * model.resident(items, grid.tile_h, grid.tile_w)  # their history
-        return one + (others if lockstep else clip_fp32) + answer_bytes <= bound
+        return one + (others if lockstep else clip_fp32) + held_bytes <= bound
 
     if not model.video:
         if not fits(MIN_TILE, True):

@@ -3,9 +3,9 @@ device thread; the wire layers read them here, in order, then the request's resu
 
 A decode that is retried (a failed batch runs again item by item; a `high` decode out of device
 memory runs again in tiles) hands its chunks over again from the start: only frames not yet
-passed on go out, so a client never sees a frame twice, and the result says from which frame on
-the frames came from the retry (`retried_from_frame`: the retry's frames can differ from the first
-attempt's in their last bits, or as much as tiling changes them). Leaving the stream early (a
+passed on go out, so a client never sees a frame twice, and the result says where the retry's
+frames begin (`retried_from_frame`: every item's frames before it are the first attempt's; the
+retry's can differ from those in their last bits, or as much as tiling changes them). Leaving the stream early (a
 client that went away) cancels the request; a decode whose requests are all gone stops at its
 next chunk.
 """
