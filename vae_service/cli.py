@@ -6,6 +6,7 @@ import argparse
 import ipaddress
 import logging
 import os
+import shlex
 import signal
 import socket
 import sys
@@ -47,6 +48,13 @@ def _config_from(args: argparse.Namespace) -> ServiceConfig:
         return ServiceConfig.model_validate(data)
     except ValidationError as exc:
         sys.exit(f"invalid configuration:\n{exc}")
+
+
+def example_command(url: str, latent_shape: str) -> str:
+    """A decode call a user can paste into a new shell: this interpreter by its absolute path (the
+    `vae-service` script is only on the PATH inside the virtual environment)."""
+    python = shlex.quote(sys.executable)
+    return f"{python} -m vae_service.cli decode --url {url} --random-latents {latent_shape} --out out"
 
 
 def _example_shape(health: dict) -> str:
@@ -115,7 +123,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         print(f"gRPC vae_service.v1.VaeDecoder at {args.host}:{args.grpc_port} (metadata application=vae)")
     print("Try it (random latents -> PNGs in ./out):")
     example = _example_shape(serve.get_app_handle("vae").describe.remote().result())
-    print(f"  vae-service decode --url {url} --random-latents {example} --out out\n")
+    print(f"  {example_command(url, example)}\n")
     print("Ctrl-C to stop.", flush=True)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

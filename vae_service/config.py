@@ -65,8 +65,8 @@ class Serving(BaseModel):
 
     concurrent_keys: int = Field(4, gt=0, description="batch keys that may fill at once in one replica")
     max_queued_requests: int = Field(64, ge=-1, description="requests queued in Serve before rejection; -1: no limit")
-    backpressure_status: Literal[429, 503] = 429
-    retry_after_s: float = Field(1.0, ge=0)
+    backpressure_status: Literal[429, 503] = Field(429, description="the status of an overload answer")
+    retry_after_s: float = Field(1.0, ge=0, description="`Retry-After` of overload and lost-replica answers (s)")
 
     @field_validator("max_queued_requests")
     @classmethod
@@ -98,8 +98,8 @@ class Encoding(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     png_compress_level: int = Field(1, ge=0, le=9, description="zlib level: 1 is several times faster than 6")
-    jpeg_quality: int = Field(95, ge=1, le=100)
-    mp4_fps: int = Field(16, gt=0)
+    jpeg_quality: int = Field(95, ge=1, le=100, description="JPEG quality of `jpeg` outputs")
+    mp4_fps: int = Field(16, gt=0, description="frame rate of `mp4` outputs (video models)")
     threads: int = Field(4, gt=0, description="encoder threads; a request's items encode in parallel")
 
 
@@ -123,8 +123,10 @@ class ServiceConfig(BaseModel):
         description="preset name (sd, sdxl, flux, wan2.1, tiny-kl, tiny-wan), a local diffusers folder, or a hub id",
     )
     model_name: str | None = Field(None, description="name reported to clients; default: `model`")
-    decode_precision: Precision = "auto"
-    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$")
+    decode_precision: Precision = Field(
+        "auto", description="auto | fp32 | fp16 | bf16; auto: bf16 on CUDA, fp32 on CPU"
+    )
+    device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$", description="auto | cpu | cuda[:N]")
     seed: int = Field(0, description="seed for preset random weights")
     cpu_threads: int | None = Field(None, gt=0, description="torch threads on CPU; default: all cores")
     fast_path: FastPath = FastPath()

@@ -6,7 +6,9 @@ proxy guard refuses a declared Content-Length over its budget before any body by
 
 import json
 import socket
+import subprocess
 import time
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import grpc
@@ -246,3 +248,29 @@ def test_a_declared_oversized_body_is_refused_by_the_proxy_before_any_body_byte(
     err = json.loads(body)["error"]
     assert (err["type"], err["field"]) == ("payload_too_large", "body")
     assert str(DECLARED_BYTES) in err["message"]
+
+
+# ---- 6. the example call `make serve` prints runs from a new shell ---------------------------
+
+
+def test_the_printed_example_runs_from_a_new_shell(kl_url, tmp_path):
+    """As a newcomer pastes it into another terminal: no virtual environment on the PATH, another
+    working directory."""
+    from vae_service.cli import example_command
+
+    command = example_command(kl_url, "1x4x8x8")
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    done = subprocess.run(command, shell=True, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["000.png"]
+
+
+def test_the_readmes_first_decode_runs_as_written(kl_url, tmp_path, monkeypatch):
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    snippet = readme.split("## A first decode", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    assert "http://127.0.0.1:8000" in snippet
+    monkeypatch.chdir(tmp_path)
+    exec(compile(snippet.replace("http://127.0.0.1:8000", kl_url), "README.md", "exec"), {})
+    from PIL import Image
+
+    assert Image.open(tmp_path / "out.png").size == (512, 512)  # 64 latent px x the tiny KL's 8

@@ -10,7 +10,7 @@ covering a pixel sum to one). Video keeps its temporal chunking, in one of two o
   tile is done (frames are handed over only then). Chosen when lockstep cannot fit the bound.
 
 The tiles see less context than the whole latent (convolution borders, and Wan's and SD's
-attention mid-blocks are global), so tiled output differs from untiled; the README gives the
+attention mid-blocks are global), so tiled output differs from untiled; docs/performance.md gives the
 error measured and the tests bound it.
 """
 

@@ -1,5 +1,6 @@
 """Custom Serve metrics. Exported to Prometheus with a `ray_` prefix; Serve adds the
-deployment, replica and application tags. Names are listed in README ("Metrics")."""
+deployment, replica and application tags. Names are listed in the README (Deploying) and in
+docs/interfaces.md (Metrics)."""
 
 from __future__ import annotations
 

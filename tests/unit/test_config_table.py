@@ -1,0 +1,62 @@
+"""The README: its configuration table is ServiceConfig's, field for field (generated; stale when a
+field is added, renamed or re-described without regenerating it), and it stays a short walk in
+the order a newcomer needs it."""
+
+import re
+from pathlib import Path
+
+import pytest
+from pydantic import BaseModel, Field
+
+from vae_service.config import ServiceConfig
+from vae_service.config_table import CONFIG_TABLE_END, CONFIG_TABLE_START, config_rows, config_table, replace_table
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+def readme_table() -> str:
+    text = README.read_text()
+    return text[text.index(CONFIG_TABLE_START) + len(CONFIG_TABLE_START) : text.index(CONFIG_TABLE_END)].strip()
+
+
+def test_the_readme_table_is_the_models():
+    assert readme_table() == config_table()
+    assert replace_table(README.read_text()) == README.read_text()
+
+
+def test_every_leaf_field_has_its_row():
+    names = [row.split("`")[1] for row in readme_table().splitlines()[2:]]
+    assert "limits.max_decode_bytes" in names and "serving.retry_after_s" in names
+    leaves = []
+
+    def walk(model, prefix=""):
+        for name, field in model.model_fields.items():
+            if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+                walk(field.annotation, f"{prefix}{name}.")
+            else:
+                leaves.append(prefix + name)
+
+    walk(ServiceConfig)
+    assert names == leaves
+
+
+def test_a_new_field_makes_the_table_stale_and_one_without_a_description_is_refused():
+    class Grown(ServiceConfig):
+        new_knob: int = Field(3, description="a setting added later")
+
+    assert ("new_knob", "`3`", "a setting added later") in config_rows(Grown)
+
+    class Undocumented(BaseModel):
+        knob: int = 1
+
+    with pytest.raises(ValueError, match="knob: a config field needs a description"):
+        config_rows(Undocumented)
+
+
+def test_the_readme_is_a_short_walk_in_order():
+    text = README.read_text()
+    assert len(text.splitlines()) <= 200
+    headings = re.findall(r"^## (.+)$", text, flags=re.M)
+    assert headings == ["Set-up (fresh machine, Python 3.11+)", "A first decode", "API", "Deploying", "Configuration",
+                        "Further reading"]  # fmt: skip
+    assert "../shared" not in text and "shared folder" not in text
