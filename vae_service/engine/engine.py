@@ -21,6 +21,7 @@ estimated (engine/memory.py); over `limits.max_decode_bytes`, `high` decodes in 
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -49,7 +50,9 @@ from vae_service.fastpath.install import FastPath
 from vae_service.fastpath.rewrites import NORM_REWRITES
 from vae_service.fastpath.wan_chunks import decode_chunks
 from vae_service.models import LoadedVae, ModelLoadError, load_vae
-from vae_service.models.spec import decoded_pixels, jsonable_config, meta_twin, pipeline_statistics
+from vae_service.models.spec import decoded_pixels, dropped_parts, jsonable_config, meta_twin, pipeline_statistics
+
+_FOLDED_BYTES: dict[tuple, int] = {}  # the fast path's folded weights per model (see _price_tiers)
 
 
 class DecodeEngine:
@@ -110,8 +113,16 @@ class DecodeEngine:
             twin_fast = install_fast_path(twin, disabled, norms[0] if norms else None, plan_device=self.device)
             if twin_fast.plan.active != self.fast_path.plan.active or not twin_fast.installed:
                 raise ModelLoadError(f"fast path: its twin differs ({twin_fast.skipped_because or twin_fast.plan})")
+        key = (
+            self.spec.class_name,
+            json.dumps(jsonable_config(self.vae), sort_keys=True),
+            dropped_parts(self.vae),
+            str(self.dtype),
+            self.device.type,
+            tuple(sorted(self.fast_path.plan.active.items())) if twin_fast else (),
+        )
         lock = threading.Lock()
-        lossless = TierMemory(twin, self.spec, self._lossless_chunks, lock)
+        lossless = TierMemory(twin, self.spec, self._lossless_chunks, lock, cache_key=(*key, "lossless"))
         high = lossless
         if twin_fast is not None:
             timestep = 0.0 if self.spec.timestep_conditioned else None
@@ -120,12 +131,15 @@ class DecodeEngine:
                 high_decode = lambda vae, z: chunks(z, vae)  # noqa: E731
             else:
                 high_decode = lambda vae, z: iter([self._pixels(vae, z, timestep)])  # noqa: E731
-            high = TierMemory(twin, self.spec, high_decode, lock, gate=lambda: twin_fast.gate.use(True))
+            gate = lambda: twin_fast.gate.use(True)  # noqa: E731
+            high = TierMemory(twin, self.spec, high_decode, lock, gate, cache_key=(*key, "high"))
+            if twin_fast.folded.nbytes:  # probed here (a cached tier did not build them)
+                _FOLDED_BYTES[key] = twin_fast.folded.nbytes
         if self.device.type == "cuda":
             calibrate_on_cuda(lossless, lambda z: self._lossless_chunks(self.vae, z), self.device)
             if high is not lossless:
                 calibrate_on_cuda(high, self._high_chunks, self.device)
-        return {"lossless": lossless, "high": high}, twin_fast.folded.nbytes if twin_fast else 0
+        return {"lossless": lossless, "high": high}, _FOLDED_BYTES.get(key, 0) if twin_fast else 0
 
     def _high_chunks(self, z: torch.Tensor):
         with self.fast_path.gate.use(True):
