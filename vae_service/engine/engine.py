@@ -125,7 +125,7 @@ class DecodeEngine:
         lossless = TierMemory(twin, self.spec, self._lossless_chunks, lock, cache_key=(*key, "lossless"))
         high = lossless
         if twin_fast is not None:
-            timestep = 0.0 if self.spec.timestep_conditioned else None
+            timestep = self._probe_timestep
             if self.chunked:
                 chunks = self.chunk_decoder("high", timestep, twin_fast)
                 high_decode = lambda vae, z: chunks(z, vae)  # noqa: E731
@@ -141,10 +141,15 @@ class DecodeEngine:
                 calibrate_on_cuda(high, self._high_chunks, self.device)
         return {"lossless": lossless, "high": high}, _FOLDED_BYTES.get(key, 0) if twin_fast else 0
 
+    @property
+    def _probe_timestep(self) -> float | None:
+        """The timestep of decodes the engine runs for itself (counting, pricing, calibrating)."""
+        return 0.0 if self.spec.timestep_conditioned else None
+
     def _high_chunks(self, z: torch.Tensor):
         with self.fast_path.gate.use(True):
             if self.chunked:
-                yield from self.chunk_decoder("high", 0.0 if self.spec.timestep_conditioned else None)(z)
+                yield from self.chunk_decoder("high", self._probe_timestep)(z)
             else:
                 yield self._vae_decode(z)
 
@@ -157,7 +162,7 @@ class DecodeEngine:
     def _lossless_chunks(self, vae, z: torch.Tensor):
         """`lossless`'s decode of a whole batch as output chunks, on `vae` (the meta twin: memory and
         FLOP counts; the model itself: the preview's fit)."""
-        timestep = 0.0 if self.spec.timestep_conditioned else None
+        timestep = self._probe_timestep
         if self.chunked:
             return self.chunk_decoder("lossless", timestep)(z, vae)
         return iter([self._pixels(vae, z, timestep)])
