@@ -52,12 +52,12 @@ def rows_for(case: str, device: str, precision: str, fraction: float) -> list[li
     z = torch.randn(1, engine.spec.latent_channels, *dims, height // scale, width // scale)
     rows = []
     for quality in ("lossless", "high"):
-        request = DecodeRequest(z, quality=quality, scaling_factor=None)
+        request = DecodeRequest(z, quality=quality, latents_scaled=True)
         estimate, peak, _ = measured_peak(engine, request)
         priced = engine.memory[quality].describe()["priced"]
         rows.append([model, f"{height}x{width}x{frames}", quality, priced, estimate / MIB, peak / MIB,
                      estimate / peak, "-", "-"])  # fmt: skip
-    request = DecodeRequest(z, quality="high", scaling_factor=None)
+    request = DecodeRequest(z, quality="high", latents_scaled=True)
     bound = int(fraction * engine.peak_bytes(engine.prepare(request)))
     engine.limits = Limits(max_decode_bytes=bound)
     _, peak, tiled = measured_peak(engine, request)

@@ -1,5 +1,5 @@
 """Causal video decoders (Wan2.1, Wan2.2, Qwen-Image) side by side in one process: diffusers' own
-decode vs our `lossless` (the bit-identical causal_cache walk) vs `high`, the time to the first
+decode vs our `lossless` (the engine's bit-identical walk) vs `high`, the time to the first
 streamed chunk, and decode memory untiled vs tiled.
 
 Rounds interleave the configurations so machine noise hits all alike; medians are printed.
@@ -24,7 +24,7 @@ from _common import print_table
 from vae_service.config import Limits, ServiceConfig
 from vae_service.engine import DecodeEngine, DecodeRequest
 from vae_service.engine.memory import LiveBytes
-from vae_service.fastpath.wan_chunks import decode_chunks
+from vae_service.models.wan_internals import diffusers_chunks
 
 
 def _sync(device: torch.device) -> None:
@@ -58,7 +58,7 @@ def speed_case(case: str, device: str, precision: str, rounds: int) -> list:
         """diffusers' decoder forward per latent frame with its feature cache, as `_decode` runs it
         (`vae.decode` itself needs the encoder, which a decode service never loads, for Qwen-Image)."""
         with gate.use(False):
-            return torch.cat(list(decode_chunks(engine.vae, z, None)), 2)
+            return torch.cat(list(diffusers_chunks(engine.vae, z)), 2)
 
     def ours(quality):
         def run():
@@ -110,7 +110,7 @@ def speed_case(case: str, device: str, precision: str, rounds: int) -> list:
 def peak_bytes(engine: DecodeEngine, z: torch.Tensor, bound: int | None) -> tuple[int, bool, int]:
     """(peak live tensor bytes of one `high` uint8 decode, tiled?, estimate the plan used)."""
     engine.limits = Limits(max_decode_bytes=bound)
-    request = engine.prepare(DecodeRequest(z.cpu().float(), quality="high", scaling_factor=None))
+    request = engine.prepare(DecodeRequest(z.cpu().float(), quality="high", latents_scaled=True))
     live = LiveBytes()
     with live:
         result = engine.decode([request])[0]
@@ -144,7 +144,7 @@ def planned_memory(case: str, precision: str, bound_gib: float) -> list:
     engine = make_engine(model, "cpu", precision if precision != "auto" else "fp32")
     scale = engine.spec.spatial_scale
     z = torch.zeros(1, engine.spec.latent_channels, frames, height // scale, width // scale)
-    request = DecodeRequest(z, quality="high", scaling_factor=None)
+    request = DecodeRequest(z, quality="high", latents_scaled=True)
     bound = int(bound_gib * 2**30)
     unlimited = dict(max_output_pixels=2**40, max_decode_tflop=1e9, max_request_bytes=2**40)
     engine.limits = Limits(**unlimited, max_decode_bytes=2**62)

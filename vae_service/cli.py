@@ -67,7 +67,7 @@ def _example_shape(health: dict) -> str:
 
 
 def _warn_about_exposure(config: ServiceConfig, host: str, grpc_port: int) -> None:
-    from vae_service.serving.auth import load_token
+    from vae_service.serving.admission import load_token
 
     if load_token(config.auth_token_file):
         return
@@ -98,20 +98,17 @@ def cmd_serve(args: argparse.Namespace) -> None:
     from ray import serve
     from ray.serve.config import gRPCOptions
 
+    from vae_service.serving.admission import Admission
     from vae_service.serving.app import GRPC_SERVICER, decoder_app
     from vae_service.serving.proxy_guard import proxy_guard_env
 
-    # a local Ray started below inherits it: Serve's proxy then installs the guard
-    os.environ.update(
-        {
-            **proxy_guard_env(
-                max_body_bytes=config.limits.max_request_bytes,
-                body_timeout_s=config.limits.body_timeout_s,
-                retry_after_s=config.serving.retry_after_s,
-            ),
-            **os.environ,
-        }
-    )
+    # a local Ray started below inherits it: Serve's proxy then installs the guard, admitting
+    # requests by this config (token, body size and deadline) before a replica holds them
+    os.environ.update(proxy_guard_env(config))
+    try:  # what the proxy will read, read here first: a bad setting stops us, not the proxy
+        Admission.from_env()
+    except (OSError, ValueError) as exc:
+        sys.exit(f"proxy guard: {exc}")
 
     ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, logging_level=logging.WARNING)
     grpc = gRPCOptions(port=args.grpc_port, grpc_servicer_functions=[GRPC_SERVICER]) if args.grpc_port else None

@@ -13,7 +13,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from vae_service.fastpath.rewrites import REWRITE_NAMES
+from vae_service.fastpath.rewrites import RETIRED_REWRITES, REWRITE_NAMES
 
 Precision = Literal["auto", "fp32", "fp16", "bf16"]
 SHUTDOWN_MARGIN_S = 5.0  # past the request timeout: the drain's own bookkeeping
@@ -86,6 +86,9 @@ class FastPath(BaseModel):
     @field_validator("disable")
     @classmethod
     def _known(cls, names: tuple[str, ...]) -> tuple[str, ...]:
+        retired = [f"{name}: {RETIRED_REWRITES[name]}" for name in names if name in RETIRED_REWRITES]
+        if retired:
+            raise ValueError(f"no longer rewrites: {retired}")
         unknown = sorted(set(names) - set(REWRITE_NAMES))
         if unknown:
             raise ValueError(f"unknown rewrites {unknown}; allowed: {list(REWRITE_NAMES)}")

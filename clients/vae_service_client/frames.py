@@ -1,5 +1,5 @@
-"""Streamed video frames: the wire format of `POST /decode` with `stream: true`, and what clients
-read from it and from gRPC `DecodeStream`.
+"""Streamed video frames: the wire format of `POST /decode` with `stream: true` and of gRPC
+`DecodeFrames` (vae_service.v1.FrameMessage: a `chunk` or `done`), and what clients read from them.
 
 HTTP body (media type STREAM_MEDIA_TYPE): a sequence of messages, each a 4-byte big-endian
 unsigned length followed by that many bytes of one msgpack map, one of:
@@ -27,7 +27,13 @@ import msgpack
 import numpy as np
 
 from vae_service_client.errors import make_error
-from vae_service_client.messages import DecodeResponse, pack, tensor_map_of_proto
+from vae_service_client.messages import (
+    pack,
+    tensor_map_of_proto,
+    tensor_proto,
+    timing_of_proto,
+    timing_proto,
+)
 from vae_service_client.tensors import decode_tensor, encode_tensor
 
 STREAM_MEDIA_TYPE = "application/vnd.vae-service.frames+msgpack"
@@ -55,11 +61,51 @@ def frames_message(item: int, frame: int, pixels) -> dict:
     return {"item": item, "frame": frame, "pixels": encode_tensor(pixels)}
 
 
-def message_of_proto(msg) -> dict:
-    """A DecodeStream frames message (vae_service.v1.DecodeResponse) as the HTTP stream's map."""
-    if msg.done:
-        return {"done": DecodeResponse.from_proto(msg).summary()}
-    return {"item": msg.item_index, "frame": msg.frame_start, "pixels": tensor_map_of_proto(msg.tensor)}
+def frame_message_proto(message: dict):
+    """The HTTP stream's frames or `done` map (`pixels` a tensor, array or tensor map) as a
+    DecodeFrames message (vae_service.v1.FrameMessage)."""
+    from vae_service_client.grpc_gen import decode_pb2
+
+    if "done" in message:
+        done = message["done"]
+        msg = decode_pb2.Done(
+            model=done["model"],
+            quality=done["quality"],
+            precision=done["precision"],
+            request_id=done.get("request_id") or "",
+            timing=timing_proto(done["timing"]),
+            tiled=done.get("tiled", False),
+        )
+        if done.get("retried_from_frame") is not None:
+            msg.retried_from_frame = done["retried_from_frame"]
+        return decode_pb2.FrameMessage(done=msg)
+    pixels = message["pixels"]
+    tensor = tensor_proto(encoded=pixels) if isinstance(pixels, dict) else tensor_proto(pixels)
+    chunk = decode_pb2.FrameChunk(item_index=message["item"], frame_start=message["frame"], tensor=tensor)
+    return decode_pb2.FrameMessage(chunk=chunk)
+
+
+def message_of_proto(msg) -> dict | None:
+    """A DecodeFrames message as the HTTP stream's map; None for the empty message that carries a
+    failed stream's status (its status raises on the next read)."""
+    kind = msg.WhichOneof("kind")
+    if kind == "chunk":
+        chunk = msg.chunk
+        return {"item": chunk.item_index, "frame": chunk.frame_start, "pixels": tensor_map_of_proto(chunk.tensor)}
+    if kind == "done":
+        done = msg.done
+        summary = {
+            "model": done.model,
+            "quality": done.quality,
+            "precision": done.precision,
+            "request_id": done.request_id or None,
+            "timing": timing_of_proto(done.timing),
+            "tiled": done.tiled,
+        }
+        if done.HasField("retried_from_frame"):
+            summary["retried_from_frame"] = done.retried_from_frame
+        return {"done": summary}
+    return None
 
 
 class MessageReader:

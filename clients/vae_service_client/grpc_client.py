@@ -1,5 +1,6 @@
-"""gRPC clients (sync and async) for vae_service.v1.VaeDecoder: unary Decode and streaming
-DecodeStream, with the HTTP client's typed errors and retries."""
+"""gRPC clients (sync and async) for vae_service.v1.VaeDecoder: unary Decode, DecodeStream (one
+answer per batch item) and DecodeFrames (video frames as decoded), with the HTTP client's typed
+errors and retries (unary calls only)."""
 
 from __future__ import annotations
 
@@ -45,9 +46,10 @@ class _Base:
 
 
 def carries_something(msg) -> bool:
-    """False for the empty message that carries a failed stream's status (Serve's gRPC proxy relays
-    a stream's status only along with a message); the status itself raises on the next read."""
-    return msg.done or msg.HasField("tensor") or len(msg.files) > 0
+    """False for the empty message (DecodeResponse or FrameMessage) that carries a failed stream's
+    status (Serve's gRPC proxy relays a stream's status only along with a message); the status
+    itself raises on the next read. Every other message sets a field."""
+    return msg.ByteSize() > 0
 
 
 class VaeGrpcClient(_Base):
@@ -67,8 +69,8 @@ class VaeGrpcClient(_Base):
     def decode_stream(
         self, latents, quality: str = "lossless", output: str = "uint8", **options
     ) -> Iterator[DecodeResponse]:
-        """One DecodeResponse per message: per batch item, or per chunk of frames for a video model
-        with uint8/float output (decode_frames reads those)."""
+        """One DecodeResponse per batch item, in order, once the batch is decoded (every model; a
+        video model's item carries all its frames). Frames as they decode: decode_frames."""
         request = request_proto(latents, quality, output, **options)
         try:
             for msg in self._stub.DecodeStream(request, timeout=self.timeout, metadata=self._metadata):
@@ -78,14 +80,14 @@ class VaeGrpcClient(_Base):
             raise _error(exc) from None
 
     def decode_frames(self, latents, quality: str = "lossless", output: str = "uint8", **options) -> FrameStream:
-        """Video frames as they are decoded (DecodeStream on a video model, uint8/float output)."""
+        """Video frames as they are decoded (DecodeFrames; video models, uint8/float output)."""
         request = request_proto(latents, quality, output, **options)
 
         def messages():
             try:
-                for msg in self._stub.DecodeStream(request, timeout=self.timeout, metadata=self._metadata):
-                    if carries_something(msg):
-                        yield message_of_proto(msg)
+                for msg in self._stub.DecodeFrames(request, timeout=self.timeout, metadata=self._metadata):
+                    if (message := message_of_proto(msg)) is not None:
+                        yield message
             except grpc.RpcError as exc:
                 raise _error(exc) from None
 
@@ -133,9 +135,9 @@ class AsyncVaeGrpcClient(_Base):
 
         async def messages():
             try:
-                async for msg in self._stub.DecodeStream(request, timeout=self.timeout, metadata=self._metadata):
-                    if carries_something(msg):
-                        yield message_of_proto(msg)
+                async for msg in self._stub.DecodeFrames(request, timeout=self.timeout, metadata=self._metadata):
+                    if (message := message_of_proto(msg)) is not None:
+                        yield message
             except grpc.RpcError as exc:
                 raise _error(exc) from None
 

@@ -41,7 +41,10 @@ class _Unset:
         return "UNSET"
 
 
-UNSET: Any = _Unset()  # a factor not given: the model's own applies (None means "already scaled")
+# The one "not given" sentinel (the server maps key absent / nil / number to its own request
+# fields): a factor left UNSET is the model's own; None (nil) for either factor says the latents
+# are already scaled, so only a factor also given as a number applies.
+UNSET: Any = _Unset()
 
 
 def pack(obj: Any) -> bytes:
@@ -76,7 +79,8 @@ def request_map(
     stream: bool = False,
     decode_timestep: float | None = None,
 ) -> dict:
-    """The /decode body as a map. Factors: UNSET (key absent) = the model's own, None = already scaled.
+    """The /decode body as a map. Factors: UNSET (key absent) = the model's own; None (nil) for either
+    = the latents are already scaled (only a factor given as a number applies).
     `stream`: video frames as they are decoded (vae_service_client.frames). `decode_timestep`:
     timestep-conditioned decoders (LTX); None: the pipeline's default."""
     body = {"latents": encode_tensor(latents), "quality": quality, "output": output}
@@ -119,20 +123,20 @@ def request_proto(latents, quality: str = "lossless", output: str = "uint8", **o
     from vae_service_client.grpc_gen import decode_pb2
 
     fields = request_map(latents, quality, output, **options)
-    fields.pop("stream", None)  # gRPC streams with the DecodeStream RPC
+    fields.pop("stream", None)  # gRPC streams frames with the DecodeFrames RPC
     msg = decode_pb2.DecodeRequest(latents=tensor_proto(encoded=fields.pop("latents")))
-    if fields.get("scaling_factor", UNSET) is None:  # nil: the latents are already scaled
-        msg.latents_scaled = True
-        fields.pop("scaling_factor")
-    if fields.get("shift_factor", UNSET) is None:
-        fields.pop("shift_factor")
+    for key in ("scaling_factor", "shift_factor"):
+        if key in fields and fields[key] is None:  # nil: the latents are already scaled
+            msg.latents_scaled = True
+            del fields[key]
     for key, value in fields.items():
         setattr(msg, key, value)
     return msg
 
 
 def request_fields_from_proto(msg) -> dict:
-    """A DecodeRequest message -> the same fields as `request_fields` (proto3 zero values = absent)."""
+    """A DecodeRequest message -> the same fields as `request_fields` (proto3 zero values = absent;
+    `latents_scaled` = both factors nil, a factor also sent as a number keeps its number)."""
     if not msg.HasField("latents"):
         raise WireError("latents", "is required")
     fields: dict = {"latents": decode_tensor(tensor_map_of_proto(msg.latents), "latents", LATENT_DTYPES)}
@@ -148,6 +152,16 @@ def request_fields_from_proto(msg) -> dict:
 
 
 # ---- responses --------------------------------------------------------------------------------
+def timing_proto(timing: dict):
+    from vae_service_client.grpc_gen import decode_pb2
+
+    return decode_pb2.Timing(**{k: timing[k] for k in TIMING_KEYS})
+
+
+def timing_of_proto(msg) -> dict:
+    return {k: getattr(msg, k) for k in TIMING_KEYS}
+
+
 @dataclass
 class DecodeResponse:
     output: Any  # numpy array (bf16 arrives as float32) or encoded files, one per batch item
@@ -158,9 +172,9 @@ class DecodeResponse:
     timing: dict = field(default_factory=dict)  # TIMING_KEYS
     item_index: int = 0  # DecodeStream: which batch item this message carries
     tiled: bool = False  # decoded in spatial tiles to stay within the server's memory bound
-    # streams only: the decode failed after frames went out and ran again (out of device memory:
-    # in tiles); every item's frames before this index came from the first attempt, later ones from
-    # the retry (`high`, whose items advance together: all of them)
+    # frame streams only (their `done`): the decode failed after frames went out and ran again
+    # (out of device memory: in tiles); every item's frames before this index came from the first
+    # attempt, later ones from the retry (`high`, whose items advance together: all of them)
     retried_from_frame: int | None = None
 
     def summary(self) -> dict:
@@ -206,11 +220,9 @@ class DecodeResponse:
             precision=self.precision,
             request_id=self.request_id or "",
             item_index=self.item_index,
-            timing=decode_pb2.Timing(**{k: self.timing[k] for k in TIMING_KEYS}),
+            timing=timing_proto(self.timing),
             tiled=self.tiled,
         )
-        if self.retried_from_frame is not None:
-            msg.retried_from_frame = self.retried_from_frame
         if isinstance(self.output, list):
             msg.files.extend(self.output)
         elif self.output is not None:
@@ -223,18 +235,15 @@ class DecodeResponse:
             output = decode_tensor(tensor_map_of_proto(msg.tensor), "output").to_numpy()
         else:
             output = list(msg.files)
-        timing = {k: getattr(msg.timing, k) for k in TIMING_KEYS}
-        retried = msg.retried_from_frame if msg.HasField("retried_from_frame") else None
         return cls(
             output,
             msg.model,
             msg.quality,
             msg.precision,
             msg.request_id or None,
-            timing,
+            timing_of_proto(msg.timing),
             msg.item_index,
             msg.tiled,
-            retried,
         )
 
     def images(self) -> list:

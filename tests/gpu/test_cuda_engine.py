@@ -11,6 +11,7 @@ import torch
 from tests.models import build_full_vae, reference_decode
 from vae_service.config import ServiceConfig
 from vae_service.engine import DecodeEngine, DecodeRequest
+from vae_service.engine.result import DecodeResult, PendingResult
 from vae_service.fastpath.fused_norms import GroupNormSiLU, WanRMSNormSiLU
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -28,7 +29,7 @@ def engines(kl_dir, wan_dir):
 
 
 def decode(engine, z, quality):
-    request = DecodeRequest(z, quality=quality, output="float", scaling_factor=None)
+    request = DecodeRequest(z, quality=quality, output="float", latents_scaled=True)
     return engine.decode([engine.prepare(request)])[0].output
 
 
@@ -116,16 +117,16 @@ def test_release_returns_folded_memory_to_the_allocator(engines):
 @pytest.mark.parametrize("config", ["tiny", "wide", "early-time", "no-time"])
 @pytest.mark.parametrize("shape", [(1, 3, 5), (3, 5, 7), (4, 2, 9)])
 def test_wan_chunk_walk_is_bit_identical_on_cuda(config, shape):
-    """causal_cache is admitted to lossless on CUDA only with this: cuDNN gives the same bits with
+    """The walk serves lossless on CUDA only with this: cuDNN gives the same bits with
     spatial conv padding as on diffusers' pre-padded input."""
     from tests.unit.test_video_decode import latents, wan
-    from vae_service.fastpath.wan_chunks import WalkOptions, decode_chunks
+    from vae_service.engine.wan_walk import WalkOptions, walk_chunks
 
     vae = wan(config).to("cuda", torch.bfloat16)
     z = latents(vae, shape).to("cuda", torch.bfloat16)
     with torch.inference_mode():
         reference = vae.decode(z).sample
-        walked = torch.cat(list(decode_chunks(vae, z, WalkOptions())), 2)
+        walked = torch.cat(list(walk_chunks(vae, z, WalkOptions())), 2)
     assert torch.equal(walked, reference)
 
 
@@ -151,17 +152,16 @@ def test_deferred_host_copies_give_the_same_pixels(engines, kind, shape):
     gen = torch.Generator().manual_seed(11)
     z, other = torch.randn(*shape, generator=gen), torch.randn(*shape, generator=gen)
     for output in ("uint8", "float"):
-        first, second = (engine.prepare(DecodeRequest(x, output=output, scaling_factor=None)) for x in (z, other))
+        first, second = (engine.prepare(DecodeRequest(x, output=output, latents_scaled=True)) for x in (z, other))
         (baseline,), (other_baseline,) = engine.decode([first]), engine.decode([second])
-        assert not baseline.host_copies and not torch.equal(baseline.output, other_baseline.output)
+        assert isinstance(baseline, DecodeResult) and not torch.equal(baseline.output, other_baseline.output)
         (deferred,) = engine.decode([first], defer_host_copy=True)
         (deferred_other,) = engine.decode([second], defer_host_copy=True)
         overwrite_free_device_memory(engine.device)
-        for result in (deferred, deferred_other):
-            assert result.host_copies and result.output.is_pinned()
-        ready, ready_other = deferred.wait_for_host(), deferred_other.wait_for_host()
+        for pending in (deferred, deferred_other):
+            assert isinstance(pending, PendingResult) and pending.host_copies and pending.result.output.is_pinned()
+        ready, ready_other = deferred.wait(), deferred_other.wait()
         assert all(event.query() for event in (*deferred.host_copies, *deferred_other.host_copies))
-        assert not ready.host_copies and not ready_other.host_copies
         assert torch.equal(ready.output, baseline.output)
         assert torch.equal(ready_other.output, other_baseline.output)
 
@@ -173,5 +173,5 @@ async def test_service_answers_after_the_host_copy(kl_dir):
     z = torch.randn(3, 4, 8, 8, generator=torch.Generator().manual_seed(12))
     results = [await service.decode(DecodeRequest(z[i : i + 1])) for i in range(3)]
     engine_out = service.engine.decode([service.engine.prepare(DecodeRequest(z))])[0].output  # each item alone
-    assert all(not r.host_copies for r in results)
+    assert all(isinstance(r, DecodeResult) for r in results)
     assert torch.equal(torch.cat([r.output for r in results]), engine_out)

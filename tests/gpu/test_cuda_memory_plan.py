@@ -39,14 +39,14 @@ def latents(engine, h, w, batch=1):
 @pytest.mark.parametrize("quality", ["lossless", "high"])
 @pytest.mark.parametrize("h, w, batch", [(64, 96, 1), (97, 61, 2)])
 def test_each_tiers_estimate_is_within_ten_percent_of_the_allocated_peak(engine, quality, h, w, batch):
-    prepared = engine.prepare(DecodeRequest(latents(engine, h, w, batch), quality=quality, scaling_factor=None))
+    prepared = engine.prepare(DecodeRequest(latents(engine, h, w, batch), quality=quality, latents_scaled=True))
     peak, result = allocated_peak(engine, prepared)
     assert not result.tiled
     assert 0.9 * peak <= engine.peak_bytes(prepared) <= 1.1 * peak, (peak, engine.memory[quality].describe())
 
 
 def test_a_tiled_decodes_allocated_peak_stays_within_the_bound(engine):
-    request = DecodeRequest(latents(engine, 96, 80), quality="high", scaling_factor=None)
+    request = DecodeRequest(latents(engine, 96, 80), quality="high", latents_scaled=True)
     bound = int(0.4 * engine.peak_bytes(engine.prepare(request)))
     engine.limits = Limits(max_decode_bytes=bound)
     try:
@@ -60,7 +60,7 @@ def test_a_tiled_decodes_allocated_peak_stays_within_the_bound(engine):
 def test_the_default_bound_is_fixed_whatever_is_allocated(engine, monkeypatch):
     """Planning never reads the allocator (what it holds moves with whatever else runs): with 8 GiB
     more allocated, and with every allocator query made to fail, the same bound and tiles."""
-    request = DecodeRequest(latents(engine, 256, 256), quality="high", scaling_factor=None)
+    request = DecodeRequest(latents(engine, 256, 256), quality="high", latents_scaled=True)
     before = engine.decode_bound(), engine.prepare(request).tile
     ballast = torch.empty(8 * 2**30, dtype=torch.uint8, device="cuda")
     during = engine.decode_bound(), engine.prepare(request).tile

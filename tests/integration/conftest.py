@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from vae_service.config import ServiceConfig
 from vae_service.serving.app import GRPC_SERVICER
 from vae_service.serving.proxy_guard import proxy_guard_env
 
@@ -36,7 +37,7 @@ def ray_cluster():
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     # the proxy guard, installed the way the CLI installs it (with a shorter body deadline)
-    os.environ.update(proxy_guard_env(body_timeout_s=PROXY_BODY_TIMEOUT_S))
+    os.environ.update(proxy_guard_env(ServiceConfig(limits={"body_timeout_s": PROXY_BODY_TIMEOUT_S})))
     repo = str(Path(__file__).resolve().parents[2])  # replicas import deploy/ modules from the checkout
     PORTS["metrics"] = free_port()
     ray.init(

@@ -9,8 +9,8 @@ import torch
 from ray import serve
 
 from tests.integration.conftest import TEST_DEPLOYMENT
+from vae_service.serving.admission import TOKEN_ENV
 from vae_service.serving.app import decoder_app, multi_model_app
-from vae_service.serving.auth import TOKEN_ENV
 from vae_service_client import Unauthenticated, VaeClient, VaeGrpcClient
 from vae_service_client.grpc_gen import decode_pb2_grpc
 from vae_service_client.messages import MSGPACK, pack, request_map, request_proto

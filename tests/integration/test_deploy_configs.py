@@ -1,5 +1,6 @@
 """The deploy YAMLs load into Serve's schema and build into our applications."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -9,7 +10,9 @@ from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
 from ray.serve.schema import ServeDeploySchema
 
 from vae_service.config import ServiceConfig
+from vae_service.serving.admission import ADMISSION_ENV, admission_settings
 from vae_service.serving.app import GRPC_SERVICER, build_multi_app, router_options
+from vae_service.serving.proxy_guard import proxy_guard_env
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 
@@ -88,20 +91,20 @@ def test_kuberay_rayservice_is_well_formed_and_its_serve_config_loads():
     worker = gpu_group["template"]["spec"]["containers"][0]
     assert worker["resources"]["limits"]["nvidia.com/gpu"] == 1
     assert gpu_group["minReplicas"] <= gpu_group["replicas"] <= gpu_group["maxReplicas"]
-    for pod, container in (
-        (cluster["headGroupSpec"]["template"]["spec"], head),
-        (gpu_group["template"]["spec"], worker),
-    ):
+    for pod in (cluster["headGroupSpec"]["template"]["spec"], gpu_group["template"]["spec"]):
         assert pod["securityContext"]["runAsNonRoot"] is True
-        env = {e["name"]: e for e in container["env"]}
-        assert (
-            env["RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"]["value"] == "vae_service.serving.proxy_guard:middlewares"
-        )
-        assert env["VAE_SERVICE_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"]["key"] == "token"
     serve_config = ServeDeploySchema.model_validate(yaml.safe_load(spec["serveConfigV2"]))
     (app,) = serve_config.applications
     assert serve_config.grpc_options.grpc_servicer_functions == [GRPC_SERVICER]
     config = ServiceConfig.model_validate(app.args)
+    for container in (head, worker):
+        env = {e["name"]: e for e in container["env"]}
+        # the proxy guard's environment is the one the application's own config gives
+        guard = {name: env[name]["value"] for name in proxy_guard_env(config)}
+        assert guard == proxy_guard_env(config)
+        assert json.loads(guard[ADMISSION_ENV]) == admission_settings([config])
+        assert env["VAE_SERVICE_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"]["key"] == "token"
+        assert not [name for name in env if name.startswith("VAE_SERVICE_PROXY_")]  # no longer read
     assert config.device == "cuda"
     (deployment,) = yaml.safe_load(spec["serveConfigV2"])["applications"][0]["deployments"]
     assert deployment["ray_actor_options"]["num_gpus"] == 1

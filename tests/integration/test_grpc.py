@@ -26,13 +26,21 @@ def test_unary_decode_matches_http(grpc_target, kl_url, kl_vae):
     )
 
 
-def test_stream_answers_one_message_per_item(grpc_target):
-    z = torch.randn(3, 4, 2, 2)
-    with VaeGrpcClient(grpc_target, application="kl") as client:
-        items = list(client.decode_stream(z, output="uint8"))
-        whole = client.decode(z).output
-    assert len(items) == 3
-    np.testing.assert_array_equal(np.concatenate([it.output for it in items]), whole)
+@pytest.mark.parametrize(
+    "app_name, z, files",
+    [("kl", torch.randn(3, 4, 2, 2), "png"), ("wan", torch.randn(3, 4, 2, 3, 3), "mp4")],
+    ids=["image", "video"],
+)
+def test_decode_stream_is_one_message_per_item_for_every_model(grpc_target, kl_url, wan_url, app_name, z, files):
+    """A video model's items carry all their frames: DecodeStream means the same for every model."""
+    with VaeGrpcClient(grpc_target, application=app_name) as client:
+        for output in ("uint8", "float"):
+            items = list(client.decode_stream(z, output=output, request_id="s1"))
+            assert [(it.item_index, it.model, it.request_id) for it in items] == [(i, app_name, "s1") for i in range(3)]
+            whole = client.decode(z, output=output).output
+            np.testing.assert_array_equal(np.concatenate([it.output for it in items]), whole)
+        encoded = list(client.decode_stream(z, output=files))
+    assert [(it.item_index, len(it.output)) for it in encoded] == [(0, 1), (1, 1), (2, 1)]
 
 
 @pytest.mark.parametrize(

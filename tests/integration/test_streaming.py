@@ -1,11 +1,13 @@
 """Video frames streamed as they are decoded, through Serve with real clients: HTTP (the model's
-own ingress and a router in front), gRPC DecodeStream and a streaming handle; bit-identical to
-the whole answer; errors before the first frame as ordinary typed errors."""
+own ingress and a router in front), gRPC DecodeFrames and a streaming handle; bit-identical to
+the whole answer; errors before the first frame as ordinary typed errors. gRPC DecodeStream
+keeps one meaning for video models too: one message per batch item."""
 
 import subprocess
 import sys
 import time
 
+import grpc
 import numpy as np
 import pytest
 import torch
@@ -13,6 +15,8 @@ from PIL import Image
 
 from vae_service_client import AsyncVaeClient, AsyncVaeGrpcClient, InvalidRequest, VaeClient, VaeGrpcClient
 from vae_service_client.frames import FrameStream, assemble
+from vae_service_client.grpc_gen import decode_pb2_grpc
+from vae_service_client.messages import request_proto
 
 pytestmark = pytest.mark.integration
 
@@ -41,26 +45,64 @@ async def test_router_streams_http_and_grpc(multi_url, grpc_target):
     async with AsyncVaeClient(multi_url) as http:
         whole = await http.decode(z, "high", model="wan")
         over_http = await http.decode_frames(z, "high", model="wan").collect()
-    async with AsyncVaeGrpcClient(grpc_target, application="multi") as rpc:
+    async with AsyncVaeGrpcClient(grpc_target, application="multi", retries=0) as rpc:
         stream = rpc.decode_frames(z, "high", model="wan")
         over_grpc = [c async for c in stream]
+        items = [m async for m in rpc.decode_stream(z, "high", model="wan")]
+        with pytest.raises(InvalidRequest, match="served") as err:
+            [c async for c in rpc.decode_frames(z, model="nope")]
     np.testing.assert_array_equal(over_http, whole.output)
     np.testing.assert_array_equal(assemble(over_grpc), whole.output)
     assert len(over_grpc) == 3 and stream.summary.model == "wan"
+    assert [m.item_index for m in items] == [0, 1]  # DecodeStream through the router: one per item
+    np.testing.assert_array_equal(np.concatenate([m.output for m in items]), whole.output)
+    assert err.value.field == "model"
 
 
-def test_grpc_stream_is_one_message_per_chunk(grpc_target, wan_url):
+def test_grpc_decode_frames_is_one_message_per_chunk_then_done(grpc_target, wan_url):
     z = latents(seed=2)
     with VaeGrpcClient(grpc_target, application="wan") as client:
-        stream = client.decode_frames(z, "lossless", "float")
+        stream = client.decode_frames(z, "lossless", "float", request_id="f1")
         chunks = list(stream)
-        raw = list(client.decode_stream(z, "lossless", "float"))
+    with grpc.insecure_channel(grpc_target) as channel:
+        stub = decode_pb2_grpc.VaeDecoderStub(channel)
+        raw = list(stub.DecodeFrames(request_proto(z, output="float"), metadata=(("application", "wan"),), timeout=60))
     whole = VaeClient(wan_url).decode(z, output="float").output
     assert [(c.item, c.frame, c.pixels.shape[2]) for c in chunks] == [
         (item, frame, t) for item in (0, 1) for frame, t in ((0, 1), (1, 4), (5, 4))
     ]
     np.testing.assert_array_equal(assemble(chunks), whole)
-    assert raw[-1].output == [] and len(raw) == 7  # six chunks, then the `done` message
+    assert (stream.summary.model, stream.summary.request_id, stream.summary.tiled) == ("wan", "f1", False)
+    # what any gRPC client sees: six `chunk` messages, then one `done`
+    assert [m.WhichOneof("kind") for m in raw] == ["chunk"] * 6 + ["done"]
+    assert [(m.chunk.item_index, m.chunk.frame_start) for m in raw[:3]] == [(0, 0), (0, 1), (0, 5)]
+    assert raw[-1].done.model == "wan" and raw[-1].done.timing.decode_ms > 0
+
+
+@pytest.mark.parametrize(
+    "app_name, kwargs, field, text",
+    [
+        ("wan", {"quality": "ultra"}, "quality", "allowed"),
+        ("wan", {"output": "mp4"}, "stream", "not 'mp4'"),
+        ("kl", {}, "stream", "decodes images"),
+    ],
+)
+def test_grpc_decode_frames_errors_are_typed(grpc_target, wan_url, kl_url, app_name, kwargs, field, text):
+    z = latents(batch=1) if app_name == "wan" else torch.randn(1, 4, 2, 2)
+    client = VaeGrpcClient(grpc_target, application=app_name, retries=0)
+    with client, pytest.raises(InvalidRequest, match=text) as err:
+        list(client.decode_frames(z, **kwargs))
+    assert err.value.field == field and err.value.type == "invalid_request"
+    with grpc.insecure_channel(grpc_target) as channel:  # a plain stub: the status, trailers, no frame
+        received = []
+        with pytest.raises(grpc.RpcError) as raw:
+            for message in decode_pb2_grpc.VaeDecoderStub(channel).DecodeFrames(
+                request_proto(z, **kwargs), metadata=(("application", app_name),), timeout=60
+            ):
+                received.append(message)
+    assert raw.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert dict(raw.value.trailing_metadata())["error-field"] == field
+    assert len(received) <= 1 and not any(m.WhichOneof("kind") for m in received)
 
 
 def test_streaming_handle(ray_cluster, wan_url):

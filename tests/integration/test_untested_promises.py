@@ -1,7 +1,7 @@
 """README promises that had no test of their own (issue #18), on the real local Serve with real
 clients: `lossless` over max_decode_bytes is a 413 that points at `high`; the bearer token guards
-the streamed paths (HTTP `stream: true`, gRPC DecodeStream) before any frame; the router takes its
-token from VAE_SERVICE_AUTH_TOKEN; a gRPC client cancelling DecodeStream stops the decode; the
+the streamed paths (HTTP `stream: true`, gRPC DecodeFrames and DecodeStream) before any frame; the
+router takes its token from VAE_SERVICE_AUTH_TOKEN; a gRPC client cancelling DecodeFrames stops the decode; the
 proxy guard refuses a declared Content-Length over its budget before any body byte arrives."""
 
 import json
@@ -19,8 +19,8 @@ import torch
 from ray import serve
 
 from tests.integration.conftest import TEST_DEPLOYMENT
+from vae_service.serving.admission import TOKEN_ENV
 from vae_service.serving.app import decoder_app
-from vae_service.serving.auth import TOKEN_ENV
 from vae_service_client import PayloadTooLarge, Unauthenticated, VaeClient, VaeGrpcClient
 from vae_service_client.frames import assemble
 from vae_service_client.grpc_client import carries_something
@@ -141,14 +141,14 @@ def test_streamed_http_decode_needs_the_token_before_any_frame(locked_wan):
     np.testing.assert_array_equal(assemble(chunks), whole)
 
 
-def test_grpc_decode_stream_needs_the_token_before_any_frame(locked_wan, grpc_target):
+def test_grpc_streams_need_the_token_before_any_frame(locked_wan, grpc_target):
     request = request_proto(video())
     with grpc.insecure_channel(grpc_target) as channel:
         stub = decode_pb2_grpc.VaeDecoderStub(channel)
         for auth in ((), (("authorization", "Bearer wrong"),)):
             received = []
             with pytest.raises(grpc.RpcError) as err:
-                for message in stub.DecodeStream(request, metadata=(("application", "wanlocked"), *auth), timeout=60):
+                for message in stub.DecodeFrames(request, metadata=(("application", "wanlocked"), *auth), timeout=60):
                     received.append(message)
             # at most the empty message that carries the status through Serve's proxy: no frame
             assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
@@ -186,19 +186,19 @@ def test_router_takes_its_token_from_the_environment(env_router, grpc_target):
         assert client.decode(torch.zeros(1, 4, 2, 2)).output.shape == (1, 16, 16, 3)
 
 
-# ---- 4. a gRPC client cancelling DecodeStream ------------------------------------------------
+# ---- 4. a gRPC client cancelling DecodeFrames ------------------------------------------------
 
 
-def test_cancelling_a_grpc_decode_stream_stops_the_decode(locked_wan, grpc_target):
+def test_cancelling_grpc_decode_frames_stops_the_decode(locked_wan, grpc_target):
     # 65 latent frames at 32x32: about two minutes whole on one CPU thread, a second or two each,
     # so the replica goes idle within the wait below only if the decode stops when cancelled
     clip = video(frames=65, h=32, w=32, seed=2)
     metadata = (("application", "wanlocked"), ("authorization", f"Bearer {TOKEN}"))
     with VaeClient(locked_wan, token=TOKEN) as http:
         with grpc.insecure_channel(grpc_target) as channel:
-            call = decode_pb2_grpc.VaeDecoderStub(channel).DecodeStream(request_proto(clip), metadata=metadata)
+            call = decode_pb2_grpc.VaeDecoderStub(channel).DecodeFrames(request_proto(clip), metadata=metadata)
             first = next(call)
-            assert (first.item_index, first.frame_start, first.done) == (0, 0, False)
+            assert (first.WhichOneof("kind"), first.chunk.item_index, first.chunk.frame_start) == ("chunk", 0, 0)
             assert http.health()["running_batches"] == 1  # the rest of the clip is being decoded
             call.cancel()
         deadline = time.monotonic() + 30

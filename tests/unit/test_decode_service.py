@@ -27,7 +27,7 @@ async def test_concurrent_lossless_requests_are_bit_identical_to_solo_decodes(kl
     latents = [torch.randn(b, 4, 4, 5, generator=gen) for b in (1, 3, 2, 1, 2)]
     results = await asyncio.gather(
         *(
-            service.decode(DecodeRequest(z, scaling_factor=None, output="float", request_id=str(i)))
+            service.decode(DecodeRequest(z, latents_scaled=True, output="float", request_id=str(i)))
             for i, z in enumerate(latents)
         )
     )
@@ -77,7 +77,7 @@ async def test_batches_run_on_one_device_thread_with_the_engines_thread_count(kl
 
         service.batcher.run_batch = recording
         z = torch.randn(1, 4, 3, 3, generator=torch.Generator().manual_seed(2))
-        outs = [await service.decode(DecodeRequest(z, scaling_factor=None, output="float")) for _ in range(3)]
+        outs = [await service.decode(DecodeRequest(z, latents_scaled=True, output="float")) for _ in range(3)]
     finally:
         torch.set_num_threads(before)
     assert {name.split("_")[0] for name, _ in seen} == {"vae-device"} and {n for _, n in seen} == {1}

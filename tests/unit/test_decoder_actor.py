@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.models import reference_decode, torch_threads
-from vae_service.protocol.handle_call import request_from_call
+from vae_service.protocol.requests import request_from_call
 from vae_service.ray import Decoder
 from vae_service_client import InvalidRequest
 

@@ -48,8 +48,8 @@ def test_lossless_batch_is_bit_identical_to_diffusers_solo_decodes(engines, kl_v
     z = torch.randn(3, 4, 6, 5, generator=gen).to(dtype)
     ref = reference_decode(copy.deepcopy(kl_vae).to(dtype), z)
     # one request with 3 items, plus the same latents split over a 3-request batch
-    single = run(engine, latents=z, scaling_factor=None, output="float")
-    reqs = [engine.prepare(DecodeRequest(latents=z[i : i + 1], scaling_factor=None, output="float")) for i in range(3)]
+    single = run(engine, latents=z, latents_scaled=True, output="float")
+    reqs = [engine.prepare(DecodeRequest(latents=z[i : i + 1], latents_scaled=True, output="float")) for i in range(3)]
     batched = torch.cat([r.output for r in engine.decode(reqs)])
     assert single.dtype == dtype
     assert torch.equal(single, ref)
@@ -58,7 +58,7 @@ def test_lossless_batch_is_bit_identical_to_diffusers_solo_decodes(engines, kl_v
 
 def test_wan_lossless_bit_identical_to_diffusers(engines, wan_vae, gen):
     z = torch.randn(2, 4, 2, 4, 6, generator=gen)
-    out = run(engines("wan"), latents=z, scaling_factor=None, output="float")
+    out = run(engines("wan"), latents=z, latents_scaled=True, output="float")
     assert out.shape == (2, 3, 5, 32, 48)  # 1 + 4 * (2 - 1) frames
     assert torch.equal(out, reference_decode(wan_vae, z))
 
@@ -119,12 +119,12 @@ def test_video_outputs(engines, wan_vae, gen):
 
     z = torch.randn(2, 4, 2, 4, 4, generator=gen)
     engine = engines("wan")
-    frames = run(engine, latents=z, scaling_factor=None)
+    frames = run(engine, latents=z, latents_scaled=True)
     assert frames.shape == (2, 5, 32, 32, 3) and frames.dtype == torch.uint8
     video = reference_decode(wan_vae, z)  # [B, 3, T, H, W] in [-1, 1]
     expected = ((video / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 4, 1)
     assert torch.equal(frames, expected)
-    mp4s = run(engine, latents=z, output="mp4", scaling_factor=None)
+    mp4s = run(engine, latents=z, output="mp4", latents_scaled=True)
     assert len(mp4s) == 2
     for item, mp4 in enumerate(mp4s):
         with av.open(io.BytesIO(mp4)) as container:
@@ -160,6 +160,7 @@ def test_auto_precision_is_fp32_on_cpu():
         ("device", "tpu", "auto|cpu|cuda"),
         ("cpu_threads", 0, "greater than 0"),
         ("fast_path", {"disable": ["winogrande"]}, "unknown rewrites ['winogrande']; allowed: ['channels_last'"),
+        ("fast_path", {"disable": ["causal_cache"]}, "causal_cache: Wan-style decoders are always decoded by the"),
     ],
 )
 def test_invalid_config_fails_at_startup_naming_the_field(field, value, allowed):
@@ -302,9 +303,9 @@ def test_decoder_nan_fails_only_its_own_request(engines, kl_vae, gen, monkeypatc
     good, bad = torch.randn(2, 4, 3, 3, generator=gen), torch.full((1, 4, 3, 3), 7.0)
     for quality in ("high", "lossless"):
         requests = [
-            DecodeRequest(good[:1], quality=quality, output="float", scaling_factor=None),
-            DecodeRequest(bad, quality=quality, output="float", scaling_factor=None),
-            DecodeRequest(good[1:], quality=quality, output="float", scaling_factor=None),
+            DecodeRequest(good[:1], quality=quality, output="float", latents_scaled=True),
+            DecodeRequest(bad, quality=quality, output="float", latents_scaled=True),
+            DecodeRequest(good[1:], quality=quality, output="float", latents_scaled=True),
         ]
         first, failed, last = engine.decode([engine.prepare(r) for r in requests])
         assert isinstance(failed, DecodeFailed) and failed.field == "latents" and "NaN/Inf" in failed.message

@@ -1,4 +1,5 @@
-"""The replica's own body reading (whether or not the proxy guard sits in front)."""
+"""The replica's own body reading, through its Admission (whether or not the proxy guard sits in
+front; tests/unit/test_admission.py has the guard)."""
 
 import asyncio
 
@@ -7,7 +8,12 @@ from starlette.requests import Request
 
 from vae_service.engine import LimitExceeded
 from vae_service.protocol.errors import BodyTimeout
-from vae_service.serving.http_routes import read_body
+from vae_service.serving.admission import TOKEN_ENV, Admission
+
+
+@pytest.fixture(autouse=True)
+def no_token_in_the_environment(monkeypatch):
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
 
 
 def request_with(chunks: list[bytes], gap_s: float, content_length: int | None = None) -> Request:
@@ -23,19 +29,19 @@ def request_with(chunks: list[bytes], gap_s: float, content_length: int | None =
 
 
 async def test_a_body_arriving_in_time_is_read_whole():
-    assert await read_body(request_with([b"ab", b"cd"], 0.0), 10, 5.0) == b"abcd"
+    assert await Admission(10, 5.0).admit(request_with([b"ab", b"cd"], 0.0)) == b"abcd"
 
 
 async def test_a_body_still_arriving_at_the_deadline_is_cut_off():
     with pytest.raises(BodyTimeout) as err:
-        await read_body(request_with([b"a"] * 100, 0.05), 1000, timeout_s=0.2)
+        await Admission(1000, body_timeout_s=0.2).admit(request_with([b"a"] * 100, 0.05))
     assert err.value.field == "body" and "body_timeout_s" in err.value.message
 
 
 @pytest.mark.parametrize("chunks, declared", [([b"x" * 11], None), ([b"x"], 11), ([b"x" * 6, b"x" * 6], 5)])
 async def test_a_body_over_the_budget_is_refused_early(chunks, declared):
     with pytest.raises(LimitExceeded, match="max_request_bytes"):
-        await read_body(request_with(chunks, 0.0, declared), 10, 5.0)
+        await Admission(10, 5.0).admit(request_with(chunks, 0.0, declared))
 
 
 def test_a_bug_answers_500_with_an_id_and_never_the_exception_text():

@@ -120,6 +120,44 @@ def test_the_diffusers_extra_stays_optional_and_off_the_server():
     assert offenders("clients/vae_service_client", ("vae_service_client.diffusers",)) == []
 
 
+def imports_of(file: str, top_level_only: bool = False) -> set[str]:
+    return imported_modules((ROOT / file).parent, top_level_only)[file]
+
+
+def test_parsing_and_answering_are_separate_modules():
+    """protocol/requests.py turns the wire into engine requests, protocol/responses.py results into
+    the wire; neither uses the other."""
+    assert "vae_service.protocol.responses" not in imports_of("vae_service/protocol/requests.py")
+    assert "vae_service.protocol.requests" not in imports_of("vae_service/protocol/responses.py")
+
+
+def test_the_proxy_side_of_admission_loads_no_model_code():
+    """Serve's HTTP proxy (on every node) imports the proxy guard and admission: no torch, no engine,
+    no config (which imports the fast path's rewrite table and torch), no protocol at import time."""
+    heavy = ("torch", "vae_service.engine", "vae_service.fastpath", "vae_service.config", "vae_service.protocol")
+    for file in ("vae_service/serving/admission.py", "vae_service/serving/proxy_guard.py"):
+        assert [n for n in imports_of(file, top_level_only=True) if n.startswith(heavy)] == [], file
+
+
+def reads_wan_internals(path: Path) -> bool:
+    """Imports diffusers' Wan or Qwen-Image autoencoder module, by module or by name."""
+    wan_modules = ("autoencoder_kl_wan", "autoencoder_kl_qwenimage")
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("diffusers"):
+            named = [node.module.rsplit(".", 1)[-1], *(alias.name for alias in node.names)]
+            if any(n in wan_modules for n in named):
+                return True
+    return False
+
+
+def test_diffusers_wan_internals_are_read_in_one_place():
+    """Only models/wan_internals.py imports diffusers' Wan/Qwen-Image modules; the engine's walk
+    reads them through it and imports nothing from diffusers."""
+    readers = [str(p.relative_to(ROOT)) for p in sorted((ROOT / "vae_service").rglob("*.py")) if reads_wan_internals(p)]
+    assert readers == ["vae_service/models/wan_internals.py"]
+    assert not [n for n in imports_of("vae_service/engine/wan_walk.py") if n.startswith("diffusers")]
+
+
 def test_the_checker_sees_imports():
     """The scan above would catch a violation: it finds the serving layer's own imports."""
     assert offenders("vae_service/serving", ("vae_service.protocol",))

@@ -72,7 +72,7 @@ async def test_a_request_gets_the_same_plan_whatever_else_runs(kl_dir):
     large tensor is allocated: the same bound, the same estimate and the same tiles."""
     service = DecodeService(ServiceConfig(model=str(kl_dir), model_name="kl", device="cpu", cpu_threads=1))
     engine = service.engine
-    request = DecodeRequest(torch.randn(1, 4, 24, 20), quality="high", scaling_factor=None)
+    request = DecodeRequest(torch.randn(1, 4, 24, 20), quality="high", latents_scaled=True)
 
     def plan() -> tuple:
         prepared = engine.prepare(request)

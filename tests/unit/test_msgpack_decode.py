@@ -1,13 +1,13 @@
-"""The msgpack /decode adapter: the function production calls, body to DecodeRequest."""
+"""A msgpack /decode body to DecodeRequest (protocol/msgpack_body.py, protocol/requests.py): the
+function production calls."""
 
 import msgpack
 import pytest
 import torch
 
 from vae_service.config import Limits
-from vae_service.engine import MODEL_DEFAULT
 from vae_service.protocol.errors import ANSWERABLE, error_type, wire_error
-from vae_service.protocol.msgpack_decode import parse_decode_body
+from vae_service.protocol.requests import parse_decode_body
 from vae_service_client.messages import pack
 from vae_service_client.tensors import encode_tensor
 
@@ -27,12 +27,12 @@ def parse(raw, content_type=MSGPACK, max_bytes=MAX_BYTES):
 def test_defaults():
     p = parse(body())
     assert (p.quality, p.output, p.height, p.width, p.request_id) == ("lossless", "uint8", None, None, None)
-    assert p.scaling_factor is MODEL_DEFAULT and p.shift_factor is MODEL_DEFAULT
+    assert (p.scaling_factor, p.shift_factor, p.latents_scaled) == (None, None, False)  # the model's own
 
 
 def test_nil_factors_mean_already_scaled_and_numbers_are_kept():
     p = parse(body(scaling_factor=None, shift_factor=None))
-    assert p.scaling_factor is None and p.shift_factor is None
+    assert (p.scaling_factor, p.shift_factor, p.latents_scaled) == (None, None, True)
     p = parse(
         body(scaling_factor=0.5, shift_factor=-1, height=64, width=32, request_id="r1", quality="high", output="png")
     )

@@ -12,7 +12,7 @@ from vae_service.config import Limits, ServiceConfig
 from vae_service.engine import DecodeEngine, DecodeRequest
 from vae_service.serving.decode_service import DecodeService
 from vae_service.serving.http_routes import decode_events
-from vae_service_client.frames import STREAM_MEDIA_TYPE, MessageReader, assemble
+from vae_service_client.frames import STREAM_MEDIA_TYPE, MessageReader, assemble, frame_message_proto, message_of_proto
 from vae_service_client.frames import FrameStream as ClientStream
 from vae_service_client.messages import MSGPACK, DecodeResponse, pack, request_map
 
@@ -50,7 +50,7 @@ def test_the_retry_starts_after_the_failed_attempts_activations_are_gone(request
     attention.register_forward_hook(fail_once_after)
     frames = (2,) if engine.video else ()
     z = torch.randn(1, engine.spec.latent_channels, *frames, 16, 16, generator=torch.Generator().manual_seed(3))
-    (result,) = engine.decode([engine.prepare(DecodeRequest(z, quality="high", scaling_factor=None))])
+    (result,) = engine.decode([engine.prepare(DecodeRequest(z, quality="high", latents_scaled=True))])
     assert result.tiled and alive_when_retried == [False]
 
 
@@ -70,7 +70,7 @@ async def test_a_stream_retried_in_tiles_names_the_first_retried_frame(wan_dir):
     untiled_frames = assemble(list(untiled))
     assert untiled.summary.retried_from_frame is None and not untiled.summary.tiled
 
-    half = engine.peak_bytes(engine.prepare(DecodeRequest(z, quality="high", stream=True, scaling_factor=None))) // 2
+    half = engine.peak_bytes(engine.prepare(DecodeRequest(z, quality="high", stream=True, latents_scaled=True))) // 2
     engine.limits = Limits(max_decode_bytes=half)  # the plan the retry makes: tiles of half the peak
     try:
         tiled = await streamed(service, z)
@@ -99,4 +99,5 @@ def test_the_retried_frame_round_trips_through_msgpack_and_grpc(retried_from_fra
     summary = response.summary()
     assert ("retried_from_frame" in summary) == (retried_from_frame is not None)
     assert DecodeResponse.from_map({"output": [], **summary}).retried_from_frame == retried_from_frame
-    assert DecodeResponse.from_proto(response.to_proto()).retried_from_frame == retried_from_frame
+    over_grpc = message_of_proto(frame_message_proto({"done": summary}))["done"]  # DecodeFrames' `done`
+    assert over_grpc == summary

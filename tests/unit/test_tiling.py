@@ -87,7 +87,7 @@ def test_each_tiers_estimate_is_within_ten_percent_of_a_real_decode(engines, kin
     """Priced on the meta twin (each tier its own graph) against the live bytes of a real CPU decode
     at shapes the pricing never saw, odd and non-square."""
     engine = engines[kind]
-    prepared = engine.prepare(DecodeRequest(latents_for(engine, h, w, batch), quality=quality, scaling_factor=None))
+    prepared = engine.prepare(DecodeRequest(latents_for(engine, h, w, batch), quality=quality, latents_scaled=True))
     assert prepared.tile is None and prepared.request.quality == quality
     if quality == "high":  # its first decode builds the folded weights, held like weights, not per decode
         decode(engine, prepared.request)
@@ -118,7 +118,7 @@ def test_the_tiers_are_priced_apart_where_their_graphs_differ(engines):
 )
 def test_a_tiled_decodes_measured_peak_stays_within_the_bound(engines, kind, fraction, output):
     engine = engines[kind]
-    request = DecodeRequest(latents_for(engine, 24, 20), quality="high", output=output, scaling_factor=None)
+    request = DecodeRequest(latents_for(engine, 24, 20), quality="high", output=output, latents_scaled=True)
     decode(engine, request)  # folded weights built
     bound = int(fraction * engine.peak_bytes(engine.prepare(request)))
     engine.limits = Limits(max_decode_bytes=bound)
@@ -134,7 +134,7 @@ def test_a_tiled_decodes_measured_peak_stays_within_the_bound(engines, kind, fra
 @pytest.mark.parametrize("kind", ["kl", "flux", "wan"])
 def test_lossless_over_the_bound_is_refused_naming_it_and_high(engines, kind):
     engine = engines[kind]
-    request = DecodeRequest(latents_for(engine, 12, 10), scaling_factor=None)
+    request = DecodeRequest(latents_for(engine, 12, 10), latents_scaled=True)
     need = engine.peak_bytes(engine.prepare(request))
     with pytest.raises(LimitExceeded, match="max_decode_bytes") as err:
         decode(engine, request, bound=need // 2)
@@ -147,7 +147,7 @@ def test_lossless_over_the_bound_is_refused_naming_it_and_high(engines, kind):
 @pytest.mark.parametrize("h, w, batch", [(24, 20, 1), (17, 31, 2)])
 def test_high_over_the_bound_decodes_tiled_within_the_documented_error(engines, kind, h, w, batch):
     engine = engines[kind]
-    request = DecodeRequest(latents_for(engine, h, w, batch), quality="high", scaling_factor=None)
+    request = DecodeRequest(latents_for(engine, h, w, batch), quality="high", latents_scaled=True)
     _, whole = decode(engine, request)
     need = engine.peak_bytes(engine.prepare(request))
     prepared, tiled = decode(engine, request, bound=int(0.7 * need))
@@ -158,7 +158,7 @@ def test_high_over_the_bound_decodes_tiled_within_the_documented_error(engines, 
 
 def test_too_large_even_tiled_is_refused(engines):
     engine = engines["wan"]
-    request = DecodeRequest(latents_for(engine, 24, 20), quality="high", scaling_factor=None)
+    request = DecodeRequest(latents_for(engine, 24, 20), quality="high", latents_scaled=True)
     with pytest.raises(LimitExceeded, match="even tiled") as err:
         decode(engine, request, bound=engine.memory["high"].working(1, 4, 4))
     assert err.value.field == "latents"
@@ -210,7 +210,7 @@ def test_tiled_video_lockstep_and_tile_after_tile_agree_bit_for_bit(engines):
 def test_tiled_video_streams_the_same_frames(engines):
     engine = engines["wan"]
     z = latents_for(engine, 24, 20, frames=3)
-    request = DecodeRequest(z, quality="high", scaling_factor=None)
+    request = DecodeRequest(z, quality="high", latents_scaled=True)
     need = engine.peak_bytes(engine.prepare(request))
     _, whole = decode(engine, request, bound=int(0.6 * need))
     engine.limits = Limits(max_decode_bytes=int(0.6 * need))
@@ -229,17 +229,17 @@ def test_tiled_video_streams_the_same_frames(engines):
 def test_out_of_memory_on_high_retries_once_in_tiles(engines, kind, monkeypatch):
     """An injected device OOM on the first untiled `high` decode: decoded again in tiles."""
     engine = engines[kind]
-    request = DecodeRequest(latents_for(engine, 16, 16), quality="high", scaling_factor=None)
+    request = DecodeRequest(latents_for(engine, 16, 16), quality="high", latents_scaled=True)
     _, whole = decode(engine, request)
-    original, calls = engine._decode_batch, []
+    original, calls = engine._execute, []
 
-    def out_of_memory_once(batch, latents, force_tiles):
-        calls.append(force_tiles)
-        if not force_tiles:
+    def out_of_memory_once(plan, batch, latents, call):
+        calls.append(plan.tiled)
+        if not plan.tiled:
             raise torch.OutOfMemoryError("CUDA out of memory (injected)")
-        return original(batch, latents, force_tiles)
+        return original(plan, batch, latents, call)
 
-    monkeypatch.setattr(engine, "_decode_batch", out_of_memory_once)
+    monkeypatch.setattr(engine, "_execute", out_of_memory_once)
     _, result = decode(engine, request)
     assert calls == [False, True] and result.tiled
     assert psnr(result.output, whole.output) >= MIN_RETRY_PSNR_DB
@@ -248,12 +248,12 @@ def test_out_of_memory_on_high_retries_once_in_tiles(engines, kind, monkeypatch)
 def test_out_of_memory_on_lossless_is_not_retried(engines, monkeypatch):
     engine = engines["kl"]
 
-    def out_of_memory(batch, latents, force_tiles):
+    def out_of_memory(plan, batch, latents, call):
         raise torch.OutOfMemoryError("CUDA out of memory (injected)")
 
-    monkeypatch.setattr(engine, "_decode_batch", out_of_memory)
+    monkeypatch.setattr(engine, "_execute", out_of_memory)
     with pytest.raises(torch.OutOfMemoryError):
-        decode(engine, DecodeRequest(latents_for(engine, 4, 4), scaling_factor=None))
+        decode(engine, DecodeRequest(latents_for(engine, 4, 4), latents_scaled=True))
 
 
 def test_the_bound_is_the_config_or_the_fixed_default(engines):
@@ -275,11 +275,11 @@ def test_out_of_memory_again_in_tiles_reaches_the_caller(engines, monkeypatch):
     """The tiled retry is tried once; a second out-of-memory goes up (the service answers 503)."""
     engine, calls = engines["kl"], []
 
-    def out_of_memory(batch, latents, force_tiles):
-        calls.append(force_tiles)
+    def out_of_memory(plan, batch, latents, call):
+        calls.append(plan.tiled)
         raise torch.OutOfMemoryError("CUDA out of memory (injected)")
 
-    monkeypatch.setattr(engine, "_decode_batch", out_of_memory)
+    monkeypatch.setattr(engine, "_execute", out_of_memory)
     with pytest.raises(torch.OutOfMemoryError):
-        decode(engine, DecodeRequest(latents_for(engine, 16, 16), quality="high", scaling_factor=None))
+        decode(engine, DecodeRequest(latents_for(engine, 16, 16), quality="high", latents_scaled=True))
     assert calls == [False, True]

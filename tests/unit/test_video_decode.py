@@ -14,8 +14,9 @@ from tests.models import torch_threads
 from vae_service.config import ServiceConfig
 from vae_service.engine import DecodeEngine, DecodeRequest, InvalidInput
 from vae_service.engine.video import FrameChunk
-from vae_service.fastpath.wan_chunks import WalkOptions, decode_chunks
+from vae_service.engine.wan_walk import WalkOptions, walk_chunks
 from vae_service.models.loading import LoadedVae
+from vae_service.models.wan_internals import diffusers_chunks
 
 # Several Wan architectures: widths, depths, latent channels and where the temporal upsamplers sit
 WAN_CONFIGS = {
@@ -67,8 +68,9 @@ def latents(vae, shape, batch=1, seed=0):
 
 
 def chunked(vae, z, walk, folded=None):
+    """The walk's chunks with `walk`'s options; None: diffusers' own forward per chunk."""
     with torch.inference_mode():
-        return list(decode_chunks(vae, z, walk, folded))
+        return list(diffusers_chunks(vae, z) if walk is None else walk_chunks(vae, z, walk, folded))
 
 
 def psnr_uint8(a, b):
@@ -121,7 +123,7 @@ def engines(wan_engine):
 
 
 def served(engine, z, quality):
-    request = DecodeRequest(z, quality=quality, output="float", scaling_factor=None)
+    request = DecodeRequest(z, quality=quality, output="float", latents_scaled=True)
     with torch_threads(1):
         (result,) = engine.decode([engine.prepare(request)])
     assert result.quality == quality  # high was not answered by lossless
@@ -134,7 +136,7 @@ def test_high_is_within_the_documented_bound(engines, config, precision):
     """`high` as the engine serves it (the fast-path gate on, the high walk, its folded weights)
     against the same engine's `lossless`, within docs/fast-path.md's bounds."""
     engine = engines(config, precision)
-    assert engine.fast_path.installed and engine.fast_path.chunk_walks["high"].first_frame_2d
+    assert engine.fast_path.installed and engine.walks["high"].first_frame_2d
     image = config in QWEN_CONFIGS
     for (t, h, w), batch in HIGH_CASES:
         if image and t != 1:
@@ -156,7 +158,7 @@ def test_high_is_within_the_documented_bound(engines, config, precision):
 
 def streamed(engine, z, **kw):
     chunks = []
-    prepared = engine.prepare(DecodeRequest(z, stream=True, scaling_factor=None, **kw))
+    prepared = engine.prepare(DecodeRequest(z, stream=True, latents_scaled=True, **kw))
     (result,) = engine.decode([replace(prepared, sink=chunks.append)])
     return chunks, result
 
@@ -167,7 +169,7 @@ def test_streamed_frames_are_the_whole_output(wan_engine, quality, output):
     z = latents(wan_engine.vae, (3, 3, 4), batch=2, seed=3)
     with torch_threads(1):
         whole = wan_engine.decode(
-            [wan_engine.prepare(DecodeRequest(z, quality=quality, output=output, scaling_factor=None))]
+            [wan_engine.prepare(DecodeRequest(z, quality=quality, output=output, latents_scaled=True))]
         )[0].output
         chunks, result = streamed(wan_engine, z, quality=quality, output=output)
     assert result.output is None  # nothing kept for a streamed request
@@ -187,8 +189,8 @@ def test_streamed_frames_are_the_whole_output(wan_engine, quality, output):
 def test_streamed_and_whole_requests_share_one_decode(wan_engine):
     z = latents(wan_engine.vae, (2, 3, 4), batch=2, seed=4)
     calls, chunks = [], []
-    whole = wan_engine.prepare(DecodeRequest(z[:1], quality="high", scaling_factor=None))
-    stream = wan_engine.prepare(DecodeRequest(z[1:], quality="high", scaling_factor=None, stream=True))
+    whole = wan_engine.prepare(DecodeRequest(z[:1], quality="high", latents_scaled=True))
+    stream = wan_engine.prepare(DecodeRequest(z[1:], quality="high", latents_scaled=True, stream=True))
     assert whole.batch_key == stream.batch_key
     hook = wan_engine.vae.decoder.mid_block.attentions[0].register_forward_pre_hook(lambda m, a: calls.append(1))
     try:
@@ -198,7 +200,7 @@ def test_streamed_and_whole_requests_share_one_decode(wan_engine):
         hook.remove()
     assert len(calls) == 2  # one decoder run per latent frame, for both requests together
     with torch_threads(1):
-        alone = wan_engine.decode([wan_engine.prepare(DecodeRequest(z, quality="high", scaling_factor=None))])
+        alone = wan_engine.decode([wan_engine.prepare(DecodeRequest(z, quality="high", latents_scaled=True))])
     assert torch.equal(results[0].output, alone[0].output[:1])
     assert torch.equal(torch.cat([c.pixels for c in chunks], 1), alone[0].output[1:])
 
@@ -235,7 +237,7 @@ def test_wan22_streams_through_the_walk_in_both_tiers(config):
     diffusers' decode bit for bit, and the streamed frames are the whole answer."""
     vae = wan(config, seed=8)
     engine = engine_for(vae)
-    walks = engine.fast_path.chunk_walks
+    walks = engine.walks
     assert walks["lossless"] is not None and walks["high"] is not None and walks["high"].first_frame_2d
     z = latents(vae, (3, 3, 5), batch=2, seed=8)
     with torch.inference_mode(), torch_threads(1):
@@ -243,7 +245,7 @@ def test_wan22_streams_through_the_walk_in_both_tiers(config):
     for quality in ("lossless", "high"):
         with torch_threads(1):
             whole = engine.decode(
-                [engine.prepare(DecodeRequest(z, quality=quality, output="float", scaling_factor=None))]
+                [engine.prepare(DecodeRequest(z, quality=quality, output="float", latents_scaled=True))]
             )
             chunks, streamed_result = streamed(engine, z, quality=quality, output="float")
         assert whole[0].quality == quality and streamed_result.output is None
@@ -260,13 +262,16 @@ def test_wan22_streams_through_the_walk_in_both_tiers(config):
 
 
 @pytest.mark.parametrize("config", ["wan2.2", "qwen-image"])
-def test_high_without_the_walk_runs_diffusers_forward_with_the_gated_rewrites(config):
-    """With `causal_cache` disabled both tiers run diffusers' own forward per chunk; `high` adds
-    the gated rewrites (channels-last decoder, fused norms) and must still hand Wan2.2's residual
-    up blocks their first-chunk flag through the patched forward."""
+def test_a_decoder_the_walk_does_not_know_decodes_through_diffusers_forward(config):
+    """A residual block whose activation is not the SiLU the walk computes: the walk's checks
+    (models/wan_internals.py) refuse it, so both tiers run diffusers' own forward per chunk,
+    `lossless` bit for bit, and `high` is answered by `lossless`."""
     vae = wan(config, seed=2)
-    engine = engine_for(vae, fast_path={"disable": ["causal_cache"]})
-    assert engine.fast_path.installed and engine.fast_path.chunk_walks == {"lossless": None, "high": None}
+    block = next(m for m in vae.decoder.modules() if type(m).__name__.endswith("ResidualBlock"))
+    block.nonlinearity = torch.nn.GELU()
+    engine = engine_for(vae)
+    assert engine.walks is None and not engine.fast_path.installed
+    assert any("not channel-first RMSNorm + SiLU" in r for r in engine.fast_path.skipped_because)
     z = latents(vae, (1 if config == "qwen-image" else 3, 3, 4), batch=1, seed=2)
     with torch.inference_mode(), torch_threads(1):
         reference = vae.decode(z).sample
@@ -274,10 +279,29 @@ def test_high_without_the_walk_runs_diffusers_forward_with_the_gated_rewrites(co
         reference = reference[:, :, 0]
     for quality in ("lossless", "high"):
         with torch_threads(1):
-            request = DecodeRequest(z, quality=quality, output="float", scaling_factor=None)
+            request = DecodeRequest(z, quality=quality, output="float", latents_scaled=True)
             (result,) = engine.decode([engine.prepare(request)])
-        assert result.quality == quality
-        if quality == "lossless":
-            assert torch.equal(result.output, reference)
-        else:
-            assert (result.output - reference).abs().max() < 1e-3
+        assert result.quality == "lossless"
+        assert torch.equal(result.output, reference)
+
+
+def test_high_keeps_its_folded_first_frame_weights_between_decodes(monkeypatch):
+    """`first_frame_2d`'s 2-D weights are built by the first `high` decode and held (reported in
+    /health, released on demand), not rebuilt per decode."""
+    vae = wan("wan2.2", seed=4)
+    engine = engine_for(vae)
+    z = latents(vae, (2, 3, 4), seed=4)
+    request = engine.prepare(DecodeRequest(z, quality="high", output="float"))
+    with torch_threads(1):
+        first = engine.decode([request])[0].output
+    folded = engine.fast_path.folded
+    assert folded.names("first_frame_2d")
+    assert engine.describe()["fast_path"]["rewrites"]["first_frame_2d"]["folded_bytes"] > 0
+    builds, get = [], folded.get
+    monkeypatch.setattr(
+        folded, "get", lambda r, n, source, build: get(r, n, source, lambda: builds.append(n) or build())
+    )
+    with torch_threads(1):
+        second = engine.decode([request])[0].output
+    assert builds == [] and torch.equal(first, second)
+    assert engine.release_folded() > 0 and len(folded) == 0

@@ -17,7 +17,7 @@ from vae_service.batch.latent_files import load_latents
 from vae_service.batch.outputs import OutputFolder
 from vae_service.config import ServiceConfig
 from vae_service.engine import DecodeEngine, DecodeError
-from vae_service.protocol.handle_call import request_from_call
+from vae_service.protocol.requests import request_from_call
 
 log = logging.getLogger(__name__)
 

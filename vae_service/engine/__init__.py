@@ -9,11 +9,10 @@ from vae_service.engine.errors import (
     Overloaded,
 )
 from vae_service.engine.latents import BatchKey, PreparedRequest
-from vae_service.engine.request import MODEL_DEFAULT, OUTPUTS, QUALITIES, DecodeRequest
+from vae_service.engine.request import OUTPUTS, QUALITIES, DecodeRequest
 from vae_service.engine.result import DecodeResult, Timing
 
 __all__ = [
-    "MODEL_DEFAULT",
     "OUTPUTS",
     "QUALITIES",
     "BatchKey",

@@ -11,17 +11,21 @@ Tier decisions live here and only here:
 - `preview` maps the batch's latents to pixels with a linear map or a tiny decoder
   (engine/preview.py), never tiled, never with the VAE.
 
-The model's decode path (models/catalog.py) decides how: `image_kl` through `vae.decode`;
-`causal_walk` one latent frame at a time by the chunk walk; `generic` through the class's own
-`decode`, item by item. Video (and any video-latent decoder) goes through engine/video.py: frames
-are converted, checked and streamed or kept chunk by chunk. Memory: every request's peak is
-estimated (engine/memory.py); over `limits.max_decode_bytes`, `high` decodes in spatial tiles
+Each batch is planned first (engine/plan.py: runs, together or alone, tile grids), then executed
+with the call's own state (a `DecodeCall`): the engine keeps no per-call state, so calls from
+several threads do not interfere. The model's decode path (models/catalog.py) decides how:
+`image_kl` through `vae.decode`; `causal_walk` one latent frame at a time by the engine's walk
+(engine/wan_walk.py), both tiers; `generic` through the class's own `decode`, item by item.
+Video (and any video-latent decoder) goes through engine/video.py: frames are converted, checked
+and streamed or kept chunk by chunk. Memory: every request's peak is estimated
+(engine/memory.py); over `limits.max_decode_bytes`, `high` decodes in spatial tiles
 (engine/tiling.py) and `lossless`, which never tiles, is refused in `prepare`.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 import time
@@ -33,25 +37,28 @@ from vae_service.config import Limits, ServiceConfig
 from vae_service.engine.calibration import calibrate_on_cuda
 from vae_service.engine.cost import flops_per_output_pixel
 from vae_service.engine.encoding import ENCODED_OUTPUTS, EncodeSettings, encode_all
-from vae_service.engine.errors import DecodeAbandoned, DecodeFailed
+from vae_service.engine.errors import DecodeFailed
 from vae_service.engine.latents import LatentScaling, PreparedRequest, prepare
 from vae_service.engine.memory import TierMemory
 from vae_service.engine.memory_budget import memory_budget
 from vae_service.engine.memory_plan import decode_bound, peak_bytes, plan_memory
+from vae_service.engine.plan import BatchPlan, DecodeCall, Run, checkpoint_hook, plan_batch
 from vae_service.engine.postprocess import postprocess
 from vae_service.engine.precision import PRECISION_NAMES, resolve_device, resolve_dtype
 from vae_service.engine.preview import build_preview, frame_counts
 from vae_service.engine.request import QUALITIES, DecodeRequest
-from vae_service.engine.result import DecodeResult, Timing
-from vae_service.engine.tiling import TileGrid, tiled_chunks, tiled_image
+from vae_service.engine.result import DecodeResult, PendingResult, Timing
+from vae_service.engine.tiling import tiled_chunks, tiled_image
 from vae_service.engine.video import NON_FINITE, decode_video
+from vae_service.engine.wan_walk import walk_chunks, walk_options
 from vae_service.fastpath import install_fast_path
-from vae_service.fastpath.install import FastPath
-from vae_service.fastpath.rewrites import NORM_REWRITES
-from vae_service.fastpath.wan_chunks import decode_chunks
+from vae_service.fastpath.folded import FoldedBuffers
+from vae_service.fastpath.rewrites import NORM_REWRITES, RewritePlan
 from vae_service.models import LoadedVae, ModelLoadError, load_vae
 from vae_service.models.spec import decoded_pixels, dropped_parts, jsonable_config, meta_twin, pipeline_statistics
+from vae_service.models.wan_internals import diffusers_chunks, walk_unsupported_because
 
+log = logging.getLogger(__name__)
 _FOLDED_BYTES: dict[tuple, int] = {}  # the fast path's folded weights per model (see _price_tiers)
 
 
@@ -68,11 +75,11 @@ class DecodeEngine:
         loaded = loaded or load_vae(config.model, name=config.served_name, seed=config.seed)
         self.spec = loaded.spec
         self.video = self.spec.family == "video"  # answers carry frames
-        self.walk = self.spec.path == "causal_walk"
         self.chunked = self.spec.geometry.video_latents  # decoded through engine/video.py
         # nn.Module.to, not ModelMixin.to: the latter warns about fp32-pinned modules these VAEs lack
         self.vae = torch.nn.Module.to(loaded.vae, device=self.device, dtype=self.dtype)
         self.fast_path = install_fast_path(self.vae, disabled=config.fast_path.disable)
+        self.walks = self._walks()
         twin = meta_twin(loaded.vae)
         self.flops_per_pixel = flops_per_output_pixel(twin, self.spec, self._lossless_chunks)
         try:
@@ -84,20 +91,30 @@ class DecodeEngine:
         self.budget = memory_budget(self.device, weights, folded)  # fixed for the engine's lifetime
         decode = lambda z: torch.cat(list(self._lossless_chunks(self.vae, z)), 2 if self.chunked else 0)  # noqa: E731
         self.preview = build_preview(config, self.spec, self._scaling, self.device, decode)
-        # the decoder runs once per item (lossless) and once per latent frame (Wan): the step at
-        # which a decode whose requests were all abandoned stops
-        self._abandoned: threading.Event | None = None
-        self._host_copies: list | None = None  # CUDA events of the host copies still running
-        getattr(self.vae, "decoder", self.vae).register_forward_pre_hook(self._stop_if_abandoned)
+        # every decoder forward checks the running call (the walk, which calls the decoder's
+        # modules one by one, checks before each latent frame in engine/video.py)
+        getattr(self.vae, "decoder", self.vae).register_forward_pre_hook(checkpoint_hook)
 
-    def chunk_decoder(self, quality: str, timestep: float | None = None, fast_path: FastPath | None = None):
+    def _walks(self) -> dict | None:
+        """Causal decoders the walk knows (engine/wan_walk.py): each tier's walk options. Others
+        decode through their class's own forward."""
+        if self.spec.path != "causal_walk":
+            return None
+        reasons = walk_unsupported_because(self.vae)
+        if reasons:
+            log.warning("%s decodes through diffusers' per-frame forward: %s", self.spec.class_name, reasons[:3])
+            return None
+        return walk_options(self.fast_path.plan if self.fast_path.installed else RewritePlan())
+
+    def chunk_decoder(self, quality: str, timestep: float | None = None, folded: FoldedBuffers | None = None):
         """Video latents: a function from decoder-input latents to output chunks, as `quality` runs
-        them (the walk: one chunk per latent frame; other decoders: their whole output at once).
-        `fast_path`: the one installed on the model passed as `vae` (the meta twin's)."""
-        if self.walk:
-            fast_path = fast_path or self.fast_path
-            walk, folded = fast_path.chunk_walks[quality], fast_path.folded
-            return lambda z, vae=None: decode_chunks(vae or self.vae, z, walk, folded)
+        them (causal decoders: one chunk per latent frame; others: their whole output at once).
+        `folded`: where `high` keeps its folded weights for the model passed as `vae` (the twin's)."""
+        if self.walks is not None:
+            options, folded = self.walks[quality], self.fast_path.folded if folded is None else folded
+            return lambda z, vae=None: walk_chunks(vae or self.vae, z, options, folded)
+        if self.spec.path == "causal_walk":
+            return lambda z, vae=None: diffusers_chunks(vae or self.vae, z)
         return lambda z, vae=None: iter([self._pixels(vae or self.vae, z, timestep)])
 
     def _price_tiers(self, twin: torch.nn.Module, disabled: tuple[str, ...]) -> tuple[dict[str, TierMemory], int]:
@@ -127,7 +144,7 @@ class DecodeEngine:
         if twin_fast is not None:
             timestep = self._probe_timestep
             if self.chunked:
-                chunks = self.chunk_decoder("high", timestep, twin_fast)
+                chunks = self.chunk_decoder("high", timestep, twin_fast.folded)
                 high_decode = lambda vae, z: chunks(z, vae)  # noqa: E731
             else:
                 high_decode = lambda vae, z: iter([self._pixels(vae, z, timestep)])  # noqa: E731
@@ -221,67 +238,68 @@ class DecodeEngine:
     def prepare(self, request: DecodeRequest) -> PreparedRequest:
         """Check against this model and the limits, plan tiling; no tensor is moved or cast yet.
         Raises InvalidInput."""
+        limits = self.limits  # read once: another thread may swap them (reconfigure)
         if request.quality != self._tier(request.quality):
             request = replace(request, quality=self._tier(request.quality))
         if request.quality == "preview":  # no decoder work, no tiles
-            return prepare(request, self.spec, self.limits, 0.0)
-        prepared = prepare(request, self.spec, self.limits, self.flops_per_pixel)
-        grid = plan_memory(prepared, self.memory[prepared.request.quality], self.decode_bound())
+            return prepare(request, self.spec, limits, 0.0)
+        prepared = prepare(request, self.spec, limits, self.flops_per_pixel)
+        grid = plan_memory(prepared, self.memory[prepared.request.quality], decode_bound(limits, self.budget))
         return prepared if grid is None else replace(prepared, tile=grid)
 
     def _tier(self, quality: str) -> str:
         """The tier that decodes a request for `quality`: `high` needs an installed fast path."""
         return quality if quality != "high" or self.fast_path.installed else "lossless"
 
-    def _stop_if_abandoned(self, module, args) -> None:
-        if self._abandoned is not None and self._abandoned.is_set():
-            raise DecodeAbandoned("body", "every request of this decode timed out or went away")
+    def plan(self, batch: list[PreparedRequest], bound: int, force_tiles: bool = False) -> BatchPlan:
+        """The batch's plan (engine/plan.py); `force_tiles`: the out-of-memory retry's, every
+        request in tiles of half its estimated peak."""
+        if force_tiles:
+            grids = [plan_memory(r, self.memory["high"], self.peak_bytes(r) // 2, force=True) for r in batch]
+        else:
+            grids = [r.tile for r in batch]
+        return plan_batch(batch, grids, self.peak_bytes, bound)
 
     def decode(
         self, batch: list[PreparedRequest], abandoned: threading.Event | None = None, defer_host_copy: bool = False
-    ) -> list[DecodeResult | DecodeFailed]:
+    ) -> list[DecodeResult | DecodeFailed | PendingResult]:
         """Decode requests that share one batch key; results come back in order. A request whose
         output is not finite gets a DecodeFailed in its place; the others are unaffected. Once
-        `abandoned` is set, the decode stops at its next item or latent frame (DecodeAbandoned).
-        `defer_host_copy` (CUDA): outputs come back while their copy to the host is still
-        running; wait on `result.host_copies` before reading them (DecodeResult.wait_for_host)."""
-        self._abandoned, self._host_copies = abandoned, ([] if defer_host_copy else None)
-        try:
-            results = self._decode(batch)
-            copies = tuple(self._host_copies or ())
-            return [r if isinstance(r, DecodeFailed) else replace(r, host_copies=copies) for r in results]
-        finally:
-            self._abandoned = self._host_copies = None
-
-    def _decode(self, batch: list[PreparedRequest]) -> list[DecodeResult | DecodeFailed]:
-        keys = {r.batch_key for r in batch}
-        if len(keys) != 1:
-            raise ValueError(f"a batch must share one (tier, shape, dtype) key, got {sorted(map(str, keys))}")
+        `abandoned` is set, the decode stops before its next decoder call (DecodeAbandoned).
+        `defer_host_copy` (CUDA): outputs whose copy to the host is still running come back as
+        PendingResults. Safe to call from several threads at once."""
+        call = DecodeCall(abandoned, [] if defer_host_copy else None)
         quality = batch[0].request.quality
         start = time.perf_counter()
         scaling = self.preview.scaling if quality == "preview" else self._scaling
         latents = [scaling.to_decoder_input(r, self.device) for r in batch]
-        with torch.inference_mode(), self.fast_path.gate.use(quality == "high"):
-            decoded = self._decode_or_out_of_memory(batch, latents)
-            if decoded is None:  # out of memory: once more in tiles of half the estimated peak
+        bound = self.decode_bound()
+        plan = self.plan(batch, bound)
+        with torch.inference_mode(), self.fast_path.gate.use(quality == "high"), call.running():
+            outputs = self._execute_or_out_of_memory(plan, batch, latents, call)
+            if outputs is None:  # out of memory: once more in tiles of half the estimated peak
                 self._release_device_cache()
-                decoded = self._decode_batch(batch, latents, force_tiles=True)
-        outputs, tiled = decoded
+                plan = self.plan(batch, bound, force_tiles=True)
+                outputs = self._execute(plan, batch, latents, call)
         timing = Timing(0.0, (time.perf_counter() - start) * 1e3, sum(r.items for r in batch))
-        return [
-            o if isinstance(o, DecodeFailed) else self._result(o, r, timing, tiled)
+        results = [
+            o if isinstance(o, DecodeFailed) else self._result(o, r, timing, plan.tiled)
             for o, r in zip(outputs, batch, strict=True)
         ]
+        if not call.host_copies:
+            return results
+        copies = tuple(call.host_copies)
+        return [r if isinstance(r, DecodeFailed) else PendingResult(r, copies) for r in results]
 
-    def _decode_or_out_of_memory(self, batch: list[PreparedRequest], latents: list[torch.Tensor]):
-        """The decode, or None when an untiled `high` decode ran out of device memory. The retry
-        happens in the caller, after this frame and the exception's traceback are gone: inside the
-        handler they would keep the failed attempt's activations alive, and freeing the cache
-        would give nothing back."""
+    def _execute_or_out_of_memory(self, plan: BatchPlan, batch: list[PreparedRequest], latents: list, call):
+        """The plan's outputs, or None when an untiled `high` decode ran out of device memory. The
+        retry happens in the caller, after this frame and the exception's traceback are gone:
+        inside the handler they would keep the failed attempt's activations alive, and freeing the
+        cache would give nothing back."""
         try:
-            return self._decode_batch(batch, latents, force_tiles=False)
+            return self._execute(plan, batch, latents, call)
         except torch.OutOfMemoryError:
-            if batch[0].request.quality != "high" or batch[0].tile is not None:
+            if plan.quality != "high" or plan.tiled:
                 raise
         return None
 
@@ -289,61 +307,50 @@ class DecodeEngine:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    def _grids(self, batch: list[PreparedRequest], force_tiles: bool) -> list[TileGrid | None]:
-        if force_tiles:
-            return [plan_memory(r, self.memory["high"], self.peak_bytes(r) // 2, force=True) for r in batch]
-        return [r.tile for r in batch]
+    def _execute(
+        self, plan: BatchPlan, batch: list[PreparedRequest], latents: list[torch.Tensor], call: DecodeCall
+    ) -> list[torch.Tensor | DecodeFailed | None]:
+        """Every run of the plan, in order: one output per request (None once streamed)."""
+        outputs: list = [None] * len(batch)
+        for run in plan.runs:
+            requests = [batch[i] for i in run.members]
+            zs = [latents[i] for i in run.members]
+            if self.chunked:
+                decoded = self._run_video(plan.quality, run, requests, zs, call)
+            else:
+                pixels = self._run_image(plan.quality, run, requests, zs, call)
+                decoded = [self._finish(d, r, call) for d, r in zip(pixels, requests, strict=True)]
+            for i, output in zip(run.members, decoded, strict=True):
+                outputs[i] = output
+        return outputs
 
-    def _together(self, batch: list[PreparedRequest], grids: list) -> bool:
-        """High decodes the batch in one call when untiled and within the bound together."""
-        if batch[0].request.quality != "high" or grids[0] is not None:
-            return False
-        return len(batch) == 1 or sum(self.peak_bytes(r) for r in batch) <= self.decode_bound()
-
-    def _decode_batch(self, batch: list[PreparedRequest], latents: list[torch.Tensor], force_tiles: bool):
-        grids = self._grids(batch, force_tiles)
-        tiled = grids[0] is not None
-        if self.chunked:
-            return self._decode_video(batch, latents, grids), tiled
-        quality = batch[0].request.quality
+    def _run_image(
+        self, quality: str, run: Run, requests: list[PreparedRequest], latents: list[torch.Tensor], call: DecodeCall
+    ) -> list[torch.Tensor]:
+        """One run's decoded pixels, one tensor per request."""
+        sizes = [z.shape[0] for z in latents]
         if quality == "preview":
-            decoded = list(self.preview.image(torch.cat(latents)).split([z.shape[0] for z in latents]))
-        elif quality == "lossless":
-            decoded = [self._decode_each_alone(z, batch[0].timestep) for z in latents]
-        elif self._together(batch, grids):
-            decoded = self._decode_together(latents)
-        elif tiled:
-            scale = self.spec.spatial_scale
-            decoded = [tiled_image(z, g, scale, self._vae_decode) for z, g in zip(latents, grids, strict=True)]
-        else:
-            decoded = [self._vae_decode(z) for z in latents]
-        return [self._finish(d, r) for d, r in zip(decoded, batch, strict=True)], tiled
+            return list(self.preview.image(torch.cat(latents)).split(sizes))
+        if not run.together:  # lossless: every item alone
+            return [self._each_alone(z, r.timestep) for z, r in zip(latents, requests, strict=True)]
+        if run.grid is not None:
+            (z,) = latents
+            return [tiled_image(z, run.grid, self.spec.spatial_scale, self._vae_decode)]
+        return list(self._vae_decode(torch.cat(latents)).split(sizes))
 
-    def _decode_video(self, batch: list[PreparedRequest], latents: list[torch.Tensor], grids: list) -> list:
-        quality = batch[0].request.quality
-        scale = self.spec.spatial_scale
+    def _run_video(
+        self, quality: str, run: Run, requests: list[PreparedRequest], latents: list[torch.Tensor], call: DecodeCall
+    ) -> list:
         if quality == "preview":
             law = self.spec.geometry.frames.law if self.spec.geometry.frames else None
-            counts = frame_counts(batch[0].frames, batch[0].latent_frames, law)
-            plain = lambda z: self.preview.chunks(z, counts)  # noqa: E731
+            counts = frame_counts(requests[0].frames, requests[0].latent_frames, law)
+            chunks = lambda z: self.preview.chunks(z, counts)  # noqa: E731
         else:
-            plain = self.chunk_decoder(quality, batch[0].timestep)
-
-        def chunks_for(grid: TileGrid | None):
-            return plain if grid is None else lambda z: tiled_chunks(z, grid, scale, plain)
-
-        def checkpoint() -> None:
-            self._stop_if_abandoned(None, None)
-
-        pixels, pending = self.spec.entry.pixels, self._host_copies
-        if quality == "lossless" or quality == "preview" or self._together(batch, grids):
-            together = quality != "lossless"
-            outputs = decode_video(batch, latents, together, chunks_for(grids[0]), checkpoint, pending, pixels)
-        else:
-            outputs = [
-                decode_video([r], [z], True, chunks_for(g), checkpoint, pending, pixels)[0]
-                for r, z, g in zip(batch, latents, grids, strict=True)
-            ]
+            chunks = self.chunk_decoder(quality, requests[0].timestep)
+        if run.grid is not None:
+            plain, grid, scale = chunks, run.grid, self.spec.spatial_scale
+            chunks = lambda z: tiled_chunks(z, grid, scale, plain)  # noqa: E731
+        outputs = decode_video(requests, latents, run.together, chunks, call, self.spec.entry.pixels)
         return outputs if self.video else [_one_frame(o) for o in outputs]
 
     def _result(
@@ -365,22 +372,17 @@ class DecodeEngine:
         timing = replace(result.timing, encode_ms=(time.perf_counter() - start) * 1e3)
         return replace(result, output=files, encode_as=None, timing=timing)
 
-    def _finish(self, decoded: torch.Tensor, prepared: PreparedRequest):
+    def _finish(self, decoded: torch.Tensor, prepared: PreparedRequest, call: DecodeCall):
         if not bool(torch.isfinite(decoded).all()):
             return DecodeFailed("latents", NON_FINITE)
-        return postprocess(decoded, prepared.request.output, self._host_copies, self.spec.entry.pixels)
+        return postprocess(decoded, prepared.request.output, call.host_copies, self.spec.entry.pixels)
 
     def _vae_decode(self, z: torch.Tensor) -> torch.Tensor:
         return self.vae.decode(z).sample
 
-    def _decode_each_alone(self, z: torch.Tensor, timestep: float | None) -> torch.Tensor:
-        if z.shape[0] == 1:
-            return self._pixels(self.vae, z, timestep)
-        return torch.cat([self._pixels(self.vae, item, timestep) for item in z.split(1)])
-
-    def _decode_together(self, latents: list[torch.Tensor]) -> list[torch.Tensor]:
-        out = self._vae_decode(torch.cat(latents))
-        return list(out.split([z.shape[0] for z in latents]))
+    def _each_alone(self, z: torch.Tensor, timestep: float | None) -> torch.Tensor:
+        decoded = [self._pixels(self.vae, item, timestep) for item in z.split(1)]
+        return decoded[0] if len(decoded) == 1 else torch.cat(decoded)
 
     def release_folded(self) -> int:
         """Drop the fast path's folded weights (rebuilt by the next `high` decode); bytes freed."""

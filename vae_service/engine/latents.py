@@ -7,7 +7,7 @@
 
 The normalisation is the model's pipeline's, op for op (models/normalisation.py), so that a
 lossless decode is bit-identical to the pipeline's `vae.decode`. Explicit `scaling_factor` /
-`shift_factor` replace it with `z / scaling + shift` (None: that step skipped).
+`shift_factor` replace it with `z / scaling + shift` (`latents_scaled`: a factor not given is skipped).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 from vae_service.config import Limits
 from vae_service.engine.errors import InvalidInput, LimitExceeded
 from vae_service.engine.latent_forms import Form, to_decoder_layout
-from vae_service.engine.request import MODEL_DEFAULT, DecodeRequest
+from vae_service.engine.request import DecodeRequest
 from vae_service.models.normalisation import Denormaliser, Normalisation, divide_and_shift
 from vae_service.models.spec import DEFAULT_DECODE_TIMESTEP, ModelSpec
 
@@ -168,7 +168,8 @@ def prepare(request: DecodeRequest, spec: ModelSpec, limits: Limits, flops_per_p
 class LatentScaling:
     """The model's latent normalisation on the device, in the decode dtype (built once); a request
     that sends `scaling_factor`/`shift_factor` gets `z / scaling + shift` instead (a factor it leaves
-    out is the model's own where the model has plain factors, else skipped)."""
+    out is the model's own where the model has plain factors and the latents are not already
+    scaled, else skipped)."""
 
     def __init__(self, spec: ModelSpec, vae, dtype: torch.dtype):
         self.spec, self.dtype = spec, dtype
@@ -176,12 +177,12 @@ class LatentScaling:
 
     def to_decoder_input(self, prepared: PreparedRequest, device: torch.device) -> torch.Tensor:
         request, norm = prepared.request, self.spec.normalisation
-        given = request.scaling_factor is not MODEL_DEFAULT or request.shift_factor is not MODEL_DEFAULT
+        given = request.latents_scaled or request.scaling_factor is not None or request.shift_factor is not None
         as_sent = prepared.form == "decoder" and self.spec.entry.raw_is_decoded_as_is
         if not given and not as_sent:
             z = prepared.latents.to(device=device, dtype=self.model.work_dtype)
             return self.model.apply(z).to(self.dtype).contiguous()
-        own = norm if norm.kind == "factors" and not as_sent else Normalisation()
-        scaling = own.scaling if request.scaling_factor is MODEL_DEFAULT else request.scaling_factor
-        shift = own.shift if request.shift_factor is MODEL_DEFAULT else request.shift_factor
+        own = norm if norm.kind == "factors" and not as_sent and not request.latents_scaled else Normalisation()
+        scaling = own.scaling if request.scaling_factor is None else request.scaling_factor
+        shift = own.shift if request.shift_factor is None else request.shift_factor
         return divide_and_shift(prepared.latents.to(device=device, dtype=self.dtype), scaling, shift).contiguous()

@@ -11,9 +11,9 @@ tensor storage. For the same graph it counts what a real CPU decode holds to wit
 - `resident`: what a video decode holds between chunks (the causal history), which every tile of
   a tiled decode keeps at once.
 
-Most graphs hold bytes affine in latent pixels: linear for `lossless` (SD, FLUX, Wan2.1, the tiny
-presets), plus a constant for Wan's `high` (per-call copies of weight taps, ~90 MB for Wan2.1):
-three probes check it and fix the two numbers for every shape. CPU fp32 `high` of a wide image
+Most graphs hold bytes affine in latent pixels (linear for both tiers of SD, FLUX, Wan2.1 and the
+tiny presets; the folded weights `high` builds once are held, priced apart): three probes check
+it and fix the two numbers for every shape. CPU fp32 `high` of a wide image
 decoder is not affine: Winograd works in cache-sized chunks, so its scratch stops growing past a
 few hundred pixels per side (SD at 1024 px holds 35% of what a rate from 128 px predicts). Such
 a graph is priced per shape on the twin (0.1-1 s for SD, once per shape: cached).

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -19,24 +18,17 @@ MAX_LATENT_DIMS = 6
 _MAX_ID_CHARS = 256
 
 
-class _ModelDefault:
-    def __repr__(self) -> str:
-        return "MODEL_DEFAULT"
-
-    def __reduce__(self):
-        return "MODEL_DEFAULT"
-
-
-MODEL_DEFAULT: Any = _ModelDefault()  # a factor not given: the model's own (None: latents already scaled)
-
-
 @dataclass(frozen=True)
 class DecodeRequest:
     latents: torch.Tensor  # [B, C, H, W], [B, C, T, H, W] or packed [B, L, C*4]; float32/float16/bfloat16
     quality: str = "lossless"
     output: str = "uint8"
-    scaling_factor: float | None = MODEL_DEFAULT
-    shift_factor: float | None = MODEL_DEFAULT
+    # latent normalisation: by default the model's own; a factor given replaces the model's
+    # (`z / scaling + shift`); `latents_scaled`: the latents are already scaled, so a factor not
+    # given is skipped instead (gRPC's field of that name; nil for a factor over msgpack)
+    scaling_factor: float | None = None
+    shift_factor: float | None = None
+    latents_scaled: bool = False
     height: int | None = None  # pixels; required for packed latents
     width: int | None = None
     request_id: str | None = None
@@ -56,8 +48,9 @@ class DecodeRequest:
             value = getattr(self, key)
             if value is not None and (type(value) is not int or value <= 0):
                 raise InvalidInput(key, f"must be a positive int, got {value!r}")
-        if type(self.stream) is not bool:
-            raise InvalidInput("stream", f"must be true or false, got {self.stream!r}")
+        for key in ("stream", "latents_scaled"):
+            if type(getattr(self, key)) is not bool:
+                raise InvalidInput(key, f"must be true or false, got {getattr(self, key)!r}")
         for key in ("request_id", "model"):
             value = getattr(self, key)
             if value is not None and (not isinstance(value, str) or len(value) > _MAX_ID_CHARS):
@@ -84,8 +77,8 @@ def _check_choice(key: str, value: object, allowed: tuple[str, ...]) -> None:
 
 
 def _factor(key: str, value: object, nonzero: bool) -> float | None:
-    if value is MODEL_DEFAULT or value is None:
-        return value
+    if value is None:
+        return None
     if type(value) not in (int, float) or not math.isfinite(value) or (nonzero and value == 0):
         raise InvalidInput(key, f"must be a finite {'non-zero ' if nonzero else ''}number or nil, got {value!r}")
     return float(value)

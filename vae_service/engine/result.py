@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -26,10 +26,18 @@ class DecodeResult:
     timing: Timing
     encode_as: str | None = None  # png | jpeg | mp4 while `output` still holds the pixels to encode
     tiled: bool = False  # decoded in overlapping spatial tiles to stay within limits.max_decode_bytes
-    host_copies: tuple = ()  # CUDA events: `output` is readable once they completed (engine.decode)
     retried_from_frame: int | None = None  # streams: every item's frames before it: the first attempt's
 
-    def wait_for_host(self) -> DecodeResult:
+
+@dataclass(frozen=True)
+class PendingResult:
+    """A decode whose output is still being copied to the host (CUDA, `defer_host_copy`): the
+    result once `wait()` returns. The device thread meanwhile queues the next batch."""
+
+    result: DecodeResult
+    host_copies: tuple  # CUDA events recorded after the copies
+
+    def wait(self) -> DecodeResult:
         for event in self.host_copies:
             event.synchronize()
-        return self if not self.host_copies else replace(self, host_copies=())
+        return self.result

@@ -11,6 +11,7 @@ import torch
 
 from vae_service.engine.errors import DecodeFailed
 from vae_service.engine.latents import PreparedRequest
+from vae_service.engine.plan import DecodeCall
 from vae_service.engine.postprocess import convert, to_host
 from vae_service.models.catalog import PixelRange
 
@@ -94,34 +95,45 @@ class _Answer:
         return None if self.sink is not None else to_host(self.whole, self.pending)
 
 
+@dataclass(frozen=True)
+class _Rows:
+    """Rows lo..hi of a decoder run's output are items `item`.. of `answer`'s request."""
+
+    answer: _Answer
+    item: int
+    lo: int
+    hi: int
+
+
 def decode_video(
     batch: list[PreparedRequest],
     latents: list[torch.Tensor],
     together: bool,
     chunks: ChunkDecoder,
-    checkpoint: Callable[[], None],
-    pending: list | None = None,
+    call: DecodeCall,
     pixels: PixelRange = "signed",
 ) -> list[torch.Tensor | DecodeFailed | None]:
-    """`latents`: the batch's decoder inputs. `together`: the requests' items share one decoder run
-    (high); otherwise every item runs alone (lossless). `checkpoint()` runs before each chunk (it
-    raises to stop the decode). `pending`: see postprocess.to_host; `pixels`: the decoder's range."""
-    answers = [_Answer(r, pending, pixels) for r in batch]
+    """One run of a batch plan: `latents`, its requests' decoder inputs. `together`: their items
+    share one decoder run (high); otherwise every item runs alone (lossless). The call's checkpoint
+    runs before each chunk; its host copies: see postprocess.to_host. `pixels`: the decoder's range."""
+    answers = [_Answer(r, call.host_copies, pixels) for r in batch]
     if together:
-        bounds, start = [], 0
-        for z in latents:
-            bounds.append((start, start + z.shape[0]))
+        rows, start = [], 0
+        for answer, z in zip(answers, latents, strict=True):
+            rows.append(_Rows(answer, 0, start, start + z.shape[0]))
             start += z.shape[0]
-        runs = [(torch.cat(latents), [(a, 0, lo, hi) for a, (lo, hi) in zip(answers, bounds, strict=True)])]
+        runs = [(torch.cat(latents), rows)]
     else:
         runs = [
-            (item, [(a, i, 0, 1)]) for a, z in zip(answers, latents, strict=True) for i, item in enumerate(z.split(1))
+            (item, [_Rows(answer, i, 0, 1)])
+            for answer, z in zip(answers, latents, strict=True)
+            for i, item in enumerate(z.split(1))
         ]
     for z, members in runs:
         frame = 0
-        for out in _checked(chunks(z), checkpoint):
-            for answer, item, lo, hi in members:
-                answer.add(item, frame, out[lo:hi])
+        for out in _checked(chunks(z), call.checkpoint):
+            for m in members:
+                m.answer.add(m.item, frame, out[m.lo : m.hi])
             frame += out.shape[2]
     return [a.result() for a in answers]
 

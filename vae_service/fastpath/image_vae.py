@@ -24,9 +24,9 @@ from vae_service.fastpath.folded import FoldedBuffers
 from vae_service.fastpath.fused_norms import GroupNormSiLU
 from vae_service.fastpath.patching import Patch
 from vae_service.fastpath.rewrites import RewritePlan
-from vae_service.fastpath.structure import affine_group_norm, exact_type, plain_silu, unknown_modules
 from vae_service.fastpath.upsample_fold import fold_upsample_conv
 from vae_service.fastpath.winograd import conv3x3_winograd, transform_filter, winograd_applies
+from vae_service.models.structure import affine_group_norm, exact_type, plain_silu, unknown_modules
 
 _ALLOWED = {
     Decoder,

@@ -25,8 +25,6 @@ class FastPath:
     plan: RewritePlan = field(default_factory=RewritePlan)
     installed: bool = False
     skipped_because: list[str] = field(default_factory=list)
-    # video VAEs: how each tier runs its chunks (wan_chunks.WalkOptions; None = diffusers' forward)
-    chunk_walks: dict = field(default_factory=lambda: {"lossless": None, "high": None})
 
     def release(self) -> int:
         return self.folded.release()
@@ -64,9 +62,10 @@ def _structure(vae: nn.Module):
 
         return "image", check_image_decoder(vae.decoder), image_patches
     if type(vae) in (AutoencoderKLWan, AutoencoderKLQwenImage):
-        from vae_service.fastpath.wan_vae import check_wan_decoder, wan_patches
+        # no module patches: the engine's Wan walk runs the plan's video rewrites as its options
+        from vae_service.models.wan_internals import walk_unsupported_because
 
-        return "video", check_wan_decoder(vae.decoder), lambda v, folded, plan: wan_patches(v, plan)
+        return "video", walk_unsupported_because(vae), lambda v, folded, plan: []
     return None, [f"no fast path for {type(vae).__name__}"], None
 
 
@@ -100,10 +99,6 @@ def install_fast_path(
     else:
         try:
             apply_all(make_patches(vae, fast_path.folded, fast_path.plan), fast_path.gate)
-            if family == "video":
-                from vae_service.fastpath.wan_vae import wan_walks
-
-                fast_path.chunk_walks = wan_walks(fast_path.plan)
             fast_path.installed = True
             log.info("fast path on %s: %s", type(vae).__name__, fast_path.plan.active)
         except Exception as exc:  # the reference path is intact (apply_all reverted)

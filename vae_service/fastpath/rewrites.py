@@ -1,7 +1,8 @@
 """The fast path's rewrites by name. Each one can be disabled by config (`fast_path.disable`),
 applies only where it pays (device, precision) and binds its backend once, at install. `exact`
 rewrites change no arithmetic (tests prove bit-identity with diffusers), so both tiers use them;
-the others are `high` only.
+the others are `high` only. A rewrite declares what it builds on (`requires`: other rewrites, and
+`triton`: the fused norms on their Triton backend); the plan admits it only when those are in.
 
 No diffusers import here: the config validates names against this table.
 """
@@ -34,6 +35,16 @@ class Rewrite:
     summary: str
     applies: Callable[[torch.device, torch.dtype], str | None] = _anywhere  # None, or why not here
     exact: bool = False
+    requires: tuple[str, ...] = ()  # rewrites it builds on, listed before it
+    triton: bool = False  # it runs inside the Triton norm kernel
+    fused: bool = False  # bound to the fused norms' backend (triton | torch)
+
+    def missing(self, plan: RewritePlan, norm_backend: str) -> str | None:
+        """Why what it requires is not there, or None."""
+        needs = [r for r in self.requires if r not in plan]
+        if self.triton and norm_backend != "triton":
+            needs.append("the Triton norm backend")
+        return f"needs {' and '.join(needs)}" if needs else None
 
 
 REWRITES: dict[str, Rewrite] = {
@@ -44,6 +55,7 @@ REWRITES: dict[str, Rewrite] = {
             "group_norm_silu",
             "image",
             "GroupNorm + SiLU as one op: a Triton kernel on CUDA, the exact torch composition elsewhere",
+            fused=True,
         ),
         Rewrite("upsample_fold", "image", "nearest-2x upsample + 3x3 conv as one stride-2 4x4 transposed conv"),
         Rewrite(
@@ -63,6 +75,9 @@ REWRITES: dict[str, Rewrite] = {
             "conv_bias_fold",
             "image",
             "resnet conv1 bias added inside norm2's kernel instead of a pass of its own (with the Triton GroupNorm)",
+            requires=("group_norm_silu",),
+            triton=True,
+            fused=True,
         ),
         Rewrite(
             "inplace_resnet",
@@ -71,33 +86,35 @@ REWRITES: dict[str, Rewrite] = {
             exact=True,
         ),
         Rewrite(
-            "causal_cache",
-            "video",
-            "Wan causal convs fed from one buffer of [two history frames | chunk] and spatial conv padding "
-            "instead of clone + cat + pad per conv per chunk; norm + SiLU on one temporary",
-            exact=True,
-        ),
-        Rewrite(
             "first_frame_2d",
             "video",
             "the first latent frame's 3x3x3 causal convs as 2-D convs on the one tap that sees data",
         ),
-        Rewrite("channels_last_3d", "video", "activations channels-last-3d"),
+        Rewrite("channels_last_3d", "video", "activations channels-last-3d (the causal history buffers too)"),
+        Rewrite(
+            "rms_norm_silu",
+            "video",
+            "Wan RMSNorm + SiLU as one op, a Triton kernel (without it the walk's exact composition)",
+            triton=True,
+            fused=True,
+        ),
         Rewrite(
             "wan_conv_bias_fold",
             "video",
             "resnet conv1 bias added inside norm2's Triton kernel, each norm writing straight into the next "
             "conv's input buffer",
-        ),
-        Rewrite(
-            "rms_norm_silu",
-            "video",
-            "Wan RMSNorm + SiLU as one op: a Triton kernel on CUDA, the exact torch composition elsewhere",
+            requires=("rms_norm_silu",),
+            triton=True,
+            fused=True,
         ),
     ]
 }
 REWRITE_NAMES = tuple(REWRITES)
-NORM_REWRITES = ("group_norm_silu", "rms_norm_silu")
+# names that were rewrites once, and what became of them (a config naming one is told)
+RETIRED_REWRITES = {
+    "causal_cache": "Wan-style decoders are always decoded by the engine's walk now (bit-identical); nothing to disable"
+}
+NORM_REWRITES = ("group_norm_silu", "rms_norm_silu")  # the fused norms; the others build on them
 
 
 @dataclass
@@ -135,20 +152,12 @@ def plan_rewrites(
     for name, rewrite in REWRITES.items():
         if rewrite.family != family:
             continue
-        why_not = "disabled by config (fast_path.disable)" if name in disabled else rewrite.applies(device, dtype)
-        if why_not is None and name == "conv_bias_fold" and (norm_backend != "triton" or "group_norm_silu" in disabled):
-            why_not = "needs group_norm_silu on its Triton backend"
-        if why_not is None and name == "first_frame_2d" and "causal_cache" in disabled:
-            why_not = "needs causal_cache"
-        if (
-            why_not is None
-            and name == "wan_conv_bias_fold"
-            and (norm_backend != "triton" or {"rms_norm_silu", "causal_cache"} & set(disabled))
-        ):
-            why_not = "needs causal_cache and rms_norm_silu on its Triton backend"
+        if name in disabled:
+            why_not = "disabled by config (fast_path.disable)"
+        else:
+            why_not = rewrite.applies(device, dtype) or rewrite.missing(plan, norm_backend)
         if why_not is None:
-            fused = name in NORM_REWRITES or name in ("conv_bias_fold", "wan_conv_bias_fold")
-            plan.active[name] = norm_backend if fused else "torch"
+            plan.active[name] = norm_backend if rewrite.fused else "torch"
         else:
             plan.inactive[name] = why_not
     return plan

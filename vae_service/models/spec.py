@@ -106,9 +106,9 @@ def _meta_decode(vae: nn.Module, z: torch.Tensor) -> torch.Tensor:
     """What the service runs: causal decoders through diffusers' decoder forward per latent frame
     (as `_decode` does, without the encoder bookkeeping of `vae.decode`), others through `decode`."""
     if entry_for(type(vae).__name__).path == "causal_walk":
-        from vae_service.fastpath.wan_chunks import decode_chunks
+        from vae_service.models.wan_internals import diffusers_chunks
 
-        return torch.cat(list(decode_chunks(vae, z, None)), 2)
+        return torch.cat(list(diffusers_chunks(vae, z)), 2)
     timestep = torch.zeros(z.shape[0], device=z.device, dtype=z.dtype) if timestep_conditioned(vae) else None
     return decoded_pixels(vae, z, timestep)
 

@@ -4,6 +4,8 @@ a wrong Content-Type."""
 
 from __future__ import annotations
 
+import logging
+import uuid
 from dataclasses import dataclass
 
 from vae_service.engine.errors import (
@@ -18,6 +20,8 @@ from vae_service.engine.errors import (
 )
 from vae_service_client.errors import ERROR_KINDS, VaeServiceError, error_json, grpc_trailers, make_error
 from vae_service_client.tensors import WireError
+
+log = logging.getLogger(__name__)
 
 
 class UnsupportedMediaType(InvalidInput):
@@ -91,6 +95,14 @@ def error_type(exc: BaseException) -> str:
         if isinstance(exc, cls):
             return type_
     raise TypeError(f"{type(exc).__name__} is not an answerable error") from exc
+
+
+def internal_error(exc: BaseException, where: str) -> WireErrorInfo:
+    """A bug met after an answer began (a stream): logged with an id; the client gets the id as the
+    stream's last message, never the exception's text."""
+    error_id = uuid.uuid4().hex[:12]
+    log.error("internal error %s in %s", error_id, where, exc_info=exc)
+    return WireErrorInfo("internal", None, f"internal error {error_id} (see the server log)", None)
 
 
 def wire_error(exc: BaseException) -> WireErrorInfo:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from vae_service.engine.errors import InvalidInput
-from vae_service.engine.request import MODEL_DEFAULT, DecodeRequest
+from vae_service.engine.request import DecodeRequest
 from vae_service.engine.result import DecodeResult
 from vae_service.protocol.errors import UnsupportedMediaType
 from vae_service.protocol.tensors import to_torch
@@ -95,15 +95,16 @@ def parse_remote_decode(body: bytes, content_type: str | None, accept: str | Non
             raise InvalidInput("shape", "output_type pil answers one image: send a batch of 1, or use pt")
 
     scaling, shift = _number(query, "scaling_factor"), _number(query, "shift_factor")
-    if scaling is None and shift is None:
-        # do_scaling=True without factors: the model's own; neither: the latents are already scaled
-        scaling = shift = MODEL_DEFAULT if _flag(query, "do_scaling") else None
+    # factors sent replace the model's (one not sent is skipped); neither sent: the model's own with
+    # do_scaling=True, else the latents are already scaled
+    own = scaling is None and shift is None and _flag(query, "do_scaling")
     request = DecodeRequest(
         latents=latents,
         quality=_get(query, "quality", "lossless"),
         output=output,
         scaling_factor=scaling,
         shift_factor=shift,
+        latents_scaled=not own,
         height=_number(query, "height", int),
         width=_number(query, "width", int),
         model=_get(query, "model"),

@@ -17,6 +17,7 @@ from __future__ import annotations
 from ray.serve import Application
 
 from vae_service.config import ServiceConfig
+from vae_service.serving.admission import admission_settings
 from vae_service.serving.deployment import VaeDecoder, VaeDecoderHttp
 from vae_service.serving.router import VaeRouter
 
@@ -62,17 +63,15 @@ def multi_model_app(args: dict, **deployment_options) -> Application:
     names = [c.served_name for c in configs]
     if len(set(names)) != len(names):
         raise ValueError(f"models: served names must be unique (set model_name), got {names}")
-    token_files = {c.auth_token_file for c in configs}
-    if len(token_files) != 1:
-        raise ValueError(f"models: one application has one bearer token; auth_token_file differs: {token_files}")
+    admission = admission_settings(configs)  # the router's: one token, the largest limits
     decoders = {c.served_name: _decoder(c, name=f"VaeDecoder-{c.served_name}", **deployment_options) for c in configs}
     router = VaeRouter.options(**router_options(configs))
     return router.bind(
         decoders,
-        max(c.limits.max_request_bytes for c in configs),
-        max(c.limits.body_timeout_s for c in configs),
-        token_files.pop(),
-        max(c.serving.retry_after_s for c in configs),
+        admission["max_request_bytes"],
+        admission["body_timeout_s"],
+        admission["auth_token_file"],
+        admission["retry_after_s"],
     )
 
 

@@ -15,6 +15,7 @@ import torch
 from vae_service.config import LiveConfig, ServiceConfig
 from vae_service.engine import DecodeEngine, DecodeRequest, DecodeResult, PreparedRequest
 from vae_service.engine.errors import DecodeTimeout, InvalidInput, OutOfMemory, Overloaded
+from vae_service.engine.result import PendingResult
 from vae_service.serving.batcher import BatcherLimits, BatchStats, DeadlineExceeded, KeyedBatcher, QueueFull
 from vae_service.serving.encoders import EncoderPool
 from vae_service.serving.frame_stream import FrameStream
@@ -126,8 +127,8 @@ class DecodeService:
                 "the device ran out of memory for this request; retry later or send fewer items",
                 self.config.serving.retry_after_s,
             ) from None
-        if result.host_copies:
-            result = await asyncio.to_thread(result.wait_for_host)
+        if isinstance(result, PendingResult):
+            result = await asyncio.to_thread(result.wait)
         if self.on_decoded is not None:
             self.on_decoded(result)
         decoded_ms = (time.perf_counter() - arrived) * 1e3

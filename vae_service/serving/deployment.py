@@ -46,16 +46,16 @@ VaeDecoder = serve.deployment(name="VaeDecoder")(DecoderReplica)
 class VaeDecoderHttp(DecoderReplica):
     @http_app.post("/decode", openapi_extra=openapi.DECODE)
     async def decode_http(self, request: Request) -> Response:
-        return await decode_http(self.service, self.auth, request)
+        return await decode_http(self.service, self.admission, request)
 
     @http_app.post("/remote-decode", openapi_extra=openapi.REMOTE_DECODE)
     async def remote_decode_http(self, request: Request) -> Response:
-        return (await remote_decode_http(self.service, self.auth, request)).response()
+        return (await remote_decode_http(self.service, self.admission, request)).response()
 
     @http_app.get("/health")
     async def health(self, request: Request):
         try:
-            self.auth.check(request.headers.get("authorization"))
+            self.admission.check(request.headers.get("authorization"))
         except Unauthenticated as exc:
             return error_answer(self.service.rejected(exc)).response()
-        return health_fields(self.auth, self.describe())
+        return health_fields(self.admission, self.describe())

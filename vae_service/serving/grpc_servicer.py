@@ -1,22 +1,26 @@
 """gRPC answers of a decode replica as plain data (they cross handles to a routing ingress), then
 set on the caller's context: status code, details, and the error's type, field and Retry-After as
-trailers (vae_service_client.errors)."""
+trailers (vae_service_client.errors).
+
+Two streaming RPCs, one meaning each, whatever the model: DecodeStream answers one DecodeResponse
+per batch item once the batch is decoded; DecodeFrames (video models, uint8/float output) one
+FrameMessage per chunk of frames as it is decoded, then `done`."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import grpc
 
-from vae_service.engine.result import DecodeResult
-from vae_service.protocol.errors import ANSWERABLE, WireErrorInfo, wire_error
-from vae_service.protocol.frames import grpc_message
-from vae_service.protocol.grpc_decode import request_from_proto, response_protos
+from vae_service.protocol.errors import ANSWERABLE, WireErrorInfo, internal_error, wire_error
+from vae_service.protocol.requests import request_from_proto
+from vae_service.protocol.responses import grpc_frame_message, grpc_item_responses, grpc_response
 from vae_service.serving.decode_service import DecodeService
 from vae_service_client.grpc_gen import decode_pb2
 
-STREAMED_OUTPUTS = ("uint8", "float")
+# the empty message that ends a failed stream, per streaming RPC (status_message)
+EMPTY = {"DecodeStream": decode_pb2.DecodeResponse, "DecodeFrames": decode_pb2.FrameMessage}
 
 
 def fail(grpc_context, error: WireErrorInfo) -> None:
@@ -25,12 +29,12 @@ def fail(grpc_context, error: WireErrorInfo) -> None:
     grpc_context.set_trailing_metadata(error.grpc_trailers())
 
 
-def status_message(grpc_context, error: WireErrorInfo):
-    """The last message of a DecodeStream that fails: Serve 2.60's gRPC proxy relays a stream's
+def status_message(grpc_context, error: WireErrorInfo, rpc: str):
+    """The last message of a streaming `rpc` that fails: Serve 2.60's gRPC proxy relays a stream's
     status only along with a message (without one the caller sees OK and an empty stream), so an
-    empty message carries it; clients skip it."""
+    empty message (no field set) carries it; clients skip it."""
     fail(grpc_context, error)
-    return decode_pb2.DecodeResponse()
+    return EMPTY[rpc]()
 
 
 @dataclass
@@ -54,36 +58,38 @@ async def grpc_answer(service: DecodeService, request) -> GrpcAnswer:
         result = await service.decode_from(lambda: request_from_proto(request), request.ByteSize())
     except ANSWERABLE as exc:
         return failed(service.rejected(exc))
-    return GrpcAnswer(response_protos(result, stream=False)[0])
+    return GrpcAnswer(grpc_response(result))
 
 
-async def grpc_events(service: DecodeService, request) -> AsyncIterator:
-    """DecodeStream's messages, or a WireErrorInfo where it fails (the last event). A video model
-    with uint8/float output streams each chunk of frames as it is decoded, then a `done` message;
-    anything else gets one message per batch item once decoded."""
-
-    def parse():
-        decode_request = request_from_proto(request)
-        if service.engine.video and decode_request.output in STREAMED_OUTPUTS:
-            return replace(decode_request, stream=True)
-        return decode_request
-
+async def item_events(service: DecodeService, request) -> AsyncIterator:
+    """DecodeStream's messages: one DecodeResponse per batch item, in order, once the batch is
+    decoded; or a WireErrorInfo where it fails (the only event)."""
     try:
-        outcome = await service.submit(parse, request.ByteSize())
-        if isinstance(outcome, DecodeResult):
-            for message in response_protos(outcome, stream=True):
-                yield message
-            return
-        async for event in outcome.events():
-            yield grpc_message(event)
+        result = await service.decode_from(lambda: request_from_proto(request), request.ByteSize())
     except ANSWERABLE as exc:
         yield wire_error(service.rejected(exc))
+        return
+    for message in grpc_item_responses(result):
+        yield message
 
 
-async def stream_to(grpc_context, events: AsyncIterator) -> AsyncIterator:
-    """Relay grpc_events to the caller, ending with the error's status where one comes."""
+async def frame_events(service: DecodeService, request) -> AsyncIterator:
+    """DecodeFrames' messages: a FrameMessage per chunk of frames as it is decoded, then `done`; or
+    a WireErrorInfo where it fails (the last event; before any frame: the only one)."""
+    try:
+        stream = await service.submit(lambda: request_from_proto(request, stream=True), request.ByteSize())
+        async for event in stream.events():
+            yield grpc_frame_message(event)
+    except ANSWERABLE as exc:
+        yield wire_error(service.rejected(exc))
+    except Exception as exc:  # after frames went out: the status says what happened, not a reset
+        yield internal_error(exc, "a DecodeFrames stream")
+
+
+async def stream_to(grpc_context, events: AsyncIterator, rpc: str) -> AsyncIterator:
+    """Relay item_events or frame_events to the caller, ending with the error's status where one comes."""
     async for event in events:
         if isinstance(event, WireErrorInfo):
-            yield status_message(grpc_context, event)
+            yield status_message(grpc_context, event, rpc)
             return
         yield event

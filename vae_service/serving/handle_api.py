@@ -7,11 +7,9 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-from vae_service.engine.video import FrameChunk
 from vae_service.protocol.errors import ANSWERABLE, wire_error
-from vae_service.protocol.handle_call import request_from_call, result_to_call
-from vae_service.protocol.msgpack_decode import response_of
-from vae_service.protocol.tensors import to_numpy
+from vae_service.protocol.requests import request_from_call
+from vae_service.protocol.responses import handle_frame_message, handle_response
 from vae_service.serving.decode_service import DecodeService
 
 
@@ -21,7 +19,7 @@ async def handle_decode(service: DecodeService, latents, resident_device=None, *
         result = await service.decode(request_from_call(latents, resident_device, **options))
     except ANSWERABLE as exc:
         raise wire_error(service.rejected(exc)).client_error() from None
-    return result_to_call(result)
+    return handle_response(result)
 
 
 async def handle_decode_frames(service: DecodeService, latents, **options) -> AsyncIterator[dict]:
@@ -29,9 +27,6 @@ async def handle_decode_frames(service: DecodeService, latents, **options) -> As
         request = request_from_call(latents, **{**options, "stream": True})
         stream = await service.submit(lambda: request, request.latents.nbytes)
         async for event in stream.events():
-            if isinstance(event, FrameChunk):
-                yield {"item": event.item, "frame": event.frame, "pixels": to_numpy(event.pixels)}
-            else:
-                yield {"done": response_of(event).summary()}
+            yield handle_frame_message(event)
     except ANSWERABLE as exc:
         raise wire_error(service.rejected(exc)).client_error() from None

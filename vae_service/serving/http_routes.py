@@ -3,27 +3,21 @@ ingress can forward raw bodies and return the decoder's answer), and the FastAPI
 
 from __future__ import annotations
 
-import asyncio
-import logging
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from fastapi.responses import Response, StreamingResponse
 from starlette.requests import Request
 
-from vae_service.engine.errors import InvalidInput
 from vae_service.engine.result import DecodeResult
-from vae_service.protocol.errors import ANSWERABLE, BodyTimeout, WireErrorInfo, wire_error
-from vae_service.protocol.frames import http_error_message, http_message
+from vae_service.protocol.errors import ANSWERABLE, internal_error, wire_error
 from vae_service.protocol.hf_remote import parse_remote_decode, remote_decode_reply
-from vae_service.protocol.msgpack_decode import CONTENT_TYPE, check_body_size, encode_decode_response, parse_decode_body
-from vae_service.serving.auth import BearerAuth
+from vae_service.protocol.requests import parse_decode_body
+from vae_service.protocol.responses import CONTENT_TYPE, http_error_message, http_frame_message, msgpack_response
+from vae_service.serving.admission import Admission
 from vae_service.serving.decode_service import DecodeService
 from vae_service.serving.frame_stream import FrameStream
 from vae_service_client.frames import STREAM_MEDIA_TYPE
-
-log = logging.getLogger("ray.serve")
 
 
 @dataclass
@@ -48,7 +42,7 @@ async def decode_answer(service: DecodeService, body: bytes, content_type: str |
         result = await service.decode_from(lambda: parse_decode_body(body, content_type, max_bytes), len(body))
     except ANSWERABLE as exc:
         return error_answer(service.rejected(exc))
-    return HttpAnswer(200, encode_decode_response(result), CONTENT_TYPE)
+    return HttpAnswer(200, msgpack_response(result), CONTENT_TYPE)
 
 
 async def decode_events(service: DecodeService, body: bytes, content_type: str | None) -> AsyncIterator:
@@ -62,7 +56,7 @@ async def decode_events(service: DecodeService, body: bytes, content_type: str |
         yield error_answer(service.rejected(exc))
         return
     if isinstance(outcome, DecodeResult):
-        yield HttpAnswer(200, encode_decode_response(outcome), CONTENT_TYPE)
+        yield HttpAnswer(200, msgpack_response(outcome), CONTENT_TYPE)
         return
     yield HttpAnswer(200, b"", STREAM_MEDIA_TYPE)
     async for data in _stream_bytes(service, outcome):
@@ -72,15 +66,11 @@ async def decode_events(service: DecodeService, body: bytes, content_type: str |
 async def _stream_bytes(service: DecodeService, stream: FrameStream) -> AsyncIterator[bytes]:
     try:
         async for event in stream.events():
-            yield http_message(event)
+            yield http_frame_message(event)
     except ANSWERABLE as exc:  # after frames went out: the stream's last message says why
         yield http_error_message(wire_error(service.rejected(exc)))
     except Exception as exc:
-        error_id = uuid.uuid4().hex[:12]
-        log.error("internal error %s in a frame stream", error_id, exc_info=exc)
-        yield http_error_message(
-            WireErrorInfo("internal", None, f"internal error {error_id} (see the server log)", None)
-        )
+        yield http_error_message(internal_error(exc, "an HTTP frame stream"))
 
 
 async def respond(events: AsyncIterator) -> Response:
@@ -112,23 +102,22 @@ async def remote_decode_answer(
     return HttpAnswer(200, data, media_type, headers)
 
 
-async def _authenticated_body(service: DecodeService, auth: BearerAuth, request: Request) -> bytes:
-    auth.check(request.headers.get("authorization"))
-    limits = service.config.limits
-    return await read_body(request, limits.max_request_bytes, limits.body_timeout_s)
+async def _authenticated_body(service: DecodeService, admission: Admission, request: Request) -> bytes:
+    """The token, then the body under the replica's current limits (live: Serve's user_config)."""
+    return await admission.with_limits(service.config.limits).admit(request)
 
 
-async def decode_http(service: DecodeService, auth: BearerAuth, request: Request) -> Response:
+async def decode_http(service: DecodeService, admission: Admission, request: Request) -> Response:
     try:
-        body = await _authenticated_body(service, auth, request)
+        body = await _authenticated_body(service, admission, request)
     except ANSWERABLE as exc:
         return error_answer(service.rejected(exc)).response()
     return await respond(decode_events(service, body, request.headers.get("content-type")))
 
 
-async def remote_decode_http(service: DecodeService, auth: BearerAuth, request: Request) -> HttpAnswer:
+async def remote_decode_http(service: DecodeService, admission: Admission, request: Request) -> HttpAnswer:
     try:
-        body = await _authenticated_body(service, auth, request)
+        body = await _authenticated_body(service, admission, request)
     except ANSWERABLE as exc:
         return error_answer(service.rejected(exc))
     headers = request.headers
@@ -137,27 +126,7 @@ async def remote_decode_http(service: DecodeService, auth: BearerAuth, request: 
     )
 
 
-async def read_body(request: Request, max_request_bytes: int, timeout_s: float) -> bytes:
-    """The body under the byte budget and the deadline: a declared or actual size over the budget
-    is refused early, a body still arriving at the deadline is cut off (408)."""
-    declared = request.headers.get("content-length")
-    if declared is not None:
-        if not declared.isdigit():
-            raise InvalidInput("Content-Length", f"must be an integer, got {declared!r}")
-        check_body_size(int(declared), max_request_bytes)
-    chunks, size = [], 0
-    try:
-        async with asyncio.timeout(timeout_s):
-            async for chunk in request.stream():
-                size += len(chunk)
-                check_body_size(size, max_request_bytes)  # a body longer than declared is cut off early, too
-                chunks.append(chunk)
-    except TimeoutError:
-        raise BodyTimeout("body", f"did not arrive within {timeout_s:g} s (body_timeout_s)") from None
-    return b"".join(chunks)
-
-
-def health_fields(auth: BearerAuth, details: dict) -> dict:
+def health_fields(auth: Admission, details: dict) -> dict:
     """/health: details, behind the same token as the decode routes (Serve's own /-/healthz is the
     cheap liveness probe, answered by its proxy and never queued behind decodes)."""
     return {"status": "ok", "auth": "bearer" if auth.required else "none", **details}

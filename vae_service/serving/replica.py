@@ -17,13 +17,14 @@ from ray import serve
 from vae_service.config import LIVE_FIELDS, LiveConfig, ServiceConfig
 from vae_service.protocol.errors import Unauthenticated, wire_error
 from vae_service.serving import metrics
-from vae_service.serving.auth import BearerAuth, load_token
+from vae_service.serving.admission import Admission
 from vae_service.serving.decode_service import DecodeService
 from vae_service.serving.grpc_servicer import (
     GrpcAnswer,
     failed,
+    frame_events,
     grpc_answer,
-    grpc_events,
+    item_events,
     status_message,
     stream_to,
 )
@@ -62,7 +63,7 @@ def parse_live(user_config: dict) -> LiveConfig:
 class DecoderReplica:
     def __init__(self, config: dict | ServiceConfig):
         config = ServiceConfig.model_validate(config)
-        self.auth = BearerAuth(load_token(config.auth_token_file))
+        self.admission = Admission.from_config(config)  # the token; HTTP routes also its body limits
         self.service = DecodeService(
             config,
             on_batch=self._observe_batch,
@@ -121,25 +122,39 @@ class DecoderReplica:
     async def grpc_unary(self, request) -> GrpcAnswer:
         return await grpc_answer(self.service, request)
 
-    async def grpc_events(self, request):
+    async def grpc_item_events(self, request):
         """DecodeStream's messages (also through a streaming handle from a routing ingress)."""
-        async for event in grpc_events(self.service, request):
+        async for event in item_events(self.service, request):
+            yield event
+
+    async def grpc_frame_events(self, request):
+        """DecodeFrames' messages (also through a streaming handle from a routing ingress)."""
+        async for event in frame_events(self.service, request):
             yield event
 
     async def Decode(self, request, grpc_context):  # noqa: N802 (the RPC's name)
         try:
-            self.auth.check_grpc(grpc_context)
+            self.admission.check_grpc(grpc_context)
         except Unauthenticated as exc:
             return failed(self.service.rejected(exc)).unary(grpc_context)
         return (await self.grpc_unary(request)).unary(grpc_context)
 
     async def DecodeStream(self, request, grpc_context):  # noqa: N802
+        async for message in self._stream("DecodeStream", self.grpc_item_events(request), grpc_context):
+            yield message
+
+    async def DecodeFrames(self, request, grpc_context):  # noqa: N802
+        async for message in self._stream("DecodeFrames", self.grpc_frame_events(request), grpc_context):
+            yield message
+
+    async def _stream(self, rpc: str, events, grpc_context):
         try:
-            self.auth.check_grpc(grpc_context)
+            self.admission.check_grpc(grpc_context)
         except Unauthenticated as exc:
-            yield status_message(grpc_context, wire_error(self.service.rejected(exc)))
+            await events.aclose()
+            yield status_message(grpc_context, wire_error(self.service.rejected(exc)), rpc)
             return
-        async for message in stream_to(grpc_context, self.grpc_events(request)):
+        async for message in stream_to(grpc_context, events, rpc):
             yield message
 
     # ---- composition -----------------------------------------------------------------------

@@ -19,12 +19,12 @@ from ray.serve.handle import DeploymentHandle
 
 from vae_service.engine.errors import InvalidInput, Overloaded
 from vae_service.protocol.errors import ANSWERABLE, Unavailable, wire_error
-from vae_service.protocol.msgpack_decode import peek_routing
+from vae_service.protocol.msgpack_body import peek_routing
 from vae_service.serving import openapi
-from vae_service.serving.auth import BearerAuth, load_token
+from vae_service.serving.admission import Admission
 from vae_service.serving.deployment import internal_error
 from vae_service.serving.grpc_servicer import failed, status_message, stream_to
-from vae_service.serving.http_routes import error_answer, health_fields, query_lists, read_body, respond
+from vae_service.serving.http_routes import error_answer, health_fields, query_lists, respond
 
 router_app = FastAPI(title="vae-service", summary="VAE decoding for diffusion serving (several models)")
 router_app.add_exception_handler(Exception, internal_error)
@@ -43,9 +43,7 @@ class VaeRouter:
         retry_after_s: float = 1.0,
     ):
         self.decoders = decoders
-        self.max_request_bytes, self.body_timeout_s = max_request_bytes, body_timeout_s
-        self.auth = BearerAuth(load_token(auth_token_file))
-        self.retry_after_s = retry_after_s
+        self.admission = Admission(max_request_bytes, body_timeout_s, retry_after_s, auth_token_file)
 
     def _pick(self, model: str | None) -> DeploymentHandle:
         if model is None and len(self.decoders) == 1:
@@ -60,7 +58,7 @@ class VaeRouter:
         try:
             return await call
         except DECODER_LOST:
-            raise Unavailable("body", "the decoder replica went away; retry", self.retry_after_s) from None
+            raise Unavailable("body", "the decoder replica went away; retry", self.admission.retry_after_s) from None
         except BackPressureError as exc:
             raise Overloaded(
                 "body", f"decoder overloaded ({exc.message}); retry later", exc.retry_after_s or 1.0
@@ -77,8 +75,7 @@ class VaeRouter:
     @router_app.post("/decode", openapi_extra=openapi.DECODE)
     async def decode_http(self, request: Request) -> Response:
         try:
-            self.auth.check(request.headers.get("authorization"))
-            body = await read_body(request, self.max_request_bytes, self.body_timeout_s)
+            body = await self.admission.admit(request)
             model, stream = peek_routing(body)
             decoder, content_type = self._pick(model), request.headers.get("content-type")
             if stream:
@@ -93,8 +90,7 @@ class VaeRouter:
     async def remote_decode_http(self, request: Request) -> Response:
         query = query_lists(request)
         try:
-            self.auth.check(request.headers.get("authorization"))
-            body = await read_body(request, self.max_request_bytes, self.body_timeout_s)
+            body = await self.admission.admit(request)
             decoder = self._pick(query.get("model", [None])[-1])
             answer = await self._call(
                 decoder.remote_decode_body.remote(
@@ -108,11 +104,11 @@ class VaeRouter:
     @router_app.get("/health")
     async def health(self, request: Request):
         try:
-            self.auth.check(request.headers.get("authorization"))
+            self.admission.check(request.headers.get("authorization"))
             models = {name: await self._call(handle.describe.remote()) for name, handle in self.decoders.items()}
         except ANSWERABLE as exc:
             return error_answer(exc).response()
-        return health_fields(self.auth, {"models": models})
+        return health_fields(self.admission, {"models": models})
 
     async def decode(
         self, latents, quality: str = "lossless", output: str = "uint8", model: str | None = None, **options
@@ -127,17 +123,27 @@ class VaeRouter:
 
     async def Decode(self, request, grpc_context):  # noqa: N802 (the RPC's name)
         try:
-            self.auth.check_grpc(grpc_context)
+            self.admission.check_grpc(grpc_context)
             answer = await self._call(self._pick(request.model or None).grpc_unary.remote(request))
         except ANSWERABLE as exc:
             answer = failed(exc)
         return answer.unary(grpc_context)
 
     async def DecodeStream(self, request, grpc_context):  # noqa: N802
+        async for message in self._stream("DecodeStream", "grpc_item_events", request, grpc_context):
+            yield message
+
+    async def DecodeFrames(self, request, grpc_context):  # noqa: N802
+        async for message in self._stream("DecodeFrames", "grpc_frame_events", request, grpc_context):
+            yield message
+
+    async def _stream(self, rpc: str, method: str, request, grpc_context):
+        """A streaming RPC relayed from the decoder's streaming handle method `method`."""
         try:
-            self.auth.check_grpc(grpc_context)
-            events = self._pick(request.model or None).options(stream=True).grpc_events.remote(request)
-            async for message in stream_to(grpc_context, self._relay(events)):
+            self.admission.check_grpc(grpc_context)
+            decoder = self._pick(request.model or None).options(stream=True)
+            events = getattr(decoder, method).remote(request)
+            async for message in stream_to(grpc_context, self._relay(events), rpc):
                 yield message
         except ANSWERABLE as exc:
-            yield status_message(grpc_context, wire_error(exc))
+            yield status_message(grpc_context, wire_error(exc), rpc)

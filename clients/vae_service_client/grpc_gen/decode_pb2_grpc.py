@@ -44,6 +44,11 @@ class VaeDecoderStub:
                 request_serializer=decode__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=decode__pb2.DecodeResponse.FromString,
                 _registered_method=True)
+        self.DecodeFrames = channel.unary_stream(
+                '/vae_service.v1.VaeDecoder/DecodeFrames',
+                request_serializer=decode__pb2.DecodeRequest.SerializeToString,
+                response_deserializer=decode__pb2.FrameMessage.FromString,
+                _registered_method=True)
 
 
 class VaeDecoderServicer:
@@ -56,9 +61,15 @@ class VaeDecoderServicer:
         raise NotImplementedError('Method not implemented!')
 
     def DecodeStream(self, request, context):
-        """Video models, uint8/float output: one message per decoded chunk (latent frame) as soon as it
-        is decoded - frames frame_start.. of items item_index.. - then a `done` message. Otherwise:
-        one message per batch item, in order, once the batch is decoded.
+        """One message per batch item, in order, once the batch is decoded (every model and output).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DecodeFrames(self, request, context):
+        """Video models, uint8/float output: one chunk per decoded latent frame as soon as it is
+        decoded, then `done`. Other models and outputs: INVALID_ARGUMENT before any message.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -76,6 +87,11 @@ def add_VaeDecoderServicer_to_server(servicer, server):
                     servicer.DecodeStream,
                     request_deserializer=decode__pb2.DecodeRequest.FromString,
                     response_serializer=decode__pb2.DecodeResponse.SerializeToString,
+            ),
+            'DecodeFrames': grpc.unary_stream_rpc_method_handler(
+                    servicer.DecodeFrames,
+                    request_deserializer=decode__pb2.DecodeRequest.FromString,
+                    response_serializer=decode__pb2.FrameMessage.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -132,6 +148,33 @@ class VaeDecoder:
             '/vae_service.v1.VaeDecoder/DecodeStream',
             decode__pb2.DecodeRequest.SerializeToString,
             decode__pb2.DecodeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DecodeFrames(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/vae_service.v1.VaeDecoder/DecodeFrames',
+            decode__pb2.DecodeRequest.SerializeToString,
+            decode__pb2.FrameMessage.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,37 +1,38 @@
-"""Wan decode one latent frame at a time, as diffusers' `AutoencoderKLWan._decode` does, yielding
-each chunk's frames as soon as they exist (streaming, stopping between chunks).
+"""The engine's decode of Wan-style causal decoders (models/wan_internals.py), both tiers: one
+latent frame at a time, as diffusers' `AutoencoderKLWan._decode` does, yielding each chunk's
+frames as soon as they exist (streaming, stopping between chunks).
 
-Two ways to run a chunk through the decoder:
-- `stock`: diffusers' own `WanDecoder3d.forward` with its feature cache (any AutoencoderKLWan);
-- `walk`: the same modules and arithmetic, called in the same order, with the causal convs'
-  history kept differently (`causal_cache`, bit-identical, so `lossless` uses it): a causal conv's
-  input is built once in a buffer of [last two input frames | this chunk's frames], the norm +
-  SiLU before it writes into that buffer in place, and the conv pads only spatially (oneDNN and
-  cuDNN give the same bits as on a pre-padded input). Diffusers builds the same input with a
-  clone, a `torch.cat` and an `F.pad` (a zero fill and a copy) per conv per chunk. In `high`,
-  `first_frame_2d` runs the first chunk's 3x3x3 causal convs as 2-D convs on the one tap that
-  sees data (the other two see the zero history), and `channels_last_3d` lays the buffers out
-  channels-last.
+The walk calls diffusers' modules in diffusers' order with the same arithmetic; only the causal
+convs' history is kept differently, bit-identically (so `lossless` runs it): a causal conv's input
+is built once in a buffer of [last two input frames | this chunk's frames], the norm + SiLU before
+it writes into that buffer in place, and the conv pads only spatially (oneDNN and cuDNN give the
+same bits as on a pre-padded input). Diffusers builds the same input with a clone, a `torch.cat`
+and an `F.pad` (a zero fill and a copy) per conv per chunk.
 
-The two-frame history model matches diffusers' cache exactly: its cache holds the last one or two
-frames seen, and the conv pads the missing ones with zeros; the temporal upsampler skips its conv
-on the first chunk ("Rep") and pads with zeros on the second.
+`high` adds the fast path's video rewrites as walk options (`walk_options`): `first_frame_2d` runs
+the first chunk's 3x3x3 causal convs as 2-D convs on the one tap that sees data (the other two see
+the zero history), `channels_last_3d` lays the buffers out channels-last, `rms_norm_silu` fuses
+each norm with its SiLU, `wan_conv_bias_fold` adds conv1's bias inside norm2's kernel.
+
+The two-frame history matches diffusers' cache exactly: it holds the last one or two frames seen,
+and the conv pads the missing ones with zeros; the temporal upsampler skips its conv on the first
+chunk ("Rep") and pads with zeros on the second.
 """
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from diffusers.models.autoencoders.autoencoder_kl_wan import unpatchify
 from torch import nn
 
 from vae_service.fastpath.folded import FoldedBuffers
+from vae_service.fastpath.fused_norms import WanRMSNormSiLU
+from vae_service.fastpath.rewrites import RewritePlan
+from vae_service.models.wan_internals import HISTORY, finished_chunk, spatial_padding, upsampler_of
 
-HISTORY = 2  # frames of input a 3-tap causal conv sees before the current ones (diffusers' CACHE_T)
 RMS_EPS = 1e-12  # F.normalize's default, which WanRMS_norm uses
 
 NormSiLU = Callable[..., torch.Tensor]  # (x, norm, in_bias=None, out=None): fused_norms.WanRMSNormSiLU
@@ -92,7 +93,7 @@ class _Walk:
         return self.options.first_frame_2d and self.first_chunk and conv not in self.history
 
     def _conv(self, conv: nn.Module, buf: torch.Tensor | None, frames: torch.Tensor, bias: bool = True) -> torch.Tensor:
-        padding = (0, conv._padding[2], conv._padding[0])
+        padding = (0, *spatial_padding(conv))
         bias = conv.bias if bias else None
         if buf is None:  # first chunk, 2-D: the zero history contributes nothing but rounding
             self.history[conv] = torch.cat([torch.zeros_like(frames), frames], 2)[:, :, -HISTORY:]
@@ -159,7 +160,7 @@ class _Walk:
         block_input = x
         for resnet in up.resnets:
             x = self._residual(resnet, x)
-        upsampler = up.upsamplers[0] if getattr(up, "upsamplers", None) is not None else getattr(up, "upsampler", None)
+        upsampler = upsampler_of(up)
         if upsampler is not None:
             x = self._resample(upsampler, x)
         shortcut = getattr(up, "avg_shortcut", None)
@@ -181,31 +182,26 @@ class _Walk:
         return x
 
 
-def _stock_chunks(vae: nn.Module, x: torch.Tensor) -> Iterator[torch.Tensor]:
-    """diffusers' own decoder forward per latent frame, with a feature cache of one slot per causal
-    conv as `_decode` sets it up (Wan's decoder also takes `first_chunk`; Qwen-Image's does not)."""
-    decoder = vae.decoder
-    cache: list = [None] * sum(isinstance(m, nn.Conv3d) and hasattr(m, "_padding") for m in decoder.modules())
-    takes_first_chunk = "first_chunk" in inspect.signature(type(decoder).forward).parameters
-    for i in range(x.shape[2]):
-        extra = {"first_chunk": i == 0} if takes_first_chunk else {}
-        yield decoder(x[:, :, i : i + 1], feat_cache=cache, feat_idx=[0], **extra)
+def walk_options(plan: RewritePlan) -> dict[str, WalkOptions]:
+    """How each tier walks: `lossless` with diffusers' arithmetic, `high` with the plan's video
+    rewrites (an empty plan: the same as lossless)."""
+    fused = "rms_norm_silu" in plan  # Triton only: elsewhere the exact composition is the fastest
+    high = WalkOptions(
+        norm_silu=WanRMSNormSiLU.bind(plan.active["rms_norm_silu"]) if fused else None,
+        first_frame_2d="first_frame_2d" in plan,
+        channels_last="channels_last_3d" in plan,
+        conv_bias_fold="wan_conv_bias_fold" in plan,
+    )
+    return {"lossless": WalkOptions(), "high": high}
 
 
-def decode_chunks(
-    vae: nn.Module, z: torch.Tensor, walk: WalkOptions | None, folded: FoldedBuffers | None = None
+def walk_chunks(
+    vae: nn.Module, z: torch.Tensor, options: WalkOptions, folded: FoldedBuffers | None = None
 ) -> Iterator[torch.Tensor]:
     """`vae.decode(z).sample` split along time: one tensor per latent frame ([B, 3, t, H, W],
-    clamped like diffusers), whose concatenation is that decode. `walk` None: diffusers' own
-    decoder forward; otherwise the walk with those options."""
+    clamped like diffusers), whose concatenation is that decode (bit-identical with the default
+    options)."""
     x = vae.post_quant_conv(z)
-    if walk is None:
-        chunks = _stock_chunks(vae, x)
-    else:
-        state = _Walk(vae.decoder, walk, folded or FoldedBuffers())
-        chunks = (state.chunk(x[:, :, i : i + 1]) for i in range(x.shape[2]))
-    patch_size = getattr(vae.config, "patch_size", None)  # Wan2.2: the decoder's output is patchified
-    for out in chunks:
-        if patch_size is not None:
-            out = unpatchify(out, patch_size=patch_size)
-        yield torch.clamp(out, min=-1.0, max=1.0)
+    state = _Walk(vae.decoder, options, FoldedBuffers() if folded is None else folded)
+    for i in range(x.shape[2]):
+        yield finished_chunk(vae, state.chunk(x[:, :, i : i + 1]))

@@ -1,5 +1,5 @@
-"""Structure checks shared by the installers: a fast path is installed only on modules whose
-exact type and configuration it was written for."""
+"""Structure checks: the fast path's rewrites and the engine's Wan walk run only on modules whose
+exact type and configuration they were written for."""
 
 from __future__ import annotations
 

@@ -1,19 +1,15 @@
-"""`POST /decode` (msgpack): a body -> DecodeRequest, a DecodeResult -> a body. The fields are the
-wire schema's (vae_service_client.messages); values are checked by DecodeRequest itself."""
+"""A `POST /decode` body's bytes, before any field is read: Content-Type, size, msgpack unpacked
+within bounds (a hostile body is refused, never walked), and the routing keys peeked at without
+unpacking the latents. Fields become a DecodeRequest in protocol/requests.py."""
 
 from __future__ import annotations
 
 import msgpack
 
 from vae_service.engine.errors import InvalidInput, LimitExceeded
-from vae_service.engine.request import DecodeRequest
-from vae_service.engine.result import DecodeResult
 from vae_service.protocol.errors import UnsupportedMediaType
-from vae_service.protocol.tensors import to_torch
-from vae_service_client.messages import MSGPACK, MSGPACK_TYPES, REQUEST_KEYS, DecodeResponse, pack, request_fields
+from vae_service_client.messages import MSGPACK_TYPES, REQUEST_KEYS
 from vae_service_client.tensors import MAX_NDIM
-
-CONTENT_TYPE = MSGPACK
 
 
 def check_content_type(content_type: str | None) -> None:
@@ -58,42 +54,6 @@ def unpack_body(body: bytes, max_request_bytes: int) -> object:
         raise
     except Exception as exc:  # truncated, extra data, bad utf-8, over-deep nesting, over a bound: malformed
         raise InvalidInput("body", f"is not valid msgpack ({type(exc).__name__}: {exc})") from None
-
-
-def request_from_fields(fields: dict) -> DecodeRequest:
-    """Wire fields (`latents` a WireTensor) -> DecodeRequest; shared by every wire format."""
-    return DecodeRequest(**{**fields, "latents": to_torch(fields["latents"])})
-
-
-def parse_decode_body(body: bytes, content_type: str | None, max_request_bytes: int) -> DecodeRequest:
-    check_content_type(content_type)
-    return request_from_fields(request_fields(unpack_body(body, max_request_bytes)))
-
-
-def response_of(result: DecodeResult, output=None, item_index: int = 0) -> DecodeResponse:
-    """The wire response for a result (`output` overrides it, e.g. one streamed item)."""
-    t = result.timing
-    timing = {
-        "queue_ms": round(t.queue_ms, 3),
-        "decode_ms": round(t.decode_ms, 3),
-        "encode_ms": round(t.encode_ms, 3),
-        "batch_size": t.batch_size,
-    }
-    return DecodeResponse(
-        result.output if output is None else output,
-        result.model,
-        result.quality,
-        result.precision,
-        result.request_id,
-        timing,
-        item_index,
-        result.tiled,
-        result.retried_from_frame,
-    )
-
-
-def encode_decode_response(result: DecodeResult) -> bytes:
-    return pack(response_of(result).to_map())
 
 
 def peek_routing(body: bytes) -> tuple[str | None, bool]:
