@@ -38,9 +38,9 @@ class Limits(BaseModel):
         None,
         gt=0,
         description="peak memory of one decode, estimated per tier, model and shape: above it `high` decodes "
-        "spatially tiled and `lossless` gets 413. Unset: fixed at start-up, 80% of the GPU's memory less the "
-        "weights, folded weights and 512 MiB; on a CPU half the RAM or the cgroup limit (smaller) less the "
-        "weights and folded weights (/health: memory_plan)",
+        "spatially tiled and `lossless` of an image model by its own tiled decode (else 413). Unset: fixed "
+        "at start-up, 80% of the GPU's memory less the weights, folded weights and 512 MiB; on a CPU half "
+        "the RAM or the cgroup limit (smaller) less the weights and folded weights (/health: memory_plan)",
     )
 
 
@@ -93,6 +93,24 @@ class FastPath(BaseModel):
         if unknown:
             raise ValueError(f"unknown rewrites {unknown}; allowed: {list(REWRITE_NAMES)}")
         return names
+
+
+class Parallel(BaseModel):
+    """One request over several replicas: its spatial tiles decoded by the deployment's replicas."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    tiles_across_replicas: bool = Field(
+        True,
+        description="a tiled `high` image request sends its tiles to replicas of its own deployment "
+        "(Serve picks the least loaded) and blends them; bit-identical to one replica's tiled decode",
+    )
+    min_output_pixels: int | None = Field(
+        None,
+        gt=0,
+        description="`high` image requests of at least this many output pixels per item are tiled (tiles of "
+        "about this many pixels) even within the memory bound, to spread them (default: only over the bound)",
+    )
 
 
 class Encoding(BaseModel):
@@ -155,6 +173,7 @@ class ServiceConfig(BaseModel):
     limits: Limits = Limits()
     batching: Batching = Batching()
     serving: Serving = Serving()
+    parallel: Parallel = Parallel()
 
     def live(self) -> LiveConfig:
         return LiveConfig(limits=self.limits, batching=self.batching)

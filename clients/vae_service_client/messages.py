@@ -30,7 +30,7 @@ REQUEST_KEYS = (
     "stream",
     "decode_timestep",
 )
-TIMING_KEYS = ("queue_ms", "decode_ms", "encode_ms", "batch_size")
+TIMING_KEYS = ("queue_ms", "decode_ms", "encode_ms", "batch_size", "replicas")
 
 
 class _Unset:
@@ -206,7 +206,7 @@ class DecodeResponse:
             obj["quality"],
             obj["precision"],
             obj.get("request_id"),
-            obj["timing"],
+            {"replicas": 1, **obj["timing"]},  # servers before timing.replicas: one replica
             tiled=bool(obj.get("tiled", False)),
             retried_from_frame=obj.get("retried_from_frame"),
         )

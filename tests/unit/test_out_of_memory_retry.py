@@ -92,7 +92,7 @@ async def test_a_stream_retried_in_tiles_names_the_first_retried_frame(wan_dir):
 
 @pytest.mark.parametrize("retried_from_frame", [None, 0, 5])
 def test_the_retried_frame_round_trips_through_msgpack_and_grpc(retried_from_frame):
-    timing = {"queue_ms": 1.0, "decode_ms": 2.0, "encode_ms": 0.0, "batch_size": 1}
+    timing = {"queue_ms": 1.0, "decode_ms": 2.0, "encode_ms": 0.0, "batch_size": 1, "replicas": 1}
     response = DecodeResponse(
         None, "wan", "high", "fp32", "r", timing, tiled=True, retried_from_frame=retried_from_frame
     )

@@ -7,11 +7,12 @@ from dataclasses import replace
 import pytest
 import torch
 
-from tests.models import torch_threads
+from tests.models import build_full_vae, torch_threads
 from vae_service.config import Limits, ServiceConfig
 from vae_service.engine import DecodeEngine, DecodeRequest, LimitExceeded
 from vae_service.engine.memory import LiveBytes
-from vae_service.engine.tiling import Blender, TileGrid, tiled_chunks
+from vae_service.engine.postprocess import to_uint8
+from vae_service.engine.tiling import DIFFUSERS_TILES, Blender, TileGrid, tiled_chunks
 from vae_service.models.loading import LoadedVae
 
 # docs/performance.md, "Memory estimate and tiling": tiled vs untiled `high` (uint8) on the
@@ -131,9 +132,42 @@ def test_a_tiled_decodes_measured_peak_stays_within_the_bound(engines, kind, fra
     assert peak <= bound, f"{peak} > {bound} with {prepared.tile}"
 
 
-@pytest.mark.parametrize("kind", ["kl", "flux", "wan"])
-def test_lossless_over_the_bound_is_refused_naming_it_and_high(engines, kind):
+@pytest.mark.parametrize("kind", ["kl", "flux"])
+@pytest.mark.parametrize("h, w, batch, output", [(24, 20, 1, "float"), (17, 31, 2, "float"), (9, 40, 1, "uint8")])
+def test_lossless_over_the_bound_is_diffusers_tiled_decode_bit_for_bit(engines, kind, h, w, batch, output):
+    """Above the bound `lossless` answers what `vae.enable_tiling(); vae.decode(z)` gives, item by
+    item, marked tiled; its estimate is within 10% of the real decode's live peak, within the bound."""
     engine = engines[kind]
+    request = DecodeRequest(latents_for(engine, h, w, batch, seed=h), output=output, latents_scaled=True)
+    whole = engine.peak_bytes(engine.prepare(request))
+    engine.limits = Limits(max_decode_bytes=whole - 1)
+    try:
+        prepared = engine.prepare(request)
+        peak, result = measured_peak(engine, prepared)
+    finally:
+        engine.limits = Limits()
+    assert prepared.tile is DIFFUSERS_TILES and result.tiled and result.quality == "lossless"
+    estimate = engine.peak_bytes(prepared)
+    assert estimate < whole and 0.9 * peak <= estimate <= 1.1 * peak
+    reference = build_full_vae(kind)  # the saved model's weights, without another test's fast path
+    with torch.inference_mode(), torch_threads(1):
+        untiled = torch.cat([reference.decode(item).sample for item in request.latents.split(1)])
+        reference.enable_tiling()
+        tiled = torch.cat([reference.decode(item).sample for item in request.latents.split(1)])
+    assert not torch.equal(tiled, untiled)  # the answer is the tiled decode's, not the plain one's
+    assert torch.equal(result.output, tiled if output == "float" else to_uint8(tiled))
+
+
+def test_lossless_too_large_even_for_diffusers_tiled_decode_is_refused(engines):
+    engine = engines["kl"]
+    request = DecodeRequest(latents_for(engine, 24, 20), latents_scaled=True)
+    with pytest.raises(LimitExceeded, match="even diffusers' tiled decode") as err:
+        decode(engine, request, bound=1000)
+    assert err.value.field == "latents" and "'high'" in err.value.message
+
+
+def test_lossless_over_the_bound_without_a_tiled_decode_is_refused_naming_high(engines):
+    engine = engines["wan"]  # video: its own tiled decode is not used (yet)
     request = DecodeRequest(latents_for(engine, 12, 10), latents_scaled=True)
     need = engine.peak_bytes(engine.prepare(request))
     with pytest.raises(LimitExceeded, match="max_decode_bytes") as err:
@@ -171,7 +205,9 @@ def test_one_tile_over_everything_is_the_untiled_decode(engines):
         whole = engine.vae.decode(z).sample
         from vae_service.engine.tiling import tiled_image
 
-        tiled = tiled_image(z, TileGrid(9, 9, 7), engine.spec.spatial_scale, lambda t: engine.vae.decode(t).sample)
+        tiled = tiled_image(
+            z, TileGrid(9, 9, 7), engine.spec.spatial_scale, lambda tiles: (engine.vae.decode(t).sample for t in tiles)
+        )
     assert torch.equal(tiled, whole)
 
 

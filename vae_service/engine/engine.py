@@ -42,19 +42,20 @@ from vae_service.engine.latents import LatentScaling, PreparedRequest, prepare
 from vae_service.engine.memory import TierMemory
 from vae_service.engine.memory_budget import memory_budget
 from vae_service.engine.memory_plan import decode_bound, peak_bytes, plan_memory
-from vae_service.engine.plan import BatchPlan, DecodeCall, Run, checkpoint_hook, plan_batch
+from vae_service.engine.plan import BatchPlan, DecodeCall, Run, TileSpreader, checkpoint_hook, plan_batch
 from vae_service.engine.postprocess import postprocess
 from vae_service.engine.precision import PRECISION_NAMES, resolve_device, resolve_dtype
 from vae_service.engine.preview import build_preview, frame_counts
 from vae_service.engine.request import QUALITIES, DecodeRequest
 from vae_service.engine.result import DecodeResult, PendingResult, Timing
-from vae_service.engine.tiling import tiled_chunks, tiled_image
+from vae_service.engine.tiling import DIFFUSERS_TILES, TileDecoder, spread_grid, tiled_chunks, tiled_image
 from vae_service.engine.video import NON_FINITE, decode_video
 from vae_service.engine.wan_walk import walk_chunks, walk_options
 from vae_service.fastpath import install_fast_path
 from vae_service.fastpath.folded import FoldedBuffers
 from vae_service.fastpath.rewrites import NORM_REWRITES, RewritePlan
 from vae_service.models import LoadedVae, ModelLoadError, load_vae
+from vae_service.models.diffusers_tiling import tiled_view
 from vae_service.models.spec import decoded_pixels, dropped_parts, jsonable_config, meta_twin, pipeline_statistics
 from vae_service.models.wan_internals import diffusers_chunks, walk_unsupported_because
 
@@ -69,6 +70,7 @@ class DecodeEngine:
         self.bind_thread()
         self.dtype = resolve_dtype(config.decode_precision, self.device)
         self.limits: Limits = config.limits  # the only live setting: budgets checked in `prepare`
+        self.spread_from_pixels = config.parallel.min_output_pixels
         self.encode_settings = EncodeSettings(
             config.encoding.png_compress_level, config.encoding.jpeg_quality, config.encoding.mp4_fps
         )
@@ -87,6 +89,7 @@ class DecodeEngine:
         except ValueError as exc:
             raise ModelLoadError(f"model: {self.spec.class_name}'s latent statistics: {exc}") from exc
         self.memory, folded = self._price_tiers(twin, config.fast_path.disable)
+        self.tiled_vae = tiled_view(self.vae) if "lossless_tiled" in self.memory else None
         weights = sum(t.numel() * t.element_size() for t in (*self.vae.parameters(), *self.vae.buffers()))
         self.budget = memory_budget(self.device, weights, folded)  # fixed for the engine's lifetime
         decode = lambda z: torch.cat(list(self._lossless_chunks(self.vae, z)), 2 if self.chunked else 0)  # noqa: E731
@@ -138,16 +141,20 @@ class DecodeEngine:
             self.device.type,
             tuple(sorted(self.fast_path.plan.active.items())) if twin_fast else (),
         )
-        lock = threading.Lock()
+        lock, timestep = threading.Lock(), self._probe_timestep
+        whole = lambda vae, z: iter([self._pixels(vae, z, timestep)])  # noqa: E731 (the class's own decode)
         lossless = TierMemory(twin, self.spec, self._lossless_chunks, lock, cache_key=(*key, "lossless"))
+        tiers = {"lossless": lossless}
+        twin_tiled = None if self.chunked else tiled_view(twin)
+        if twin_tiled is not None:  # lossless above the bound: the model's own tiled decode
+            tiers["lossless_tiled"] = TierMemory(twin_tiled, self.spec, whole, lock, per_shape=True)
         high = lossless
         if twin_fast is not None:
-            timestep = self._probe_timestep
             if self.chunked:
                 chunks = self.chunk_decoder("high", timestep, twin_fast.folded)
                 high_decode = lambda vae, z: chunks(z, vae)  # noqa: E731
             else:
-                high_decode = lambda vae, z: iter([self._pixels(vae, z, timestep)])  # noqa: E731
+                high_decode = whole
             gate = lambda: twin_fast.gate.use(True)  # noqa: E731
             high = TierMemory(twin, self.spec, high_decode, lock, gate, cache_key=(*key, "high"))
             if twin_fast.folded.nbytes:  # probed here (a cached tier did not build them)
@@ -156,7 +163,7 @@ class DecodeEngine:
             calibrate_on_cuda(lossless, lambda z: self._lossless_chunks(self.vae, z), self.device)
             if high is not lossless:
                 calibrate_on_cuda(high, self._high_chunks, self.device)
-        return {"lossless": lossless, "high": high}, _FOLDED_BYTES.get(key, 0) if twin_fast else 0
+        return {**tiers, "high": high}, _FOLDED_BYTES.get(key, 0) if twin_fast else 0
 
     @property
     def _probe_timestep(self) -> float | None:
@@ -189,12 +196,16 @@ class DecodeEngine:
 
     @property
     def prices_in_constant_time(self) -> bool:
-        """False when a tier's memory is priced per shape on the meta twin (up to a second)."""
-        return all(tier.affine for tier in self.memory.values())
+        """False when a tier's memory is priced per shape on the meta twin (up to a second). The
+        model's own tiled decode is priced per shape too, but only for `lossless` above the bound
+        (latents that large come mostly above the service's inline size, priced off its loop)."""
+        return all(self.memory[tier].affine for tier in ("lossless", "high"))
 
     def peak_bytes(self, prepared: PreparedRequest) -> int:
-        """Estimated peak of decoding this request whole."""
-        return peak_bytes(prepared, self.memory[prepared.request.quality])
+        """Estimated peak of decoding this request whole (`lossless` above the bound: by the
+        model's own tiled decode)."""
+        tier = "lossless_tiled" if prepared.tile is DIFFUSERS_TILES else prepared.request.quality
+        return peak_bytes(prepared, self.memory[tier])
 
     def bind_thread(self) -> None:
         """Make the calling thread decode like every other one of this engine. CPU kernels split
@@ -231,7 +242,7 @@ class DecodeEngine:
                 "decode_bound_bytes": self.decode_bound(),
                 "bound_from": "limits.max_decode_bytes" if self.limits.max_decode_bytes else "default",
                 **self.budget.describe(),
-                "tiers": {q: self.memory[q].describe() for q in ("lossless", "high")},
+                "tiers": {name: tier.describe() for name, tier in self.memory.items()},
             },
         }
 
@@ -244,7 +255,11 @@ class DecodeEngine:
         if request.quality == "preview":  # no decoder work, no tiles
             return prepare(request, self.spec, limits, 0.0)
         prepared = prepare(request, self.spec, limits, self.flops_per_pixel)
-        grid = plan_memory(prepared, self.memory[prepared.request.quality], decode_bound(limits, self.budget))
+        tier = prepared.request.quality
+        bound = decode_bound(limits, self.budget)
+        grid = plan_memory(prepared, self.memory[tier], bound, diffusers_tiled=self.memory.get("lossless_tiled"))
+        if grid is None and tier == "high" and not self.chunked:  # within the bound: spread if it is large
+            grid = spread_grid(*prepared.latents.shape[-2:], self.spec.spatial_scale, self.spread_from_pixels)
         return prepared if grid is None else replace(prepared, tile=grid)
 
     def _tier(self, quality: str) -> str:
@@ -261,14 +276,20 @@ class DecodeEngine:
         return plan_batch(batch, grids, self.peak_bytes, bound)
 
     def decode(
-        self, batch: list[PreparedRequest], abandoned: threading.Event | None = None, defer_host_copy: bool = False
+        self,
+        batch: list[PreparedRequest],
+        abandoned: threading.Event | None = None,
+        defer_host_copy: bool = False,
+        spread: TileSpreader | None = None,
     ) -> list[DecodeResult | DecodeFailed | PendingResult]:
         """Decode requests that share one batch key; results come back in order. A request whose
         output is not finite gets a DecodeFailed in its place; the others are unaffected. Once
         `abandoned` is set, the decode stops before its next decoder call (DecodeAbandoned).
         `defer_host_copy` (CUDA): outputs whose copy to the host is still running come back as
-        PendingResults. Safe to call from several threads at once."""
-        call = DecodeCall(abandoned, [] if defer_host_copy else None)
+        PendingResults. `spread`: tiled `high` images decode their tiles through it (other
+        replicas, engine.decode_tile there), blended here as if decoded here. Safe to call from
+        several threads at once."""
+        call = DecodeCall(abandoned, [] if defer_host_copy else None, spread)
         quality = batch[0].request.quality
         start = time.perf_counter()
         scaling = self.preview.scaling if quality == "preview" else self._scaling
@@ -281,7 +302,7 @@ class DecodeEngine:
                 self._release_device_cache()
                 plan = self.plan(batch, bound, force_tiles=True)
                 outputs = self._execute(plan, batch, latents, call)
-        timing = Timing(0.0, (time.perf_counter() - start) * 1e3, sum(r.items for r in batch))
+        timing = Timing(0.0, (time.perf_counter() - start) * 1e3, sum(r.items for r in batch), replicas=call.replicas)
         results = [
             o if isinstance(o, DecodeFailed) else self._result(o, r, timing, plan.tiled)
             for o, r in zip(outputs, batch, strict=True)
@@ -331,12 +352,32 @@ class DecodeEngine:
         sizes = [z.shape[0] for z in latents]
         if quality == "preview":
             return list(self.preview.image(torch.cat(latents)).split(sizes))
-        if not run.together:  # lossless: every item alone
-            return [self._each_alone(z, r.timestep) for z, r in zip(latents, requests, strict=True)]
+        if not run.together:  # lossless: every item alone, above the bound by the model's tiled decode
+            vae = self.tiled_vae if run.grid is DIFFUSERS_TILES else self.vae
+            return [self._each_alone(vae, z, r.timestep) for z, r in zip(latents, requests, strict=True)]
         if run.grid is not None:
             (z,) = latents
-            return [tiled_image(z, run.grid, self.spec.spatial_scale, self._vae_decode)]
+            return [tiled_image(z, run.grid, self.spec.spatial_scale, self._tile_decoder(quality, call))]
         return list(self._vae_decode(torch.cat(latents)).split(sizes))
+
+    def _tile_decoder(self, quality: str, call: DecodeCall) -> TileDecoder:
+        """Tiles decoded here one by one, or all at once by the call's spreader (other replicas:
+        their pixels come back as sent, and are blended here on this device)."""
+        if call.spread is None:
+            return lambda tiles: map(self._vae_decode, tiles)
+
+        def spread(tiles: list[torch.Tensor]) -> list[torch.Tensor]:
+            outputs, replicas = call.spread(tiles, quality)
+            call.replicas = max(call.replicas, replicas)
+            return [out.to(self.device) for out in outputs]
+
+        return spread
+
+    def decode_tile(self, z: torch.Tensor, quality: str = "high") -> torch.Tensor:
+        """One tile of another replica's request (`spread`): its decoder-input latents, decoded as
+        the tiled plan decodes a tile here; never split again."""
+        with torch.inference_mode(), self.fast_path.gate.use(quality == "high"):
+            return self._vae_decode(z.to(self.device, self.dtype))
 
     def _run_video(
         self, quality: str, run: Run, requests: list[PreparedRequest], latents: list[torch.Tensor], call: DecodeCall
@@ -380,8 +421,8 @@ class DecodeEngine:
     def _vae_decode(self, z: torch.Tensor) -> torch.Tensor:
         return self.vae.decode(z).sample
 
-    def _each_alone(self, z: torch.Tensor, timestep: float | None) -> torch.Tensor:
-        decoded = [self._pixels(self.vae, item, timestep) for item in z.split(1)]
+    def _each_alone(self, vae, z: torch.Tensor, timestep: float | None) -> torch.Tensor:
+        decoded = [self._pixels(vae, item, timestep) for item in z.split(1)]
         return decoded[0] if len(decoded) == 1 else torch.cat(decoded)
 
     def release_folded(self) -> int:

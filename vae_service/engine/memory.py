@@ -106,6 +106,7 @@ class TierMemory:
         lock: threading.Lock,
         gate: Callable[[], object] | None = None,
         cache_key: tuple | None = None,
+        per_shape: bool = False,
     ):
         self.twin, self.decode, self.gate, self._lock = twin, decode, gate, lock
         geometry = spec.geometry
@@ -124,6 +125,11 @@ class TierMemory:
         # pixel and constant, per latent frame where the decoder takes the whole clip
         self.correction: tuple[float, float] | None = None
         self._priced = lru_cache(maxsize=PRICED_SHAPES)(self._measure)
+        if per_shape:  # a graph known not to be affine (a tiled decode: its tiles' count steps)
+            h, w = probe_shapes(self.min_side)[0]
+            self.lines, self.affine = None, False
+            self.working_per_latent_px = self._priced(1, h, w).working / (h * w)
+            return
         if cache_key in _PROBED:
             self.lines, self.working_per_latent_px = _PROBED[cache_key]
             self.affine = True

@@ -9,7 +9,7 @@ from vae_service.engine.errors import LimitExceeded
 from vae_service.engine.latents import PreparedRequest
 from vae_service.engine.memory import TierMemory
 from vae_service.engine.memory_budget import MemoryBudget
-from vae_service.engine.tiling import TileGrid, tile_for
+from vae_service.engine.tiling import DIFFUSERS_TILES, DiffusersTiles, TileGrid, tile_for
 
 
 def decode_bound(limits: Limits, budget: MemoryBudget) -> int:
@@ -67,18 +67,36 @@ def peak_bytes(prepared: PreparedRequest, model: TierMemory) -> int:
     return max(working + (items - 1) * decoded_item, 2 * items * decoded_item, answer)
 
 
-def plan_memory(prepared: PreparedRequest, model: TierMemory, bound: int, force: bool = False) -> TileGrid | None:
-    """None: decode whole; else the tiles (`force`: tiles even within the bound)."""
+def plan_memory(
+    prepared: PreparedRequest,
+    model: TierMemory,
+    bound: int,
+    force: bool = False,
+    diffusers_tiled: TierMemory | None = None,
+) -> TileGrid | DiffusersTiles | None:
+    """None: decode whole; else the tiles (`force`: tiles even within the bound). `lossless` above
+    the bound decodes with the model's own tiled decode, priced by `diffusers_tiled` (None: the
+    model has none)."""
     need = peak_bytes(prepared, model)
     if need <= bound and not force:
         return None
     gib = f"about {need / 2**30:.3g} GiB, over max_decode_bytes ({bound / 2**30:.3g} GiB)"
     if prepared.request.quality == "lossless":
-        raise LimitExceeded(
-            "latents",
-            f"decoding these latents needs {gib}; 'lossless' never tiles: send quality 'high' "
-            "(decoded in spatial tiles within the bound) or fewer items",
-        )
+        if diffusers_tiled is None:
+            raise LimitExceeded(
+                "latents",
+                f"decoding these latents needs {gib}; 'lossless' above the bound runs the model's own tiled "
+                "decode, used for image models only: send quality 'high' (decoded in spatial tiles within "
+                "the bound) or fewer items",
+            )
+        tiled_need = peak_bytes(prepared, diffusers_tiled)
+        if tiled_need > bound:
+            raise LimitExceeded(
+                "latents",
+                f"decoding these latents needs {gib}; even diffusers' tiled decode needs about "
+                f"{tiled_need / 2**30:.3g} GiB: send quality 'high' or fewer items",
+            )
+        return DIFFUSERS_TILES
     h, w = prepared.latents.shape[-2:]
     grid = tile_for(model, prepared.items, prepared.frames, h, w, held_while_tiled(prepared, model), bound)
     if grid is None:

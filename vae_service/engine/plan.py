@@ -37,12 +37,19 @@ class BatchPlan:
     tiled: bool
 
 
+# the tiles' decoder-input latents and the tier -> each tile's pixels in order, and how many
+# replicas decoded them (the serving layer's: the engine never imports Ray)
+TileSpreader = Callable[[list, str], tuple[list, int]]
+
+
 @dataclass
 class DecodeCall:
     """One call's own state: when to stop, and the host copies it queued (CUDA, deferred)."""
 
     abandoned: threading.Event | None = None
     host_copies: list | None = None  # CUDA events of the copies queued; None: each copy waited for
+    spread: TileSpreader | None = None  # decodes a request's tiles on other replicas
+    replicas: int = 1  # replicas whose decoders worked on this call (spread tiles)
 
     def checkpoint(self) -> None:
         """Runs before every decoder call (an item, a tile, a latent frame, and each call a

@@ -16,7 +16,8 @@ error measured and the tests bound it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import math
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +25,15 @@ import torch
 from vae_service.engine.memory import TierMemory
 
 MIN_TILE = 8  # latent pixels per side
+
+
+@dataclass(frozen=True)
+class DiffusersTiles:
+    """`lossless` above the memory bound: the model's own tiled decode (`vae.enable_tiling()`, then
+    `vae.decode`, diffusers' default tile settings), bit-identical to what diffusers gives."""
+
+
+DIFFUSERS_TILES = DiffusersTiles()
 OVERLAP_FRACTION = 4  # overlap = tile // 4, like diffusers' tiled decoders
 
 
@@ -66,6 +76,15 @@ class TileGrid:
 
     def cut(self, z: torch.Tensor, y: int, x: int) -> torch.Tensor:
         return z[..., y : y + self.tile_h, x : x + self.tile_w]
+
+
+def spread_grid(h: int, w: int, scale: int, pixels: int | None) -> TileGrid | None:
+    """Tiles of about `pixels` output pixels each for an image of at least that many
+    (`parallel.min_output_pixels`: spread across replicas); None: no such setting, or one tile."""
+    if pixels is None or h * w * scale * scale < pixels:
+        return None
+    tile = max(MIN_TILE, math.isqrt(pixels) // scale)
+    return TileGrid(tile, h, w) if tile < max(h, w) else None
 
 
 def tile_for(
@@ -156,12 +175,16 @@ class Blender:
         return self.acc.pop(slot).to(self.dtype)
 
 
-def tiled_image(
-    z: torch.Tensor, grid: TileGrid, scale: int, decode: Callable[[torch.Tensor], torch.Tensor]
-) -> torch.Tensor:
+TileDecoder = Callable[[list[torch.Tensor]], Iterable[torch.Tensor]]  # tiles' latents -> their pixels, in order
+
+
+def tiled_image(z: torch.Tensor, grid: TileGrid, scale: int, decode_tiles: TileDecoder) -> torch.Tensor:
+    """`decode_tiles`: each tile's decoded pixels in the grid's order, one at a time as they are
+    needed (here) or all decoded elsewhere at once (other replicas): the blend is the same."""
     blender = Blender(grid, scale)
-    for y, x in grid.tiles():
-        blender.add((y, x), decode(grid.cut(z, y, x)))
+    keys = grid.tiles()
+    for key, out in zip(keys, decode_tiles([grid.cut(z, y, x) for y, x in keys]), strict=True):
+        blender.add(key, out)
     return blender.take()
 
 

@@ -25,6 +25,7 @@ def response_of(result: DecodeResult, output=None, item_index: int = 0) -> Decod
         "decode_ms": round(t.decode_ms, 3),
         "encode_ms": round(t.encode_ms, 3),
         "batch_size": t.batch_size,
+        "replicas": t.replicas,
     }
     return DecodeResponse(
         result.output if output is None else output,

@@ -15,6 +15,7 @@ import torch
 from vae_service.config import LiveConfig, ServiceConfig
 from vae_service.engine import DecodeEngine, DecodeRequest, DecodeResult, PreparedRequest
 from vae_service.engine.errors import DecodeTimeout, InvalidInput, OutOfMemory, Overloaded
+from vae_service.engine.plan import TileSpreader
 from vae_service.engine.result import PendingResult
 from vae_service.serving.batcher import BatcherLimits, BatchStats, DeadlineExceeded, KeyedBatcher, QueueFull
 from vae_service.serving.encoders import EncoderPool
@@ -42,9 +43,11 @@ class DecodeService:
         on_rejected: Callable[[BaseException], None] | None = None,
         on_decoded: Callable[[DecodeResult], None] | None = None,
         on_first_frames: Callable[[str, float], None] | None = None,
+        spread: TileSpreader | None = None,
     ):
         self.config = config
         self.engine = engine or DecodeEngine(config)
+        self.spread = spread  # tiled `high` images: tiles decoded by other replicas (tile_spread.py)
         # one thread feeds the device, set up once like the engine wants (torch's CPU thread count)
         self.device_thread = ThreadPoolExecutor(1, thread_name_prefix="vae-device", initializer=self.engine.bind_thread)
         self.batcher: KeyedBatcher[PreparedRequest] = KeyedBatcher(
@@ -58,7 +61,7 @@ class DecodeService:
     def _decode_batch(self, batch: list[PreparedRequest], abandoned) -> list:
         # the device thread takes its next batch while this one's output is still copied to the
         # host (CUDA); the wait happens in _decode_prepared, off the device thread
-        return self.engine.decode(batch, abandoned, defer_host_copy=True)
+        return self.engine.decode(batch, abandoned, defer_host_copy=True, spread=self.spread)
 
     def _observe(self, stats: BatchStats) -> None:
         self.decoded_items += stats.items

@@ -9,6 +9,7 @@ that decoded it. `reconfigure` (Serve's user_config) applies limits and batching
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 
@@ -30,6 +31,7 @@ from vae_service.serving.grpc_servicer import (
 )
 from vae_service.serving.handle_api import handle_decode, handle_decode_frames
 from vae_service.serving.http_routes import HttpAnswer, decode_answer, decode_events, remote_decode_answer
+from vae_service.serving.tile_spread import ReplicaTiles
 
 log = logging.getLogger("ray.serve")  # Serve writes it to the replica's own log file
 
@@ -64,8 +66,14 @@ class DecoderReplica:
     def __init__(self, config: dict | ServiceConfig):
         config = ServiceConfig.model_validate(config)
         self.admission = Admission.from_config(config)  # the token; HTTP routes also its body limits
+        spread = (
+            ReplicaTiles(config.serving.retry_after_s, config.batching.request_timeout_s)
+            if config.parallel.tiles_across_replicas
+            else None
+        )
         self.service = DecodeService(
             config,
+            spread=spread,
             on_batch=self._observe_batch,
             on_rejected=self._count_rejected,
             on_decoded=self._observe_result,
@@ -169,6 +177,17 @@ class DecoderReplica:
         HTTP stream's messages (vae_service_client.frames) with `pixels` as numpy arrays."""
         async for message in handle_decode_frames(self.service, latents, quality=quality, output=output, **options):
             yield message
+
+    async def decode_tile(self, latents, quality: str = "high") -> tuple:
+        """A tile of another replica's request (tile_spread.py): its pixels on the host and this
+        replica's id. On a thread of its own, not behind the device thread, where the request's
+        own replica waits for its tiles."""
+        return await asyncio.to_thread(self._decode_tile, latents, quality), replica_id()
+
+    def _decode_tile(self, latents, quality: str):
+        engine = self.service.engine
+        engine.bind_thread()
+        return engine.decode_tile(latents, quality).cpu()
 
     def release_folded(self) -> int:
         """Drop the fast path's folded weights now (the next `high` decode rebuilds them)."""

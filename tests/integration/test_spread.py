@@ -1,0 +1,51 @@
+"""One request across replicas (serving/tile_spread.py) on a real local Serve: a tiled `high` image
+whose tiles went to both replicas of its deployment is bit-identical to the same plan decoded by
+one engine, says so in `timing.replicas`, and `lossless` above the bound answers diffusers' own
+tiled decode."""
+
+import numpy as np
+import pytest
+import torch
+
+from tests.models import build_full_vae, torch_threads
+from vae_service.config import ServiceConfig
+from vae_service.engine import DecodeEngine, DecodeRequest
+from vae_service_client import VaeClient
+
+pytestmark = pytest.mark.integration
+
+SPREAD = {"min_output_pixels": 48 * 48}  # 64x64-pixel tiles of 8 latent px
+TWO_REPLICAS = {"min_replicas": 2, "max_replicas": 2, "initial_replicas": 2}
+
+
+def test_tiles_decoded_by_two_replicas_are_the_one_replica_plan_bit_for_bit(app, kl_dir):
+    url = app("spread", autoscaling_config=TWO_REPLICAS, parallel=SPREAD)
+    z = torch.randn(2, 4, 24, 26, generator=torch.Generator().manual_seed(21))  # 16 tiles per item
+    with VaeClient(url) as client:
+        answers = [
+            client.decode(z, quality="high", output=output, scaling_factor=None) for output in ("float", "uint8")
+        ]
+    engine = DecodeEngine(
+        ServiceConfig(model=str(kl_dir), model_name="spread", device="cpu", cpu_threads=1, parallel=SPREAD)
+    )
+    with torch_threads(1):
+        for answer, output in zip(answers, ("float", "uint8"), strict=True):
+            (one,) = engine.decode(
+                [engine.prepare(DecodeRequest(z, quality="high", output=output, latents_scaled=True))]
+            )
+            assert answer.tiled and answer.quality == "high"
+            assert answer.timing["replicas"] == 2  # both replicas decoded tiles
+            assert np.array_equal(answer.output, one.output.numpy())
+
+
+def test_lossless_above_the_bound_is_diffusers_tiled_decode(app):
+    url = app("tiled-lossless", limits={"max_decode_bytes": 4 * 2**20})
+    z = torch.randn(1, 4, 40, 36, generator=torch.Generator().manual_seed(22))
+    with VaeClient(url) as client:
+        answer = client.decode(z, output="float", scaling_factor=None)
+    reference = build_full_vae("kl")  # the deployed folder's weights
+    reference.enable_tiling()
+    with torch.inference_mode(), torch_threads(1):
+        want = reference.decode(z).sample
+    assert answer.tiled and answer.quality == "lossless" and answer.timing["replicas"] == 1
+    assert np.array_equal(answer.output, want.numpy())
