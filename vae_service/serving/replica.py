@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 from ray import serve
 
@@ -79,7 +80,9 @@ class DecoderReplica:
             on_decoded=self._observe_result,
             on_first_frames=self._observe_first_frames,
         )
-        self.model = self.service.engine.spec.name
+        engine = self.service.engine
+        self.tile_thread = ThreadPoolExecutor(1, thread_name_prefix="vae-tile", initializer=engine.bind_thread)
+        self.model = engine.spec.name
         log.info("serving %s", self.service.engine.describe())
         metrics.report_folded_bytes(self.service.engine)
 
@@ -179,15 +182,14 @@ class DecoderReplica:
             yield message
 
     async def decode_tile(self, latents, quality: str = "high") -> tuple:
-        """A tile of another replica's request (tile_spread.py): its pixels on the host and this
-        replica's id. On a thread of its own, not behind the device thread, where the request's
-        own replica waits for its tiles."""
-        return await asyncio.to_thread(self._decode_tile, latents, quality), replica_id()
+        """A tile of a request (tile_spread.py): its pixels on the host and this replica's id. On
+        the replica's one tile thread, not behind the device thread (where a request's own replica
+        waits for its tiles): one tile at a time, beside at most the device thread's batch."""
+        pixels = await asyncio.get_running_loop().run_in_executor(self.tile_thread, self._decode_tile, latents, quality)
+        return pixels, replica_id()
 
     def _decode_tile(self, latents, quality: str):
-        engine = self.service.engine
-        engine.bind_thread()
-        return engine.decode_tile(latents, quality).cpu()
+        return self.service.engine.decode_tile(latents, quality).cpu()
 
     def release_folded(self) -> int:
         """Drop the fast path's folded weights now (the next `high` decode rebuilds them)."""
@@ -199,6 +201,7 @@ class DecoderReplica:
         # Serve calls this on scale-down, redeploy, delete and shutdown (not on a hard kill):
         # let queued and running batches finish, then give the folded buffers back.
         drained = await self.service.drain(self.config.batching.request_timeout_s)
+        await asyncio.to_thread(self.tile_thread.shutdown, True)  # a tile in flight finishes first
         freed = self.release_folded()
         log.info(
             "replica %s shutting down: drained=%s, released %d bytes of folded buffers", replica_id(), drained, freed
