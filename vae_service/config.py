@@ -101,9 +101,10 @@ class Parallel(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     tiles_across_replicas: bool = Field(
-        True,
+        False,
         description="a tiled `high` image request sends its tiles to replicas of its own deployment "
-        "(Serve picks the least loaded) and blends them; bit-identical to one replica's tiled decode",
+        "(Serve picks the least loaded) and blends them; bit-identical to one replica's tiled decode. "
+        "Opt-in: under saturation its tiles queue behind other requests (503 at the deadline)",
     )
     min_output_pixels: int | None = Field(
         None,

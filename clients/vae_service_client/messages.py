@@ -155,11 +155,12 @@ def request_fields_from_proto(msg) -> dict:
 def timing_proto(timing: dict):
     from vae_service_client.grpc_gen import decode_pb2
 
-    return decode_pb2.Timing(**{k: timing[k] for k in TIMING_KEYS})
+    return decode_pb2.Timing(**{k: timing.get(k, 1) if k == "replicas" else timing[k] for k in TIMING_KEYS})
 
 
 def timing_of_proto(msg) -> dict:
-    return {k: getattr(msg, k) for k in TIMING_KEYS}
+    # servers before timing.replicas send no field 5 (proto3: 0): one replica decoded it
+    return {**{k: getattr(msg, k) for k in TIMING_KEYS}, "replicas": msg.replicas or 1}
 
 
 @dataclass
@@ -184,7 +185,7 @@ class DecodeResponse:
             "quality": self.quality,
             "precision": self.precision,
             "request_id": self.request_id,
-            "timing": {k: self.timing[k] for k in TIMING_KEYS},
+            "timing": {k: self.timing.get(k, 1) if k == "replicas" else self.timing[k] for k in TIMING_KEYS},
             "tiled": self.tiled,
         }
         if self.retried_from_frame is not None:

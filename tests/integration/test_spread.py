@@ -14,7 +14,7 @@ from vae_service_client import VaeClient
 
 pytestmark = pytest.mark.integration
 
-SPREAD = {"min_output_pixels": 48 * 48}  # 64x64-pixel tiles of 8 latent px
+SPREAD = {"tiles_across_replicas": True, "min_output_pixels": 48 * 48}  # 64x64-pixel tiles of 8 latent px
 TWO_REPLICAS = {"min_replicas": 2, "max_replicas": 2, "initial_replicas": 2}
 
 

@@ -77,7 +77,10 @@ def test_small_images_and_lossless_are_not_spread(engines):
 
 class Response:
     def __init__(self, value=None, error=None):
-        self.value, self.error = value, error
+        self.value, self.error, self.cancelled = value, error, False
+
+    def cancel(self):
+        self.cancelled = True
 
     def result(self, timeout_s=None):
         if self.error is not None:
@@ -90,7 +93,7 @@ class FlakyReplicas:
     injected fault: the replica died); the others answer (tile * 2, replica name)."""
 
     def __init__(self, failing: set[int]):
-        self.failing, self.sends = failing, 0
+        self.failing, self.sends, self.responses = failing, 0, []
 
     @property
     def decode_tile(self):
@@ -98,9 +101,11 @@ class FlakyReplicas:
 
     def remote(self, tile, quality):
         self.sends += 1
+        response = Response((tile * 2, f"replica-{self.sends % 2}"))
         if self.sends in self.failing:
-            return Response(error=RuntimeError("replica died"))
-        return Response((tile * 2, f"replica-{self.sends % 2}"))
+            response = Response(error=RuntimeError("replica died\nTraceback (most recent call last): ..."))
+        self.responses.append(response)
+        return response
 
 
 def spreader(failing: set[int]):
@@ -127,3 +132,15 @@ def test_a_tile_failing_twice_fails_the_request_with_503():
         spread([torch.zeros(1, 2) for _ in range(4)], "high")
     info = wire_error(err.value)
     assert info.type == "unavailable" and info.retry_after_s == 2.0 and "two replicas" in info.message
+    assert "Traceback" not in info.message  # the remote failure is logged, not sent to the client
+    assert all(r.cancelled for r in spread._handle.responses[:4])  # the other tiles' sub-decodes stop
+
+
+def test_answers_of_servers_before_timing_replicas_read_one_replica():
+    from vae_service_client.grpc_gen import decode_pb2
+    from vae_service_client.messages import DecodeResponse, timing_of_proto
+
+    assert timing_of_proto(decode_pb2.Timing(queue_ms=1.0, decode_ms=2.0, batch_size=1))["replicas"] == 1
+    timing = {"queue_ms": 1.0, "decode_ms": 2.0, "encode_ms": 0.0, "batch_size": 1}
+    old = DecodeResponse.from_map({"output": [], "model": "m", "quality": "q", "precision": "p", "timing": timing})
+    assert old.timing["replicas"] == 1 and old.summary()["timing"]["replicas"] == 1

@@ -369,7 +369,7 @@ class DecodeEngine:
         def spread(tiles: list[torch.Tensor]) -> list[torch.Tensor]:
             outputs, replicas = call.spread(tiles, quality)
             call.replicas = max(call.replicas, replicas)
-            return [out.to(self.device) for out in outputs]
+            return (out.to(self.device) for out in outputs)  # one at a time on the device, as blended
 
         return spread
 
