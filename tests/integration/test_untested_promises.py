@@ -99,20 +99,25 @@ def env_router(ray_cluster, kl_dir):
 # ---- 1. lossless over limits.max_decode_bytes ------------------------------------------------
 
 
-def test_lossless_over_max_decode_bytes_is_413_naming_latents_and_suggesting_high(bounded_url):
-    z = torch.randn(1, 4, 32, 32, generator=torch.Generator().manual_seed(1))
-    r = httpx.post(f"{bounded_url}/decode", content=pack(request_map(z, "lossless")), headers={"content-type": MSGPACK})
+def test_lossless_over_max_decode_bytes_is_tiled_else_413_naming_latents_and_suggesting_high(bounded_url):
+    small = torch.randn(1, 4, 32, 32, generator=torch.Generator().manual_seed(1))
+    with VaeClient(bounded_url, retries=0) as client:  # over the bound, within it by the model's own tiles
+        tiled = client.decode(small, "lossless")
+    assert tiled.tiled and tiled.quality == "lossless" and tiled.output.shape == (1, 256, 256, 3)
+    z = torch.randn(1, 4, 64, 64, generator=torch.Generator().manual_seed(1))  # even its own tiles do not fit
+    body = pack(request_map(z, "lossless"))  # priced on the meta twin, tile by tile: seconds
+    r = httpx.post(f"{bounded_url}/decode", content=body, headers={"content-type": MSGPACK}, timeout=60)
     assert r.status_code == 413, (r.status_code, r.content[:300])
     err = r.json()["error"]
     assert (err["type"], err["field"]) == ("payload_too_large", "latents")
     assert err["message"].startswith("latents") and "max_decode_bytes" in err["message"]
-    assert "'high'" in err["message"]
+    assert "'high'" in err["message"] and "even diffusers' tiled decode" in err["message"]
     with VaeClient(bounded_url, retries=0) as client:
         with pytest.raises(PayloadTooLarge) as raised:
             client.decode(z, "lossless")
         assert (raised.value.status, raised.value.field) == (413, "latents")
-        # the suggestion holds: the same latents at `high` decode, in tiles within the bound
-        high = client.decode(z, "high")
+        # `high` decodes in tiles within the bound, as the message suggests
+        high = client.decode(small, "high")
     assert high.tiled and high.output.shape == (1, 256, 256, 3)
 
 

@@ -196,10 +196,9 @@ class DecodeEngine:
 
     @property
     def prices_in_constant_time(self) -> bool:
-        """False when a tier's memory is priced per shape on the meta twin (up to a second). The
-        model's own tiled decode is priced per shape too, but only for `lossless` above the bound
-        (latents that large come mostly above the service's inline size, priced off its loop)."""
-        return all(self.memory[tier].affine for tier in ("lossless", "high"))
+        """False when a tier's memory is priced per shape on the meta twin (up to seconds: the
+        model's own tiled decode, for `lossless` above the bound, runs every tile there)."""
+        return all(tier.affine for tier in self.memory.values())
 
     def peak_bytes(self, prepared: PreparedRequest) -> int:
         """Estimated peak of decoding this request whole (`lossless` above the bound: by the
