@@ -9,7 +9,11 @@
 #   - Wan 81 frames at 480x832 and 720x1280, and a Qwen-Image 1024 px image: diffusers vs our
 #     lossless (bit-identical, checked on the spot) vs high, time to the first streamed chunk,
 #     peak memory untiled vs tiled;
-#   - the memory plan: estimate vs allocated peak per tier, and a tiled decode's peak vs its bound.
+#   - the memory plan: estimate vs allocated peak per tier, and a tiled decode's peak vs its bound;
+#   - one request over every GPU of the machine (bench_parallel.py --devices, no Ray): Wan 81
+#     frames at 480x832 and 720x1280 and an sd 2048 px image, `high`, untiled vs tiled on one GPU
+#     vs its tiles dealt to all GPUs (one: what dealing and blending cost), bit-identity (else
+#     the max difference), blend+transfer time.
 # Targets (issue notes): high <= 22 ms at 1024 px and <= 130 ms at 2048 px; lossless <= 80 ms;
 # Wan lossless <= 1.3 s and high <= 0.8 s at 480p, high <= 2.0 s at 720p; png/uint8 <= 1.3.
 # Needs torch, triton, diffusers, pydantic, msgpack, numpy, pillow, pytest, av.
@@ -35,4 +39,8 @@ video_rc=$?
 # the memory plan: each tier's calibrated estimate vs the allocator's peak, and a tiled peak vs its bound
 "$PY" bench/bench_memory.py --device cuda --precision bf16 --cases sd:1024x1024 flux:1024x1024 wan2.1:480x832:21
 memory_rc=$?
-exit $(( tests_rc || bench_rc || encode_rc || video_rc || memory_rc ))
+# one request's tiles over all GPUs here (torch.cuda.device_count()) vs one GPU; 3 configs x 3 rounds
+"$PY" bench/bench_parallel.py --devices all --precision bf16 --repeat 2 \
+  --cases wan2.1:480x832:21 wan2.1:720x1280:21 sd:2048
+parallel_rc=$?
+exit $(( tests_rc || bench_rc || encode_rc || video_rc || memory_rc || parallel_rc ))

@@ -38,7 +38,7 @@ class Limits(BaseModel):
         None,
         gt=0,
         description="peak memory of one decode, estimated per tier, model and shape: above it `high` decodes "
-        "spatially tiled and `lossless` of an image model by its own tiled decode (else 413). Unset: fixed "
+        "spatially tiled and `lossless` by the model class's own tiled decode (else 413). Unset: fixed "
         "at start-up, 80% of the GPU's memory less the weights, folded weights and 512 MiB; on a CPU half "
         "the RAM or the cgroup limit (smaller) less the weights and folded weights (/health: memory_plan)",
     )
@@ -102,15 +102,16 @@ class Parallel(BaseModel):
 
     tiles_across_replicas: bool = Field(
         False,
-        description="a tiled `high` image request sends its tiles to replicas of its own deployment "
-        "(Serve picks the least loaded) and blends them; bit-identical to one replica's tiled decode. "
+        description="a tiled request sends its tiles to replicas of its own deployment (Serve picks the least "
+        "loaded) and blends them, bit-identical to one replica's tiled decode: `high` images and video (frames "
+        "streamed as every tile's chunk arrives), `lossless` above the bound (the class's own tiled decode). "
         "Opt-in: under saturation its tiles queue behind other requests (503 at the deadline)",
     )
     min_output_pixels: int | None = Field(
         None,
         gt=0,
-        description="`high` image requests of at least this many output pixels per item are tiled (tiles of "
-        "about this many pixels) even within the memory bound, to spread them (default: only over the bound)",
+        description="`high` requests of at least this many output pixels per item (per frame) are tiled (tiles "
+        "of about this many pixels) even within the memory bound, to spread them (default: only over the bound)",
     )
 
 

@@ -1,7 +1,7 @@
 """One request across replicas (serving/tile_spread.py) on a real local Serve: a tiled `high` image
-whose tiles went to both replicas of its deployment is bit-identical to the same plan decoded by
-one engine, says so in `timing.replicas`, and `lossless` above the bound answers diffusers' own
-tiled decode."""
+or Wan clip whose tiles went to both replicas of its deployment is bit-identical to the same plan
+decoded by one engine (the clip also streamed, its tiles' chunks in lockstep), says so in
+`timing.replicas`, and `lossless` above the bound answers diffusers' own tiled decode."""
 
 import numpy as np
 import pytest
@@ -11,6 +11,7 @@ from tests.models import build_full_vae, torch_threads
 from vae_service.config import ServiceConfig
 from vae_service.engine import DecodeEngine, DecodeRequest
 from vae_service_client import VaeClient
+from vae_service_client.frames import assemble
 
 pytestmark = pytest.mark.integration
 
@@ -38,8 +39,48 @@ def test_tiles_decoded_by_two_replicas_are_the_one_replica_plan_bit_for_bit(app,
             assert np.array_equal(answer.output, one.output.numpy())
 
 
-def test_lossless_above_the_bound_is_diffusers_tiled_decode(app):
-    url = app("tiled-lossless", limits={"max_decode_bytes": 4 * 2**20})
+@pytest.fixture
+def wan_spread_url(ray_cluster, wan_dir):
+    """Deleted after its test: two more replicas would leave the shared cluster short of CPUs."""
+    from ray import serve
+
+    from tests.integration.conftest import TEST_DEPLOYMENT
+    from vae_service.serving.app import decoder_app
+
+    config = {"model": str(wan_dir), "model_name": "wan-spread", "cpu_threads": 1, "parallel": SPREAD}
+    app = decoder_app(config, autoscaling_config=TWO_REPLICAS, **TEST_DEPLOYMENT)
+    serve.run(app, name="wan-spread", route_prefix="/wan-spread")
+    yield f"{ray_cluster}/wan-spread"
+    serve.delete("wan-spread")
+
+
+def test_wan_tiles_decoded_by_two_replicas_stream_the_one_replica_plan_bit_for_bit(wan_spread_url, wan_dir):
+    z = torch.randn(1, 4, 3, 14, 12, generator=torch.Generator().manual_seed(23))  # 4 tiles, 3 latent frames
+    engine = DecodeEngine(
+        ServiceConfig(model=str(wan_dir), model_name="wan-spread", device="cpu", cpu_threads=1, parallel=SPREAD)
+    )
+    for output in ("float", "uint8"):
+        with VaeClient(wan_spread_url) as client:
+            whole = client.decode(z, quality="high", output=output, scaling_factor=None)
+            stream = client.decode_frames(z, quality="high", output=output, scaling_factor=None)
+            chunks = list(stream)
+        with torch_threads(1):
+            request = DecodeRequest(z, quality="high", output=output, latents_scaled=True)
+            (one,) = engine.decode([engine.prepare(request)])
+        assert whole.tiled and whole.timing["replicas"] == 2
+        assert np.array_equal(whole.output, one.output.numpy())
+        assert [c.frame for c in chunks] == [0, 1, 5]  # chunk by chunk, each once every tile's arrived
+        assert stream.summary.tiled and stream.summary.timing["replicas"] == 2
+        assert np.array_equal(assemble(chunks), one.output.numpy())
+
+
+def test_lossless_above_the_bound_is_diffusers_tiled_decode_its_tiles_on_two_replicas(app):
+    url = app(
+        "tiled-lossless",
+        autoscaling_config=TWO_REPLICAS,
+        limits={"max_decode_bytes": 4 * 2**20},
+        parallel={"tiles_across_replicas": True},
+    )
     z = torch.randn(1, 4, 40, 36, generator=torch.Generator().manual_seed(22))
     with VaeClient(url) as client:
         answer = client.decode(z, output="float", scaling_factor=None)
@@ -47,5 +88,5 @@ def test_lossless_above_the_bound_is_diffusers_tiled_decode(app):
     reference.enable_tiling()
     with torch.inference_mode(), torch_threads(1):
         want = reference.decode(z).sample
-    assert answer.tiled and answer.quality == "lossless" and answer.timing["replicas"] == 1
+    assert answer.tiled and answer.quality == "lossless" and answer.timing["replicas"] == 2
     assert np.array_equal(answer.output, want.numpy())

@@ -14,8 +14,8 @@ from starlette.requests import Request
 
 from vae_service.config import ServiceConfig
 from vae_service.engine import LimitExceeded
-from vae_service.protocol.errors import ANSWERABLE, BodyTimeout, Unauthenticated
-from vae_service.serving.admission import ADMISSION_ENV, TOKEN_ENV, Admission, admission_settings
+from vae_service.protocol.errors import ANSWERABLE, BodyTimeout, Unauthenticated, Unavailable, wire_error
+from vae_service.serving.admission import ADMISSION_ENV, BODY_ADMITTED_HEADER, TOKEN_ENV, Admission, admission_settings
 from vae_service.serving.http_routes import error_answer
 from vae_service.serving.proxy_guard import CALLBACK_ENV, ProxyGuard, middlewares, proxy_guard_env
 
@@ -312,6 +312,32 @@ async def test_admit_raises_the_protocols_answerable_errors(token_file):
         assert type(raised.value) is error
     with pytest.raises(ANSWERABLE, match="Content-Length"):
         await admission.admit(Request(scope(headers=[*ok, ("content-length", "ten")]), Client().receive))
+
+
+async def test_the_guard_marks_the_bodies_it_read_whole_and_drops_a_clients_own_mark():
+    seen = []
+
+    async def behind(scope_, receive, send):
+        seen.append([(k, v) for k, v in scope_["headers"] if k == BODY_ADMITTED_HEADER.encode()])
+        await echo(scope_, receive, send)
+
+    forged = [(BODY_ADMITTED_HEADER, "forged"), (BODY_ADMITTED_HEADER.upper(), "1")]
+    client = await through(guard(behind), Client([b"ab"]), headers=forged)
+    assert client.status == 200 and seen == [[(BODY_ADMITTED_HEADER.encode(), b"1")]]
+
+
+async def test_a_body_the_guard_had_whole_that_stalls_before_the_replica_is_503_not_408():
+    """Serve's relay from the proxy to a replica whose node is going away stalls: not the
+    client's fault, so a retryable 503 with the config's Retry-After; the same stall on a body
+    the guard never vouched for stays the client's 408."""
+    admission = Admission(10, 0.2, retry_after_s=3.0)
+    stalled = lambda: Client([b"a"] * 100, gap_s=0.05).receive  # noqa: E731
+    with pytest.raises(Unavailable) as raised:
+        await admission.admit(Request(scope(headers=[(BODY_ADMITTED_HEADER, "1")]), stalled()))
+    info = wire_error(raised.value)
+    assert (info.type, info.field, info.retry_after_s) == ("unavailable", "body", 3.0)
+    with pytest.raises(BodyTimeout):
+        await admission.admit(Request(scope(), stalled()))
 
 
 def test_grpc_metadata_is_checked_like_the_header(token_file):

@@ -3,26 +3,33 @@ in a deployment, serving/tile_spread.py; here other engines of the same model on
 the transport aside) is bit-identical to the same plan decoded by one engine, and says how many
 decoded it. `parallel.min_output_pixels` tiles large images within the bound."""
 
+import threading
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import pytest
 import torch
 
-from tests.models import torch_threads
-from vae_service.config import ServiceConfig
+from tests import zoo
+from tests.models import save_vae, torch_threads
+from vae_service.config import Limits, ServiceConfig
 from vae_service.engine import DecodeEngine, DecodeRequest
+from vae_service.engine.tiling import DIFFUSERS_TILES
 
 
 def engine_for(folder, name, **config) -> DecodeEngine:
     return DecodeEngine(ServiceConfig(model=str(folder), model_name=name, device="cpu", cpu_threads=1, **config))
 
 
+SPREAD = {"min_output_pixels": 48 * 48}  # tiles of 8 latent pixels (64x64 output pixels) and more
+
+
 @pytest.fixture(scope="module")
-def engines(kl_dir, flux_dir):
-    return {
-        "kl": [engine_for(kl_dir, "kl", parallel={"min_output_pixels": 48 * 48}) for _ in range(3)],
-        "flux": [engine_for(flux_dir, "flux", parallel={"min_output_pixels": 48 * 48}) for _ in range(3)],
-    }
+def engines(kl_dir, flux_dir, wan_dir, tmp_path_factory):
+    folders = {"kl": kl_dir, "flux": flux_dir, "wan": wan_dir}
+    for name in ("wan2.2", "qwen-image", "hunyuan-video"):
+        folders[name] = save_vae(zoo.build(zoo.BY_NAME[name]), tmp_path_factory.mktemp(name))
+    return {kind: [engine_for(folder, kind, parallel=SPREAD) for _ in range(3)] for kind, folder in folders.items()}
 
 
 class OtherEngines:
@@ -32,30 +39,35 @@ class OtherEngines:
     def __init__(self, peers: list[DecodeEngine]):
         self.peers, self.calls = peers, 0
 
-    def __call__(self, tiles, quality):
+    def _deal(self, tiles, replicas, decode):
         self.calls += 1
 
-        def decode(index: int):
+        def run(index: int):
             peer = self.peers[index % len(self.peers)]
             peer.bind_thread()
-            return peer.decode_tile(tiles[index].clone(), quality)
+            return decode(peer, tiles[index].clone())
 
         with ThreadPoolExecutor(len(self.peers)) as pool:
-            futures = {i: pool.submit(decode, i) for i in reversed(range(len(tiles)))}
-        return [futures[i].result() for i in range(len(tiles))], min(len(tiles), len(self.peers))
+            futures = {i: pool.submit(run, i) for i in reversed(range(len(tiles)))}
+        replicas.update(f"peer-{i % len(self.peers)}" for i in range(len(tiles)))
+        return [futures[i].result() for i in range(len(tiles))]
+
+    def images(self, tiles, part, replicas):
+        return self._deal(tiles, replicas, lambda peer, tile: peer.decode_tile(tile, part))
+
+    def chunks(self, tiles, quality, timestep, replicas):
+        decoded = self._deal(tiles, replicas, lambda peer, tile: list(peer.tile_chunks(tile, quality, timestep)))
+        return [iter(chunks) for chunks in decoded]
 
 
-def request(kind_engine: DecodeEngine, h: int, w: int, batch: int, output: str, seed: int) -> DecodeRequest:
+def request(engine: DecodeEngine, h: int, w: int, batch: int, output: str, seed: int, frames: int = 0):
     g = torch.Generator().manual_seed(seed)
-    z = torch.randn(batch, kind_engine.spec.latent_channels, h, w, generator=g)
+    z = torch.randn(batch, engine.spec.latent_channels, *([frames] if frames else []), h, w, generator=g)
     return DecodeRequest(z, quality="high", output=output, latents_scaled=True)
 
 
-@pytest.mark.parametrize("kind", ["kl", "flux"])
-@pytest.mark.parametrize("h, w, batch, output", [(13, 21, 1, "uint8"), (17, 9, 2, "float"), (24, 24, 1, "float")])
-def test_tiles_decoded_elsewhere_blend_to_the_one_engine_plan_bit_for_bit(engines, kind, h, w, batch, output):
-    here, *peers = engines[kind]
-    req = request(here, h, w, batch, output, seed=h * w)
+def here_and_spread(here: DecodeEngine, peers: list[DecodeEngine], req: DecodeRequest):
+    """The request's tiled plan decoded by `here` alone, then with its tiles decoded by `peers`."""
     with torch_threads(1):
         prepared = here.prepare(req)
         assert prepared.tile is not None and len(prepared.tile.tiles()) >= 2  # min_output_pixels tiled it
@@ -64,6 +76,73 @@ def test_tiles_decoded_elsewhere_blend_to_the_one_engine_plan_bit_for_bit(engine
         (spread_result,) = here.decode([prepared], spread=spread)
     assert spread.calls == 1 and alone.tiled and spread_result.tiled
     assert alone.timing.replicas == 1 and spread_result.timing.replicas == 2
+    assert torch.equal(spread_result.output, alone.output)
+    return prepared, alone
+
+
+@pytest.mark.parametrize("kind", ["kl", "flux"])
+@pytest.mark.parametrize("h, w, batch, output", [(13, 21, 1, "uint8"), (17, 9, 2, "float"), (24, 24, 1, "float")])
+def test_tiles_decoded_elsewhere_blend_to_the_one_engine_plan_bit_for_bit(engines, kind, h, w, batch, output):
+    here, *peers = engines[kind]
+    here_and_spread(here, peers, request(here, h, w, batch, output, seed=h * w))
+
+
+@pytest.mark.parametrize(
+    "kind, h, w, frames, batch, output",
+    [
+        ("wan", 20, 18, 3, 1, "float"),
+        ("wan", 13, 17, 2, 2, "uint8"),
+        ("wan2.2", 9, 14, 2, 1, "float"),
+        ("qwen-image", 17, 10, 1, 1, "float"),
+        ("qwen-image", 9, 30, 1, 2, "uint8"),
+    ],
+)
+def test_video_tiles_decoded_elsewhere_are_the_one_engine_plan_bit_for_bit(engines, kind, h, w, frames, batch, output):
+    """Each tile's chunks come from another engine; blended here in lockstep, every chunk is the
+    one engine's, streamed or whole."""
+    here, *peers = engines[kind]
+    prepared, alone = here_and_spread(here, peers, request(here, h, w, batch, output, h * w + frames, frames))
+    if here.video:  # streamed: chunk by chunk, not the whole clip at once
+        streamed = []
+        with torch_threads(1):
+            (result,) = here.decode([replace(prepared, sink=streamed.append)], spread=OtherEngines(peers))
+        assert result.output is None and result.timing.replicas == 2 and len(streamed) == frames
+        frame_axis = 1 if alone.output.dtype == torch.uint8 else 2
+        assert torch.equal(torch.cat([c.pixels for c in streamed], frame_axis), alone.output)
+
+
+@pytest.mark.parametrize(
+    "kind, h, w, frames, batch",
+    [
+        ("kl", 24, 20, 0, 1),
+        ("kl", 17, 31, 0, 2),
+        ("flux", 9, 40, 0, 1),
+        ("hunyuan-video", 34, 33, 2, 1),
+        ("wan", 34, 40, 2, 1),
+        ("wan2.2", 34, 30, 1, 1),
+        ("qwen-image", 36, 33, 1, 1),
+    ],
+)
+def test_lossless_above_the_bound_decoded_elsewhere_is_diffusers_tiled_decode_bit_for_bit(
+    engines, kind, h, w, frames, batch
+):
+    """The model's own tiled decode, its decoder's tiles decoded by other engines: the same bits
+    as decoding it here (itself bit-identical to `vae.enable_tiling(); vae.decode`, test_tiling)."""
+    here, *peers = engines[kind]
+    g = torch.Generator().manual_seed(h * w)
+    z = torch.randn(batch, here.spec.latent_channels, *([frames] if frames else []), h, w, generator=g)
+    request = DecodeRequest(z, latents_scaled=True)
+    here.limits = Limits(max_decode_bytes=here.peak_bytes(here.prepare(request)) - 1)
+    try:
+        prepared = here.prepare(request)
+        with torch_threads(1):
+            (alone,) = here.decode([prepared])
+            spread = OtherEngines(peers)
+            (spread_result,) = here.decode([prepared], spread=spread)
+    finally:
+        here.limits = Limits()
+    assert prepared.tile is DIFFUSERS_TILES and alone.tiled and spread_result.tiled
+    assert spread.calls == batch and spread_result.timing.replicas == 2 and alone.timing.replicas == 1
     assert torch.equal(spread_result.output, alone.output)
 
 
@@ -76,8 +155,12 @@ def test_small_images_and_lossless_are_not_spread(engines):
 
 
 class Response:
-    def __init__(self, value=None, error=None):
-        self.value, self.error, self.cancelled = value, error, False
+    def __init__(self, value=None, error=None, events=None):
+        self.value, self.error, self.cancelled, self.events = value, error, False, events
+
+    def _to_object_ref_sync(self, _timeout_s=None):  # Serve's: returns once a replica was assigned
+        if self.events is not None:
+            self.events.append("assigned")
 
     def cancel(self):
         self.cancelled = True
@@ -93,15 +176,16 @@ class FlakyReplicas:
     injected fault: the replica died); the others answer (tile * 2, replica name)."""
 
     def __init__(self, failing: set[int]):
-        self.failing, self.sends, self.responses = failing, 0, []
+        self.failing, self.sends, self.responses, self.events = failing, 0, [], []
 
     @property
     def decode_tile(self):
         return self
 
-    def remote(self, tile, quality):
+    def remote(self, tile, part):
         self.sends += 1
-        response = Response((tile * 2, f"replica-{self.sends % 2}"))
+        self.events.append("sent")
+        response = Response((tile * 2, f"replica-{self.sends % 2}"), events=self.events)
         if self.sends in self.failing:
             response = Response(error=RuntimeError("replica died\nTraceback (most recent call last): ..."))
         self.responses.append(response)
@@ -119,9 +203,12 @@ def spreader(failing: set[int]):
 def test_a_failed_tile_is_sent_once_more_and_the_order_kept():
     tiles = [torch.full((1, 2), float(i)) for i in range(4)]
     spread = spreader(failing={2})  # the second tile's first send
-    outputs, replicas = spread(tiles, "high")
+    replicas = set()
+    outputs = spread.images(tiles, "high", replicas)
     assert [o[0, 0].item() for o in outputs] == [0.0, 2.0, 4.0, 6.0]
-    assert spread._handle.sends == 5 and replicas == 2
+    assert spread._handle.sends == 5 and replicas == {"replica-0", "replica-1"}
+    # each first send routed before the next is sent (all at once, they crowd one replica)
+    assert spread._handle.events[:7] == ["sent", "assigned", "sent", "sent", "assigned", "sent", "assigned"]
 
 
 def test_a_tile_failing_twice_fails_the_request_with_503():
@@ -129,7 +216,7 @@ def test_a_tile_failing_twice_fails_the_request_with_503():
 
     spread = spreader(failing={2, 5})  # the second tile's both sends (after the four first sends)
     with pytest.raises(Unavailable) as err:
-        spread([torch.zeros(1, 2) for _ in range(4)], "high")
+        spread.images([torch.zeros(1, 2) for _ in range(4)], "high", set())
     info = wire_error(err.value)
     assert info.type == "unavailable" and info.retry_after_s == 2.0 and "two replicas" in info.message
     assert "Traceback" not in info.message  # the remote failure is logged, not sent to the client
@@ -144,3 +231,94 @@ def test_answers_of_servers_before_timing_replicas_read_one_replica():
     timing = {"queue_ms": 1.0, "decode_ms": 2.0, "encode_ms": 0.0, "batch_size": 1}
     old = DecodeResponse.from_map({"output": [], "model": "m", "quality": "q", "precision": "p", "timing": timing})
     assert old.timing["replicas"] == 1 and old.summary()["timing"]["replicas"] == 1
+
+
+class Stream:
+    """A streamed sub-decode: chunks (tile + k, replica), failing after `fail_after` of them or
+    blocking until cancelled (an injected fault: a replica that died or hangs)."""
+
+    def __init__(self, tile, replica: str, chunks: int, fail_after: int | None, hang: bool):
+        self.items = [(tile + k, replica) for k in range(chunks)]
+        self.fail_after, self.hang, self.given = fail_after, hang, 0
+        self.cancelled, self.assigned = threading.Event(), False
+
+    def _to_object_ref_gen_sync(self, _timeout_s=None):
+        self.assigned = True
+
+    def __next__(self):
+        if self.hang:
+            self.cancelled.wait(10)
+            raise RuntimeError("request cancelled")
+        if self.given == self.fail_after:
+            raise RuntimeError("replica died")
+        if self.given == len(self.items):
+            raise StopIteration
+        self.given += 1
+        return self.items[self.given - 1]
+
+    def cancel(self):
+        self.cancelled.set()
+
+
+class StreamingReplicas:
+    """A deployment handle's streaming `decode_tile_chunks`: send number n (from 1) fails after
+    `failing[n]` chunks; sends in `hanging` never answer."""
+
+    def __init__(self, failing: dict[int, int], hanging: set[int] = frozenset(), chunks: int = 4):
+        self.failing, self.hanging, self.chunks, self.streams = failing, hanging, chunks, []
+
+    def options(self, stream: bool):
+        assert stream
+        return self
+
+    @property
+    def decode_tile_chunks(self):
+        return self
+
+    def remote(self, tile, quality, timestep):
+        assert all(s.assigned for s in self.streams)  # paced: each stream routed before the next is sent
+        send = len(self.streams) + 1
+        stream = Stream(tile, f"replica-{send % 2}", self.chunks, self.failing.get(send), send in self.hanging)
+        self.streams.append(stream)
+        return stream
+
+
+def streaming_spreader(replicas: StreamingReplicas, timeout_s: float = 10.0):
+    from vae_service.serving.tile_spread import ReplicaTiles
+
+    tiles = ReplicaTiles(retry_after_s=2.0, request_timeout_s=timeout_s)
+    tiles._handle = replicas
+    return tiles
+
+
+def test_a_video_tile_whose_stream_fails_is_sent_once_more_and_each_chunk_read_once():
+    handle = StreamingReplicas(failing={2: 2})  # the second tile's stream dies after two chunks
+    seen = set()
+    runs = streaming_spreader(handle).chunks([torch.zeros(1), torch.full((1,), 10.0)], "high", None, seen)
+    assert len(handle.streams) == 2  # every tile sent at once, before any chunk is read
+    read = [[float(c) for c in run] for run in runs]
+    assert read == [[0.0, 1.0, 2.0, 3.0], [10.0, 11.0, 12.0, 13.0]]
+    assert len(handle.streams) == 3 and handle.streams[2].given == 4  # resent; its first two chunks skipped
+    assert seen == {"replica-1", "replica-0"}
+
+
+def test_a_video_tile_failing_twice_fails_the_request_with_503_and_stops_the_other_tiles():
+    from vae_service.protocol.errors import Unavailable, wire_error
+
+    handle = StreamingReplicas(failing={1: 1, 4: 0})  # tile one dies after a chunk, then its resend at once
+    runs = streaming_spreader(handle).chunks([torch.zeros(1)] * 3, "high", None, set())
+    assert float(next(runs[0])) == 0.0
+    with pytest.raises(Unavailable) as err:
+        next(runs[0])
+    assert wire_error(err.value).type == "unavailable" and "Traceback" not in wire_error(err.value).message
+    assert all(s.cancelled.is_set() for s in handle.streams[1:3])  # the other tiles' streams stop
+
+
+def test_a_video_tile_that_hangs_is_cancelled_at_the_request_deadline():
+    from vae_service.protocol.errors import Unavailable
+
+    handle = StreamingReplicas(failing={}, hanging={1})
+    runs = streaming_spreader(handle, timeout_s=0.3).chunks([torch.zeros(1)], "high", None, set())
+    with pytest.raises(Unavailable):
+        next(runs[0])
+    assert handle.streams[0].cancelled.is_set() and len(handle.streams) == 1  # no resend past the deadline

@@ -19,7 +19,9 @@ several threads do not interfere. The model's decode path (models/catalog.py) de
 Video (and any video-latent decoder) goes through engine/video.py: frames are converted, checked
 and streamed or kept chunk by chunk. Memory: every request's peak is estimated
 (engine/memory.py); over `limits.max_decode_bytes`, `high` decodes in spatial tiles
-(engine/tiling.py) and `lossless`, which never tiles, is refused in `prepare`.
+(engine/tiling.py) and `lossless` by the class's own tiled decode (models/diffusers_tiling.py),
+refused in `prepare` when even that does not fit. A tiled request's tiles may decode on other
+replicas (`spread`, engine/plan.py's TileSpreader), blended here to the same bits.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import replace
 
 import torch
@@ -42,20 +45,28 @@ from vae_service.engine.latents import LatentScaling, PreparedRequest, prepare
 from vae_service.engine.memory import TierMemory
 from vae_service.engine.memory_budget import memory_budget
 from vae_service.engine.memory_plan import decode_bound, peak_bytes, plan_memory
-from vae_service.engine.plan import BatchPlan, DecodeCall, Run, TileSpreader, checkpoint_hook, plan_batch
+from vae_service.engine.plan import TILE_PARTS, BatchPlan, DecodeCall, Run, TileSpreader, checkpoint_hook, plan_batch
 from vae_service.engine.postprocess import postprocess
 from vae_service.engine.precision import PRECISION_NAMES, resolve_device, resolve_dtype
 from vae_service.engine.preview import build_preview, frame_counts
 from vae_service.engine.request import QUALITIES, DecodeRequest
 from vae_service.engine.result import DecodeResult, PendingResult, Timing
-from vae_service.engine.tiling import DIFFUSERS_TILES, TileDecoder, spread_grid, tiled_chunks, tiled_image
+from vae_service.engine.tiling import (
+    DIFFUSERS_TILES,
+    OnDevice,
+    TileDecoder,
+    TileRuns,
+    spread_grid,
+    tiled_chunks,
+    tiled_image,
+)
 from vae_service.engine.video import NON_FINITE, decode_video
 from vae_service.engine.wan_walk import walk_chunks, walk_options
 from vae_service.fastpath import install_fast_path
 from vae_service.fastpath.folded import FoldedBuffers
 from vae_service.fastpath.rewrites import NORM_REWRITES, RewritePlan
 from vae_service.models import LoadedVae, ModelLoadError, load_vae
-from vae_service.models.diffusers_tiling import tiled_view
+from vae_service.models.diffusers_tiling import DECODER_PARTS, decoder_part, tiled_decode_elsewhere, tiled_view
 from vae_service.models.spec import decoded_pixels, dropped_parts, jsonable_config, meta_twin, pipeline_statistics
 from vae_service.models.wan_internals import diffusers_chunks, walk_unsupported_because
 
@@ -89,7 +100,6 @@ class DecodeEngine:
         except ValueError as exc:
             raise ModelLoadError(f"model: {self.spec.class_name}'s latent statistics: {exc}") from exc
         self.memory, folded = self._price_tiers(twin, config.fast_path.disable)
-        self.tiled_vae = tiled_view(self.vae) if "lossless_tiled" in self.memory else None
         weights = sum(t.numel() * t.element_size() for t in (*self.vae.parameters(), *self.vae.buffers()))
         self.budget = memory_budget(self.device, weights, folded)  # fixed for the engine's lifetime
         decode = lambda z: torch.cat(list(self._lossless_chunks(self.vae, z)), 2 if self.chunked else 0)  # noqa: E731
@@ -145,9 +155,9 @@ class DecodeEngine:
         whole = lambda vae, z: iter([self._pixels(vae, z, timestep)])  # noqa: E731 (the class's own decode)
         lossless = TierMemory(twin, self.spec, self._lossless_chunks, lock, cache_key=(*key, "lossless"))
         tiers = {"lossless": lossless}
-        twin_tiled = None if self.chunked else tiled_view(twin)
+        twin_tiled = tiled_view(twin)
         if twin_tiled is not None:  # lossless above the bound: the model's own tiled decode
-            tiers["lossless_tiled"] = TierMemory(twin_tiled, self.spec, whole, lock, per_shape=True)
+            tiers["lossless_tiled"] = TierMemory(twin_tiled, self.spec, whole, lock, per_shape=True, whole_clip=True)
         high = lossless
         if twin_fast is not None:
             if self.chunked:
@@ -257,7 +267,7 @@ class DecodeEngine:
         tier = prepared.request.quality
         bound = decode_bound(limits, self.budget)
         grid = plan_memory(prepared, self.memory[tier], bound, diffusers_tiled=self.memory.get("lossless_tiled"))
-        if grid is None and tier == "high" and not self.chunked:  # within the bound: spread if it is large
+        if grid is None and tier == "high":  # within the bound: spread if it is large
             grid = spread_grid(*prepared.latents.shape[-2:], self.spec.spatial_scale, self.spread_from_pixels)
         return prepared if grid is None else replace(prepared, tile=grid)
 
@@ -285,9 +295,9 @@ class DecodeEngine:
         output is not finite gets a DecodeFailed in its place; the others are unaffected. Once
         `abandoned` is set, the decode stops before its next decoder call (DecodeAbandoned).
         `defer_host_copy` (CUDA): outputs whose copy to the host is still running come back as
-        PendingResults. `spread`: tiled `high` images decode their tiles through it (other
-        replicas, engine.decode_tile there), blended here as if decoded here. Safe to call from
-        several threads at once."""
+        PendingResults. `spread`: tiled requests decode their tiles through it (other replicas,
+        engine.decode_tile or tile_chunks there), blended here as if decoded here; video tiles in
+        lockstep, chunk by chunk. Safe to call from several threads at once."""
         call = DecodeCall(abandoned, [] if defer_host_copy else None, spread)
         quality = batch[0].request.quality
         start = time.perf_counter()
@@ -351,9 +361,10 @@ class DecodeEngine:
         sizes = [z.shape[0] for z in latents]
         if quality == "preview":
             return list(self.preview.image(torch.cat(latents)).split(sizes))
-        if not run.together:  # lossless: every item alone, above the bound by the model's tiled decode
-            vae = self.tiled_vae if run.grid is DIFFUSERS_TILES else self.vae
-            return [self._each_alone(vae, z, r.timestep) for z, r in zip(latents, requests, strict=True)]
+        if run.grid is DIFFUSERS_TILES:  # lossless above the bound: the model's own tiled decode, item by item
+            return [self._tiled_alone(z, r.timestep, call) for z, r in zip(latents, requests, strict=True)]
+        if not run.together:  # lossless: every item alone
+            return [self._each_alone(self.vae, z, r.timestep) for z, r in zip(latents, requests, strict=True)]
         if run.grid is not None:
             (z,) = latents
             return [tiled_image(z, run.grid, self.spec.spatial_scale, self._tile_decoder(quality, call))]
@@ -364,19 +375,42 @@ class DecodeEngine:
         their pixels come back as sent, and are blended here on this device)."""
         if call.spread is None:
             return lambda tiles: map(self._vae_decode, tiles)
+        return lambda tiles: self._here(call.spread.images(tiles, quality, call.decoded_by))
 
-        def spread(tiles: list[torch.Tensor]) -> list[torch.Tensor]:
-            outputs, replicas = call.spread(tiles, quality)
-            call.replicas = max(call.replicas, replicas)
-            return (out.to(self.device) for out in outputs)  # one at a time on the device, as blended
+    def _here(self, outputs):
+        return (out.to(self.device) for out in outputs)  # one at a time on the device, as blended
 
-        return spread
+    def decode_tile(self, z: torch.Tensor, part: str = "high") -> torch.Tensor:
+        """One tile of another replica's request (`spread`), from its decoder-input latents: as
+        that replica's tiled `high` plan decodes a tile, or a job of the model's own tiled decode
+        (`decoder`: the decoder module alone; `causal_decoder`: a Wan or Qwen-Image tile, all its
+        latent frames on a fresh cache); never split again."""
+        if part not in TILE_PARTS:
+            raise ValueError(f"part: {part!r} is not one of {TILE_PARTS}")
+        with torch.inference_mode(), self.fast_path.gate.use(part == "high"):
+            z = z.to(self.device, self.dtype)
+            return decoder_part(self.vae, z, part) if part in DECODER_PARTS else self._vae_decode(z)
 
-    def decode_tile(self, z: torch.Tensor, quality: str = "high") -> torch.Tensor:
-        """One tile of another replica's request (`spread`): its decoder-input latents, decoded as
-        the tiled plan decodes a tile here; never split again."""
+    def tile_chunks(self, z: torch.Tensor, quality: str, timestep: float | None) -> Iterator[torch.Tensor]:
+        """One video tile of another replica's request (`spread`): its output chunks, as that
+        replica's tiled plan decodes the tile (its own causal history); never split again. Run it
+        to the end on one thread: the tier's settings hold for the whole tile."""
+        if quality not in ("high", "lossless"):
+            raise ValueError(f"quality: {quality!r} is not a decoder tier")
         with torch.inference_mode(), self.fast_path.gate.use(quality == "high"):
-            return self._vae_decode(z.to(self.device, self.dtype))
+            yield from self.chunk_decoder(quality, timestep)(z.to(self.device, self.dtype))
+
+    def _tile_runs(self, quality: str, timestep: float | None, call: DecodeCall) -> TileRuns:
+        """Video tiles: every tile's chunks, decoded here (lazily, as read) or by the call's spreader."""
+        if call.spread is not None:
+            spread, device, seen = call.spread, self.device, call.decoded_by
+            return lambda tiles: [OnDevice(run, device) for run in spread.chunks(tiles, quality, timestep, seen)]
+        chunks = self.chunk_decoder(quality, timestep)
+
+        def lazy(tile: torch.Tensor) -> Iterator[torch.Tensor]:
+            yield from chunks(tile)  # started when first read: tile after tile holds one tile at a time
+
+        return lambda tiles: [lazy(tile) for tile in tiles]
 
     def _run_video(
         self, quality: str, run: Run, requests: list[PreparedRequest], latents: list[torch.Tensor], call: DecodeCall
@@ -385,11 +419,14 @@ class DecodeEngine:
             law = self.spec.geometry.frames.law if self.spec.geometry.frames else None
             counts = frame_counts(requests[0].frames, requests[0].latent_frames, law)
             chunks = lambda z: self.preview.chunks(z, counts)  # noqa: E731
+        elif run.grid is DIFFUSERS_TILES:  # lossless above the bound: the whole clip at once, at the end
+            timestep = requests[0].timestep
+            chunks = lambda z: iter([self._tiled_alone(z, timestep, call)])  # noqa: E731
+        elif run.grid is not None:
+            runs, grid, scale = self._tile_runs(quality, requests[0].timestep, call), run.grid, self.spec.spatial_scale
+            chunks = lambda z: tiled_chunks(z, grid, scale, runs)  # noqa: E731
         else:
             chunks = self.chunk_decoder(quality, requests[0].timestep)
-        if run.grid is not None:
-            plain, grid, scale = chunks, run.grid, self.spec.spatial_scale
-            chunks = lambda z: tiled_chunks(z, grid, scale, plain)  # noqa: E731
         outputs = decode_video(requests, latents, run.together, chunks, call, self.spec.entry.pixels)
         return outputs if self.video else [_one_frame(o) for o in outputs]
 
@@ -419,6 +456,23 @@ class DecodeEngine:
 
     def _vae_decode(self, z: torch.Tensor) -> torch.Tensor:
         return self.vae.decode(z).sample
+
+    def _tiled_alone(self, z: torch.Tensor, timestep: float | None, call: DecodeCall) -> torch.Tensor:
+        """The model's own tiled decode of each item; with a spreader, its decoder's tiles are
+        decoded by other replicas (models/diffusers_tiling.py: still the same bits)."""
+        view = tiled_view(self.vae)
+        if call.spread is None or timestep is not None:
+            return self._each_alone(view, z, timestep)
+        spread = call.spread
+
+        def decode_tiles(tiles: list[torch.Tensor], part: str):
+            return self._here(spread.images(tiles, part, call.decoded_by))
+
+        decoded = []
+        for item in z.split(1):
+            pixels = tiled_decode_elsewhere(view, item, decode_tiles, call.checkpoint)
+            decoded.append(self._pixels(view, item) if pixels is None else pixels)
+        return decoded[0] if len(decoded) == 1 else torch.cat(decoded)
 
     def _each_alone(self, vae, z: torch.Tensor, timestep: float | None) -> torch.Tensor:
         decoded = [self._pixels(vae, item, timestep) for item in z.split(1)]

@@ -39,6 +39,8 @@ PROBE_SIDE = 16  # latent pixels per side of the smallest probe
 CALIBRATION_FRAMES = 3  # latent frames (video): the first chunk and two steady ones
 AFFINE_TOLERANCE = 0.01  # the third probe this close to the line through the first two: affine
 PRICED_SHAPES = 256  # per-shape prices kept by a tier that is not affine
+LONG_CLIP = 12  # latent frames: a whole-clip decode's price beyond, extrapolated from two probes
+LONG_CLIP_PROBES = (LONG_CLIP // 2, LONG_CLIP)
 # probed lines of affine tiers, per (class, config, dtype, device, rewrites, tier): engines of the
 # same model in one process (tests, benchmarks) probe once
 _PROBED: dict[tuple, tuple[dict, float]] = {}
@@ -107,6 +109,7 @@ class TierMemory:
         gate: Callable[[], object] | None = None,
         cache_key: tuple | None = None,
         per_shape: bool = False,
+        whole_clip: bool = False,
     ):
         self.twin, self.decode, self.gate, self._lock = twin, decode, gate, lock
         geometry = spec.geometry
@@ -115,9 +118,15 @@ class TierMemory:
         self.latent_channels = geometry.latent_channels
         self.video, self.scale = geometry.video_latents, geometry.spatial_scale
         self.min_side = geometry.min_latent_side
-        self.chunked = spec.path == "causal_walk"
+        # `whole_clip`: the class's own decode (its tiled decode) of a causal model: not chunked
+        self.chunked = spec.path == "causal_walk" and not whole_clip
         self.frames = 1 if spec.family == "image" else max(CALIBRATION_FRAMES, geometry.min_latent_frames)
         self.per_latent_frame = self.video and not self.chunked  # the decoder takes the whole clip at once
+        # a whole-clip tiled decode holds every tile's output frames until the blend, beside a
+        # working set that does not grow with the clip (the larger decides the peak): priced per
+        # shape and clip length (Wan's output frames per latent frame grow from 3 towards 4)
+        self.output_frames = spec.output_frames if whole_clip and self.video else None
+        self._clip_peaks = lru_cache(maxsize=PRICED_SHAPES)(self._clip_peak)
         # the causal walk's largest chunk in output frames (other decoders hand over the whole clip)
         counts = [spec.output_frames(t) for t in range(1, self.frames + 1)] if self.chunked else [1]
         self.chunk_frames = max(b - a for a, b in zip([0, *counts], counts, strict=False))
@@ -151,9 +160,10 @@ class TierMemory:
         if self.affine and cache_key is not None:
             _PROBED[cache_key] = (self.lines, self.working_per_latent_px)
 
-    def _run(self, items: int, h: int, w: int, live: LiveBytes | None = None) -> int:
-        """Decode on the twin; the most bytes `live` saw held between chunks."""
-        frames = (self.frames,) if self.video else ()
+    def _run(self, items: int, h: int, w: int, live: LiveBytes | None = None, frames: int | None = None) -> int:
+        """Decode on the twin (`frames` latent frames: default the probes'); the most bytes `live`
+        saw held between chunks."""
+        frames = (frames or self.frames,) if self.video else ()
         z = torch.empty(items, self.latent_channels, *frames, h, w, device="meta", dtype=self.dtype)
         resident = 0
         with self._lock, torch.inference_mode(), self.gate() if self.gate else nullcontext(), live or nullcontext():
@@ -175,7 +185,20 @@ class TierMemory:
         (rate, constant), (resident_rate, resident_constant) = self.lines["working"], self.lines["resident"]
         return Peak(int(rate * px + constant), int(resident_rate * px + resident_constant))
 
+    def _clip_peak(self, items: int, h: int, w: int, latent_frames: int) -> int:
+        live = LiveBytes()
+        self._run(items, h, w, live, latent_frames)
+        return live.peak
+
     def working(self, items: int, h: int, w: int, latent_frames: int = 1) -> int:
+        if self.output_frames is not None:
+            # counted as is up to LONG_CLIP latent frames; longer clips on the line through the
+            # last two probes: their held frames dominate the decoder's working set by then
+            h, w = max(h, self.min_side), max(w, self.min_side)
+            if latent_frames <= LONG_CLIP:
+                return self._clip_peaks(items, h, w, latent_frames)
+            (f1, p1), (f2, p2) = [(self.output_frames(t), self._clip_peaks(items, h, w, t)) for t in LONG_CLIP_PROBES]
+            return int(p2 + (p2 - p1) / (f2 - f1) * (self.output_frames(latent_frames) - f2))
         frames = latent_frames if self.per_latent_frame else 1
         rate, constant = self.correction or (0.0, 0.0)
         return max(0, int((self._peak(items, h, w).working + rate * items * h * w + constant) * frames))

@@ -85,9 +85,9 @@ def plan_memory(
         if diffusers_tiled is None:
             raise LimitExceeded(
                 "latents",
-                f"decoding these latents needs {gib}; 'lossless' above the bound runs the model's own tiled "
-                "decode, used for image models only: send quality 'high' (decoded in spatial tiles within "
-                "the bound) or fewer items",
+                f"decoding these latents needs {gib}, and this model's class has no tiled decode of its own "
+                "for 'lossless' above the bound: send quality 'high' (decoded in spatial tiles within the "
+                "bound) or fewer items",
             )
         tiled_need = peak_bytes(prepared, diffusers_tiled)
         if tiled_need > bound:

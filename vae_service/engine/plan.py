@@ -16,11 +16,15 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
 
 from vae_service.engine.errors import DecodeAbandoned
 from vae_service.engine.latents import PreparedRequest
 from vae_service.engine.tiling import TileGrid
+from vae_service.models.diffusers_tiling import DECODER_PARTS
 
 
 @dataclass(frozen=True)
@@ -37,9 +41,23 @@ class BatchPlan:
     tiled: bool
 
 
-# the tiles' decoder-input latents and the tier -> each tile's pixels in order, and how many
-# replicas decoded them (the serving layer's: the engine never imports Ray)
-TileSpreader = Callable[[list, str], tuple[list, int]]
+class TileSpreader(Protocol):
+    """Decodes a request's tiles elsewhere (other replicas: the serving layer's, the engine never
+    imports Ray), each tile by `engine.decode_tile` or `engine.tile_chunks` there. Both add the ids
+    of the replicas that decoded tiles to `replicas`."""
+
+    def images(self, tiles: list[torch.Tensor], part: str, replicas: set) -> list[torch.Tensor]:
+        """Each tile's output, in the tiles' order (`part`: what decode_tile runs, TILE_PARTS)."""
+
+    def chunks(
+        self, tiles: list[torch.Tensor], quality: str, timestep: float | None, replicas: set
+    ) -> list[Iterator[torch.Tensor]]:
+        """Each video tile's output chunks as they arrive, all tiles started at once."""
+
+
+# what a spread image tile runs: `high`'s decode of the tile, or a job of the model's own tiled
+# decode (models/diffusers_tiling.py: the decoder module alone, or a cached causal decoder's tile)
+TILE_PARTS = ("high", *DECODER_PARTS)
 
 
 @dataclass
@@ -49,7 +67,12 @@ class DecodeCall:
     abandoned: threading.Event | None = None
     host_copies: list | None = None  # CUDA events of the copies queued; None: each copy waited for
     spread: TileSpreader | None = None  # decodes a request's tiles on other replicas
-    replicas: int = 1  # replicas whose decoders worked on this call (spread tiles)
+    decoded_by: set = field(default_factory=set)  # ids of the replicas its spreader had decode tiles
+
+    @property
+    def replicas(self) -> int:
+        """Replicas whose decoders worked on this call: this one alone, or those its tiles went to."""
+        return max(1, len(self.decoded_by))
 
     def checkpoint(self) -> None:
         """Runs before every decoder call (an item, a tile, a latent frame, and each call a

@@ -188,24 +188,55 @@ def tiled_image(z: torch.Tensor, grid: TileGrid, scale: int, decode_tiles: TileD
     return blender.take()
 
 
-def tiled_chunks(
-    z: torch.Tensor, grid: TileGrid, scale: int, chunks: Callable[[torch.Tensor], Iterator[torch.Tensor]]
-) -> Iterator[torch.Tensor]:
-    """One blended chunk per latent frame, the tiles in lockstep or one after another (grid)."""
+TileRuns = Callable[[list[torch.Tensor]], list[Iterator[torch.Tensor]]]  # tiles' latents -> their chunks each
+
+
+class OnDevice:
+    """A tile's chunks decoded elsewhere, each moved to `device` as it is read; `close` stops the
+    decode there."""
+
+    def __init__(self, run: Iterator[torch.Tensor], device: torch.device):
+        self.run, self.device = run, device
+
+    def __iter__(self) -> OnDevice:
+        return self
+
+    def __next__(self) -> torch.Tensor:
+        return next(self.run).to(self.device)
+
+    def close(self) -> None:
+        close = getattr(self.run, "close", None)
+        if close is not None:
+            close()
+
+
+def tiled_chunks(z: torch.Tensor, grid: TileGrid, scale: int, tile_runs: TileRuns) -> Iterator[torch.Tensor]:
+    """One blended chunk per latent frame, the tiles in lockstep or one after another (grid).
+    `tile_runs`: every tile's chunk iterator, made at once (lazy here; decoding elsewhere, already
+    started), then read in the grid's order: in lockstep, chunk k of every tile before chunk k+1
+    of any, so a chunk goes out once every tile's has arrived. However the decode ends (done,
+    failed, abandoned), every tile's run is closed: a decode elsewhere stops with it."""
     blender = Blender(grid, scale)
-    if not grid.lockstep:
-        count = 0
-        for y, x in grid.tiles():
-            for count, out in enumerate(chunks(grid.cut(z, y, x)), 1):
-                blender.add((y, x), out, count)
-        for slot in range(1, count + 1):
-            yield blender.take(slot)
-        return
-    runs = {(y, x): chunks(grid.cut(z, y, x)) for y, x in grid.tiles()}
-    while True:
-        for key, run in runs.items():
-            out = next(run, None)
-            if out is None:
-                return
-            blender.add(key, out)
-        yield blender.take()
+    keys = grid.tiles()
+    runs = dict(zip(keys, tile_runs([grid.cut(z, y, x) for y, x in keys]), strict=True))
+    try:
+        if not grid.lockstep:
+            count = 0
+            for key, run in runs.items():
+                for count, out in enumerate(run, 1):
+                    blender.add(key, out, count)
+            for slot in range(1, count + 1):
+                yield blender.take(slot)
+            return
+        while True:
+            for key, run in runs.items():
+                out = next(run, None)
+                if out is None:
+                    return
+                blender.add(key, out)
+            yield blender.take()
+    finally:
+        for run in runs.values():
+            close = getattr(run, "close", None)
+            if close is not None:
+                close()

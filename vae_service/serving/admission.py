@@ -58,6 +58,10 @@ def load_token(token_file: str | None) -> str | None:
     return os.environ.get(TOKEN_ENV) or None
 
 
+# set by the proxy guard on a request whose body it read whole (a client's own is dropped there)
+BODY_ADMITTED_HEADER = "x-vae-body-admitted"
+
+
 class Refused(Exception):
     """A request refused at admission, as the wire's error type, field and message."""
 
@@ -243,8 +247,17 @@ class Admission:
         return await self.read_body(request.stream())
 
     async def admit(self, request: Request) -> bytes:
-        """`screen` for replicas and the router: raises the protocol's errors (ANSWERABLE)."""
+        """`screen` for replicas and the router: raises the protocol's errors (ANSWERABLE). A body
+        the proxy guard already had whole (BODY_ADMITTED_HEADER) that does not come through in
+        time stalled in Serve's relay to this replica (its node going away, seen when a raylet
+        was killed), not at the client: 503 + Retry-After, retried by clients, never the 408 that
+        blames the client."""
         try:
             return await self.screen(request)
         except Refused as exc:
+            if exc.type == "body_timeout" and request.headers.get(BODY_ADMITTED_HEADER) == "1":
+                from vae_service.protocol.errors import Unavailable  # not at the top: see `answerable`
+
+                why = "the body the proxy received did not come through to the replica; retry"
+                raise Unavailable("body", why, self.retry_after_s) from None
             raise exc.answerable() from None

@@ -32,7 +32,14 @@ from typing import TYPE_CHECKING
 from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 
-from vae_service.serving.admission import ADMISSION_ENV, Admission, Refused, admission_settings, settings_env
+from vae_service.serving.admission import (
+    ADMISSION_ENV,
+    BODY_ADMITTED_HEADER,
+    Admission,
+    Refused,
+    admission_settings,
+    settings_env,
+)
 from vae_service_client.errors import ERROR_KINDS, error_json
 
 if TYPE_CHECKING:
@@ -76,6 +83,9 @@ class ProxyGuard:
             started = started or message["type"] == "http.response.start"
             await send(message)
 
+        admitted = BODY_ADMITTED_HEADER.encode()
+        headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() != admitted]
+        scope = {**scope, "headers": [*headers, (admitted, b"1")]}
         try:
             await self.app(scope, replay, tracking_send)
         except Exception as exc:

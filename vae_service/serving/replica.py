@@ -32,7 +32,7 @@ from vae_service.serving.grpc_servicer import (
 )
 from vae_service.serving.handle_api import handle_decode, handle_decode_frames
 from vae_service.serving.http_routes import HttpAnswer, decode_answer, decode_events, remote_decode_answer
-from vae_service.serving.tile_spread import ReplicaTiles
+from vae_service.serving.tile_spread import ReplicaTiles, run_tile, stream_tile
 
 log = logging.getLogger("ray.serve")  # Serve writes it to the replica's own log file
 
@@ -181,15 +181,19 @@ class DecoderReplica:
         async for message in handle_decode_frames(self.service, latents, quality=quality, output=output, **options):
             yield message
 
-    async def decode_tile(self, latents, quality: str = "high") -> tuple:
-        """A tile of a request (tile_spread.py): its pixels on the host and this replica's id. On
-        the replica's one tile thread, not behind the device thread (where a request's own replica
-        waits for its tiles): one tile at a time, beside at most the device thread's batch."""
-        pixels = await asyncio.get_running_loop().run_in_executor(self.tile_thread, self._decode_tile, latents, quality)
+    async def decode_tile(self, latents, part: str = "high") -> tuple:
+        """An image tile of a request (tile_spread.py): its pixels on the host and this replica's
+        id. On the replica's one tile thread, not behind the device thread (where a request's own
+        replica waits for its tiles): one tile at a time, beside at most the device thread's batch."""
+        pixels = await run_tile(self.tile_thread, lambda: self.service.engine.decode_tile(latents, part))
         return pixels, replica_id()
 
-    def _decode_tile(self, latents, quality: str):
-        return self.service.engine.decode_tile(latents, quality).cpu()
+    async def decode_tile_chunks(self, latents, quality: str, timestep: float | None):
+        """A video tile of a request: its chunks as decoded, each with this replica's id (a
+        streaming method: `handle.options(stream=True)`); on the tile thread like an image tile."""
+        engine = self.service.engine
+        async for chunk in stream_tile(self.tile_thread, lambda: engine.tile_chunks(latents, quality, timestep)):
+            yield chunk, replica_id()
 
     def release_folded(self) -> int:
         """Drop the fast path's folded weights now (the next `high` decode rebuilds them)."""
