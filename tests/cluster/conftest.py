@@ -22,7 +22,6 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -34,6 +33,7 @@ import httpx
 import pytest
 import yaml
 
+from tests.ports import free_port
 from vae_service.config import ServiceConfig
 from vae_service.serving.proxy_guard import proxy_guard_env
 
@@ -43,16 +43,6 @@ BIN = Path(sys.executable).parent
 APP = "vae"
 DEPLOYMENT = "VaeDecoder"
 SLOT = "decoder_slot"  # the custom resource standing in for `num_gpus: 1`
-RAY_DEFAULT_PORTS = {6379, 8265, 10001, 52365}  # never taken here, left to whoever expects them
-
-
-def free_port() -> int:
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port not in RAY_DEFAULT_PORTS:
-            return port
 
 
 def wait_for(what: str, check: Callable[[], object], timeout_s: float, every_s: float = 0.5):

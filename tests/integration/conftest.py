@@ -1,11 +1,11 @@
 """One local Ray cluster and one Serve instance for the whole session (Ray's own test pattern)."""
 
 import os
-import socket
 from pathlib import Path
 
 import pytest
 
+from tests.ports import free_port
 from vae_service.config import ServiceConfig
 from vae_service.serving.app import GRPC_SERVICER
 from vae_service.serving.proxy_guard import proxy_guard_env
@@ -14,20 +14,6 @@ pytestmark = pytest.mark.integration
 PORTS: dict[str, int] = {}
 PROXY_BODY_TIMEOUT_S = 3.0
 TEST_DEPLOYMENT = dict(graceful_shutdown_wait_loop_s=0.05, graceful_shutdown_timeout_s=0.5)
-
-
-# ports Ray's components take by default: an ephemeral port that lands on one fails ray.init
-# ("metrics_export is trying to use a port number 52365 that is used by other components", seen in CI)
-RAY_DEFAULT_PORTS = {6379, 8265, 10001, 52365}
-
-
-def free_port() -> int:
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port not in RAY_DEFAULT_PORTS:
-            return port
 
 
 @pytest.fixture(scope="session")

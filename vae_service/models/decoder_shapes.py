@@ -12,6 +12,8 @@ from functools import lru_cache
 import torch
 from torch import nn
 
+from vae_service.models.spec import twin_of
+
 FIRST_CHUNK = "first_chunk"  # the keyword Wan-style decoders take on a tile's first frame
 # what a meta run of a class that cannot run on meta raises: the caller then decodes locally
 META_ERRORS = (NotImplementedError, RuntimeError, TypeError, ValueError, IndexError, AttributeError, KeyError)
@@ -107,7 +109,4 @@ def materialise(state: tuple) -> list:
 
 @lru_cache(maxsize=8)
 def _meta_decoder(cls: type, config: str, dtype: torch.dtype) -> nn.Module:
-    with torch.device("meta"):
-        twin = cls.from_config(json.loads(config))
-    # nn.Module.to: also the parameters some classes build with torch.Tensor(data), on the CPU
-    return nn.Module.to(twin, device="meta", dtype=dtype).decoder.eval()
+    return nn.Module.to(twin_of(cls, json.loads(config)), dtype=dtype).decoder

@@ -124,10 +124,10 @@ def dropped_parts(vae: nn.Module) -> tuple[str, ...]:
 def meta_twin(vae: nn.Module) -> nn.Module:
     """The same architecture on the meta device, without the modules the model dropped: shapes
     without memory or compute."""
-    return _twin(type(vae), dict(vae.config), dropped_parts(vae))
+    return twin_of(type(vae), dict(vae.config), dropped_parts(vae))
 
 
-def _twin(cls: type, config: dict, dropped: tuple[str, ...]) -> nn.Module:
+def twin_of(cls: type, config: dict, dropped: tuple[str, ...] = ()) -> nn.Module:
     with torch.device("meta"):
         twin = cls.from_config(config)
     twin = nn.Module.to(twin, "meta")  # parameters some classes build with torch.Tensor(data), on the CPU
@@ -152,7 +152,7 @@ def _traced(cls: type, config_json: str, dropped: tuple[str, ...]) -> Geometry:
     config = json.loads(config_json)
     hints = tuple(int(config[k]) for k in ("latent_channels", "z_dim") if isinstance(config.get(k), int))
     single_frame = entry_for(cls.__name__).media == "image"
-    return trace_geometry(_twin(cls, config, dropped), _meta_decode, hints, single_frame=single_frame)
+    return trace_geometry(twin_of(cls, config, dropped), _meta_decode, hints, single_frame=single_frame)
 
 
 def inspect_vae(

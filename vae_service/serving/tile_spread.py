@@ -60,7 +60,7 @@ class ReplicaTiles:
 
     def images(self, tiles: list[torch.Tensor], part: str, replicas: set) -> list[torch.Tensor]:
         deadline = time.monotonic() + self.timeout_s
-        tiles = [tile.cpu().clone() for tile in tiles]  # a view would carry its whole latent along
+        tiles = [_own(tile) for tile in tiles]
         sent: list = []
         try:
             for tile in tiles:
@@ -96,7 +96,7 @@ class ReplicaTiles:
         siblings: list[TileStream] = []
         try:
             for tile in tiles:
-                send = self._sender(tile.cpu().clone(), quality, timestep, deadline)
+                send = self._sender(_own(tile), quality, timestep, deadline)
                 siblings.append(TileStream(send, replicas, deadline, siblings, self.unavailable))
         except BaseException:
             for stream in siblings:
@@ -128,6 +128,14 @@ class ReplicaTiles:
 @functools.cache
 def _warn_unpaced(error: Exception) -> None:
     log.warning("tiles are sent unpaced (%s: %s): they may crowd one replica", type(error).__name__, error)
+
+
+def _own(tile: torch.Tensor) -> torch.Tensor:
+    """`tile` on the host, copied only where it is a view: a view would carry its whole latent
+    along to the other replica (the replay's recorded inputs are already tensors of their own)."""
+    tile = tile.cpu()
+    own = tile.is_contiguous() and tile.untyped_storage().nbytes() == tile.numel() * tile.element_size()
+    return tile if own else tile.clone()
 
 
 def _resending(error: Exception) -> None:
