@@ -34,7 +34,8 @@ def local_serve():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ray.init(include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    # a cluster of its own, never one a `ray start` on this machine left running
+    ray.init(address="local", include_dashboard=False, log_to_driver=False, logging_level="ERROR")
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
         yield f"http://127.0.0.1:{port}"

@@ -54,7 +54,7 @@ def rows_for(case: str, device: str, precision: str, fraction: float) -> list[li
     for quality in ("lossless", "high"):
         request = DecodeRequest(z, quality=quality, latents_scaled=True)
         estimate, peak, _ = measured_peak(engine, request)
-        priced = engine.memory[quality].describe()["priced"]
+        priced = engine.cost.tiers[quality].describe()["priced"]
         rows.append([model, f"{height}x{width}x{frames}", quality, priced, estimate / MIB, peak / MIB,
                      estimate / peak, "-", "-"])  # fmt: skip
     request = DecodeRequest(z, quality="high", latents_scaled=True)

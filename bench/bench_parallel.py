@@ -229,19 +229,19 @@ class DeviceTiles:
                 raise step.error
             yield step
 
-    def images(self, tiles: list[torch.Tensor], part: str, replicas: set) -> list[torch.Tensor]:
+    def images(self, tiles: list[torch.Tensor], part: str, call, local) -> Iterator[torch.Tensor]:
         def work(engine, tile):
-            yield engine.decode_tile(tile, part)
+            yield engine.decode_tile(tile, part, call.fingerprint)
 
-        return [next(self._read(out)) for out in self._deal(tiles, replicas, work)]
+        return (next(self._read(out)) for out in self._deal(tiles, call.replicas, work))
 
     def chunks(
-        self, tiles: list[torch.Tensor], quality: str, timestep: float | None, replicas: set
+        self, tiles: list[torch.Tensor], quality: str, timestep: float | None, call, local
     ) -> list[Iterator[torch.Tensor]]:
         def work(engine, tile):
-            return engine.tile_chunks(tile, quality, timestep)
+            return engine.tile_chunks(tile, quality, timestep, call.fingerprint)
 
-        return [self._read(out) for out in self._deal(tiles, replicas, work)]
+        return [self._read(out) for out in self._deal(tiles, call.replicas, work)]
 
 
 def parse_devices(spec: str) -> list[str]:

@@ -64,7 +64,7 @@ def speed_case(case: str, device: str, precision: str, rounds: int) -> list:
         def run():
             first, chunks, start = None, [], time.perf_counter()
             with gate.use(quality == "high"):
-                for chunk in engine.chunk_decoder(quality)(z):
+                for chunk in engine.runtime.chunks(quality, None)(z):
                     if first is None:
                         _sync(engine.device)
                         first = time.perf_counter() - start

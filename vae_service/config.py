@@ -104,8 +104,9 @@ class Parallel(BaseModel):
         False,
         description="a tiled request sends its tiles to replicas of its own deployment (Serve picks the least "
         "loaded) and blends them, bit-identical to one replica's tiled decode: `high` images and video (frames "
-        "streamed as every tile's chunk arrives), `lossless` above the bound (the class's own tiled decode). "
-        "Opt-in: under saturation its tiles queue behind other requests (503 at the deadline)",
+        "streamed as every tile's chunk arrives), `lossless` above the bound (the class's own tiled decode); a "
+        "replica that would decode other bits (another fingerprint) refuses its tiles, decoded here instead. "
+        "Opt-in: under saturation its tiles queue behind other requests (504 at the request's deadline)",
     )
     min_output_pixels: int | None = Field(
         None,

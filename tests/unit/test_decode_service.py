@@ -61,6 +61,48 @@ def test_user_config_takes_limits_and_batching():
         parse_live({"limits": {"max_batch_itemz": 2}})
 
 
+DEPLOYED = ServiceConfig(batching={"request_timeout_s": 60, "max_batch_size": 8}, serving={"concurrent_keys": 4})
+ENFORCED = {"max_ongoing_requests": 32, "graceful_shutdown_timeout_s": 65}  # derived from DEPLOYED at deploy
+
+
+@pytest.mark.parametrize(
+    "batching, field",
+    [
+        ({"request_timeout_s": 61}, "batching.request_timeout_s"),
+        ({"request_timeout_s": 60, "max_batch_size": 9}, "batching.max_batch_size"),
+    ],
+)
+def test_a_live_change_that_contradicts_an_option_fixed_at_deploy_is_refused_naming_it(batching, field):
+    """Raising the timeout live would let Serve kill a draining replica with its requests (its
+    graceful shutdown was derived from the old one); a larger batch than max_ongoing_requests
+    admits could never fill. Lowering either is a live change like any other."""
+    lowered = parse_live({"batching": {"request_timeout_s": 30, "max_batch_size": 4}}, DEPLOYED, ENFORCED)
+    assert (lowered.batching.request_timeout_s, lowered.batching.max_batch_size) == (30, 4)
+    with pytest.raises(ValueError, match=rf"user_config: {field}"):
+        parse_live({"batching": batching}, DEPLOYED, ENFORCED)
+
+
+def test_a_replica_refuses_such_a_change_when_serve_reconfigures_it(kl_dir):
+    from vae_service.serving.replica import DecoderReplica
+
+    replica = DecoderReplica(DEPLOYED.model_copy(update={"model": str(kl_dir), "cpu_threads": 1}), ENFORCED)
+    replica.reconfigure({"batching": {"request_timeout_s": 20}})
+    assert replica.service.config.batching.request_timeout_s == 20
+    with pytest.raises(ValueError, match=r"batching\.request_timeout_s"):
+        replica.reconfigure({"batching": {"request_timeout_s": 600}})
+    assert replica.service.config.batching.request_timeout_s == 20  # unchanged
+
+
+def test_the_drain_waits_within_the_shutdown_timeout_serve_enforces():
+    from vae_service.config import SHUTDOWN_MARGIN_S
+    from vae_service.serving.replica import drain_timeout_s
+
+    live = LiveConfig(batching={"request_timeout_s": 120})
+    assert drain_timeout_s(live, {"graceful_shutdown_timeout_s": 30}) == 30 - SHUTDOWN_MARGIN_S
+    assert drain_timeout_s(live, {"graceful_shutdown_timeout_s": 300}) == 120
+    assert drain_timeout_s(live, {}) == 120
+
+
 async def test_batches_run_on_one_device_thread_with_the_engines_thread_count(kl_dir, kl_vae):
     """torch keeps its CPU thread count per thread: the device thread must decode with the
     configured count whatever the thread that built the service uses (lossless bits depend on it)."""
@@ -250,7 +292,8 @@ async def test_a_decode_whose_callers_left_stops_at_its_next_latent_frame(wan_di
     assert await asyncio.to_thread(watch.finished.wait, 30)
     assert watch.saw_abandoned == [True]
     assert len(calls) == held  # the held frame finished; no further frame started
-    assert [type(o) for o in watch.outcome] == [DecodeAbandoned]
+    (outcome,) = watch.outcome  # the batch's results: the request's is its abandonment
+    assert [type(o) for o in outcome] == [DecodeAbandoned]
     ok = await service.decode(DecodeRequest(torch.zeros(1, 4, 1, 2, 2)))  # and the device is free again
     assert ok.output.shape == (1, 1, 16, 16, 3)
 

@@ -204,12 +204,12 @@ def test_model_checks_name_the_field(engines, kind, kw, field, error, text):
 
 def test_decode_cost_budget_is_checked_before_any_tensor_work(engines):
     engine = engines("wan", max_decode_tflop=1e-6)
-    per_pixel = engine.flops_per_pixel
-    assert 0 < per_pixel < 1e6  # tiny test VAE; the presets' SD is ~9.5 MFLOP per pixel
+    tflop = engine.cost.tflop(1, 5, 4, 4)
+    assert 0 < tflop * 1e12 / (5 * 32 * 32) < 1e6  # tiny test VAE; the presets' SD is ~9.5 MFLOP per pixel
     z = torch.zeros(1, 4, 2, 4, 4)  # 5 frames of 32x32
     with pytest.raises(LimitExceeded, match="max_decode_tflop") as err:
         engine.prepare(DecodeRequest(z))
-    assert f"{5 * 32 * 32 * per_pixel / 1e12:.3g} TFLOP" in err.value.message
+    assert f"{tflop:.3g} TFLOP" in err.value.message
     assert engines("wan").prepare(DecodeRequest(z)).frames == 5  # within the default budget
 
 

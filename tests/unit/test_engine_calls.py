@@ -158,6 +158,6 @@ def test_a_model_whose_own_decode_calls_its_decoder_several_times_stops_between_
     engine.decode([prepared])
     assert len(forwards) == 3
     forwards.clear()
-    with pytest.raises(DecodeAbandoned):
-        engine.decode([prepared], AbandonedAfter(steps))
+    (result,) = engine.decode([prepared], AbandonedAfter(steps))
+    assert isinstance(result, DecodeAbandoned)  # the request's answer: nobody waits for it
     assert len(forwards) == steps

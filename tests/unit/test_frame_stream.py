@@ -73,7 +73,8 @@ async def test_leaving_a_stream_stops_its_decode_at_the_next_latent_frame(servic
     assert await asyncio.to_thread(watch.finished.wait, 30)
     assert watch.saw_abandoned == [True]
     assert len(calls) == held  # the held frame finished; no further frame started
-    assert [type(o) for o in watch.outcome] == [DecodeAbandoned]
+    (outcome,) = watch.outcome  # the batch's results: the request's is its abandonment
+    assert [type(o) for o in outcome] == [DecodeAbandoned]
     ok = await service.decode(DecodeRequest(torch.zeros(1, 4, 1, 2, 2)))  # the device is free again
     assert ok.output.shape == (1, 1, 16, 16, 3)
 

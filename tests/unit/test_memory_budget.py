@@ -63,7 +63,7 @@ def test_the_default_bound_is_a_fraction_of_the_host_less_weights_and_folds(engi
     assert plan["weights_bytes"] == weights + sum(b.numel() * b.element_size() for b in engine.vae.buffers())
     assert plan["folded_bytes"] > 0  # the tiny KL's fast path folds its upsample convs
     expected = int(capacity * HOST_FRACTION) - plan["weights_bytes"] - plan["folded_bytes"]
-    assert plan["decode_bound_bytes"] == expected == engine.decode_bound()
+    assert plan["decode_bound_bytes"] == expected == engine.cost.bound(engine.limits)
     assert plan["bound_from"] == "default"
 
 
@@ -76,7 +76,7 @@ async def test_a_request_gets_the_same_plan_whatever_else_runs(kl_dir):
 
     def plan() -> tuple:
         prepared = engine.prepare(request)
-        return prepared.tile, engine.peak_bytes(prepared), engine.decode_bound()
+        return prepared.tiling, engine.peak_bytes(prepared), engine.cost.bound(engine.limits)
 
     engine.limits = Limits(max_decode_bytes=int(0.6 * engine.peak_bytes(engine.prepare(request))))
     idle = plan()

@@ -68,19 +68,58 @@ def test_pixel_budget_uses_the_traced_scale():
         engine.prepare(DecodeRequest(z))
 
 
-def test_irregular_frame_counts_are_traced_per_count():
-    """CogVideoX decodes an even number of latent frames to 4T and an odd one to 4T - 3: no linear
-    law holds, so every count is traced, including counts beyond the ones traced at load."""
-    case = BY_NAME["cogvideox-even"]
+@pytest.mark.parametrize(
+    "name, description",
+    [
+        ("cogvideox-even", "then 8 more every 2 latent frames"),  # 4T for even T, 4T - 3 for odd T
+        ("minimax-h3", "then 17 more every 5 latent frames"),
+        ("kvae-video", "then 16 more every 4 latent frames"),  # from its third count on
+    ],
+)
+def test_frame_counts_that_repeat_with_a_period_answer_every_count_without_a_trace(name, description, monkeypatch):
+    """No line fits these decoders' frame counts, but a law that repeats does: found at load, it
+    answers counts far beyond the traced ones as the real decode does, without tracing them."""
+    case = BY_NAME[name]
     vae = build(case)
     engine = DecodeEngine(ServiceConfig(model="x", device="cpu", cpu_threads=1), LoadedVae.of(vae))
-    assert "traced per latent frame count" in engine.describe()["geometry"]["output_frames"]
-    for t in (1, 2, 3, 8, 9):
-        z = torch.randn(1, 4, t, 2, 2)
-        prepared = engine.prepare(DecodeRequest(z))
+    frames = engine.spec.geometry.frames
+    assert description in engine.describe()["geometry"]["output_frames"]
+    monkeypatch.setattr(frames, "_trace", None)  # any trace now would fail
+    first = frames.min_latent_frames
+    for t in (first, first + 1, 19, 24, 31):
+        prepared = engine.prepare(DecodeRequest(torch.randn(1, case.latent[0], t, 2, 2)))
         with torch.inference_mode():
-            truth = vae.decode(case.normalise(vae, z)).sample.shape[2]
-        assert prepared.frames == truth == (4 * t if t % 2 == 0 else 4 * t - 3)
+            truth = vae.decode(case.normalise(vae, prepared.latents)).sample.shape[2]
+        assert prepared.frames == truth == frames(t)
+    assert frames(1000) > 1000  # a long clip is priced (and refused by max_frames) without a trace
+
+
+def test_a_decoder_without_a_frame_law_is_traced_per_count_after_the_frame_limit():
+    """Frame counts that follow no law are traced when asked for, and remembered; a count whose
+    frames must be over max_frames (each latent frame decodes to at least one) is refused first."""
+    from vae_service.models.geometry import FrameCounts
+
+    irregular = {1: 1, 2: 7, 3: 8, 4: 15, 5: 15, 6: 22, 7: 30}
+    traced = []
+
+    def trace(t: int) -> int:
+        traced.append(t)
+        return 5 * t - (t % 3)
+
+    counts = FrameCounts(irregular, trace)
+    assert counts.rule is None and "traced per latent frame count" in counts.describe()
+    assert counts.needs_trace(9) and not counts.needs_trace(5)
+    assert counts.at_least(300) >= 300 and traced == []  # bounded without a trace
+    assert counts(9) == 45 - 0 and counts(9) == 45 and traced == [9]  # traced once, remembered
+    loaded = LoadedVae.of(build(BY_NAME["cogvideox-even"]))
+    spec = replace(loaded.spec, geometry=replace(loaded.spec.geometry, frames=counts))
+    config = ServiceConfig(model="x", device="cpu", cpu_threads=1, limits={"max_frames": 100})
+    engine = DecodeEngine(config, LoadedVae(loaded.vae, spec))
+    with pytest.raises(LimitExceeded, match="max_frames"):
+        engine.check(DecodeRequest(torch.randn(1, 4, 101, 2, 2)))
+    assert traced == [9]  # refused without tracing 101 frames
+    checked = engine.check(DecodeRequest(torch.randn(1, 4, 11, 2, 2)))
+    assert engine.needs_shape_work(checked) and traced == [9]  # left to the price, off the event loop
 
 
 def test_a_decoder_that_writes_fewer_frames_than_promised_fails_without_answering():
@@ -90,23 +129,23 @@ def test_a_decoder_that_writes_fewer_frames_than_promised_fails_without_answerin
     engine = DecodeEngine(ServiceConfig(model="x", device="cpu", cpu_threads=1), LoadedVae.of(build(case)))
     z = latents(case, batch=1)
     prepared = engine.prepare(DecodeRequest(z))
-    walk = engine.chunk_decoder
+    walk = engine.runtime.chunks
 
     def dropping_the_last_chunk(quality, timestep=None):
         decoder = walk(quality, timestep)
-        return lambda z, vae=None: iter(list(decoder(z, vae))[:-1])
+        return lambda z: iter(list(decoder(z))[:-1])
 
     def repeating_a_chunk(quality, timestep=None):
         decoder = walk(quality, timestep)
-        return lambda z, vae=None: iter([*list(decoder(z, vae)), *list(decoder(z, vae))[-1:]])
+        return lambda z: iter([*list(decoder(z)), *list(decoder(z))[-1:]])
 
     for broken in (dropping_the_last_chunk, repeating_a_chunk):
-        engine.chunk_decoder = broken
+        engine.runtime.chunks = broken
         try:
             with pytest.raises(IncompleteOutput):
                 engine.decode([prepared])
         finally:
-            engine.chunk_decoder = walk
+            engine.runtime.chunks = walk
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from vae_service.config import Limits, ServiceConfig
+from vae_service.config import Limits, LiveConfig, ServiceConfig
 from vae_service.engine import DecodeEngine, DecodeRequest
 from vae_service.serving.decode_service import DecodeService
 from vae_service.serving.http_routes import decode_events
@@ -71,12 +71,12 @@ async def test_a_stream_retried_in_tiles_names_the_first_retried_frame(wan_dir):
     assert untiled.summary.retried_from_frame is None and not untiled.summary.tiled
 
     half = engine.peak_bytes(engine.prepare(DecodeRequest(z, quality="high", stream=True, latents_scaled=True))) // 2
-    engine.limits = Limits(max_decode_bytes=half)  # the plan the retry makes: tiles of half the peak
+    service.apply(LiveConfig(limits=Limits(max_decode_bytes=half)))  # the retry's plan: tiles of half the peak
     try:
         tiled = await streamed(service, z)
         tiled_frames = assemble(list(tiled))
     finally:
-        engine.limits = Limits()
+        service.apply(LiveConfig())
     assert tiled.summary.tiled and tiled.summary.retried_from_frame is None
 
     calls = inject_out_of_memory(engine.vae.decoder.mid_block.attentions[0], on_call=3)

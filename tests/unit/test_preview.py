@@ -49,7 +49,7 @@ def test_the_linear_preview_is_its_definition(name):
     full = run(engine, z, output="float")
     assert preview.quality == "preview" and preview.output.shape == full.output.shape and not calls
     linear = engine.preview.linear
-    x = engine._scaling.to_decoder_input(engine.prepare(DecodeRequest(z)), engine.device)
+    x = engine.runtime.scaling.to_decoder_input(engine.prepare(DecodeRequest(z)), engine.device)
     frames = x.unbind(2) if x.dim() == 5 else [x]
     expected = [
         F.interpolate(

@@ -1,7 +1,8 @@
 """A tiled `high` image whose tiles are decoded elsewhere (engine.decode's `spread`: other replicas
 in a deployment, serving/tile_spread.py; here other engines of the same model on other threads,
 the transport aside) is bit-identical to the same plan decoded by one engine, and says how many
-decoded it. `parallel.min_output_pixels` tiles large images within the bound."""
+decoded it. `parallel.min_output_pixels` tiles large images within the bound. The spreader's
+failures, deadlines and refusals (another fingerprint) on injected faults."""
 
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -14,7 +15,9 @@ from tests import zoo
 from tests.models import save_vae, torch_threads
 from vae_service.config import Limits, ServiceConfig
 from vae_service.engine import DecodeEngine, DecodeRequest
-from vae_service.engine.tiling import DIFFUSERS_TILES
+from vae_service.engine.call import TileCall
+from vae_service.engine.context import RequestContext
+from vae_service.engine.planner import ClassTiles
 
 
 def engine_for(folder, name, **config) -> DecodeEngine:
@@ -52,12 +55,14 @@ class OtherEngines:
         replicas.update(f"peer-{i % len(self.peers)}" for i in range(len(tiles)))
         return [futures[i].result() for i in range(len(tiles))]
 
-    def images(self, tiles, part, replicas):
-        return self._deal(tiles, replicas, lambda peer, tile: peer.decode_tile(tile, part))
+    def images(self, tiles, part, call, local):
+        return iter(self._deal(tiles, call.replicas, lambda peer, tile: peer.decode_tile(tile, part, call.fingerprint)))
 
-    def chunks(self, tiles, quality, timestep, replicas):
-        decoded = self._deal(tiles, replicas, lambda peer, tile: list(peer.tile_chunks(tile, quality, timestep)))
-        return [iter(chunks) for chunks in decoded]
+    def chunks(self, tiles, quality, timestep, call, local):
+        def decode(peer, tile):
+            return list(peer.tile_chunks(tile, quality, timestep, call.fingerprint))
+
+        return [iter(chunks) for chunks in self._deal(tiles, call.replicas, decode)]
 
 
 def request(engine: DecodeEngine, h: int, w: int, batch: int, output: str, seed: int, frames: int = 0):
@@ -70,7 +75,7 @@ def here_and_spread(here: DecodeEngine, peers: list[DecodeEngine], req: DecodeRe
     """The request's tiled plan decoded by `here` alone, then with its tiles decoded by `peers`."""
     with torch_threads(1):
         prepared = here.prepare(req)
-        assert prepared.tile is not None and len(prepared.tile.tiles()) >= 2  # min_output_pixels tiled it
+        assert prepared.tiling is not None and len(prepared.tiling.tiles()) >= 2  # min_output_pixels tiled it
         (alone,) = here.decode([prepared])
         spread = OtherEngines(peers)
         (spread_result,) = here.decode([prepared], spread=spread)
@@ -141,7 +146,7 @@ def test_lossless_above_the_bound_decoded_elsewhere_is_diffusers_tiled_decode_bi
             (spread_result,) = here.decode([prepared], spread=spread)
     finally:
         here.limits = Limits()
-    assert prepared.tile is DIFFUSERS_TILES and alone.tiled and spread_result.tiled
+    assert isinstance(prepared.tiling, ClassTiles) and alone.tiled and spread_result.tiled
     assert spread.calls == batch and spread_result.timing.replicas == 2 and alone.timing.replicas == 1
     assert torch.equal(spread_result.output, alone.output)
 
@@ -149,9 +154,9 @@ def test_lossless_above_the_bound_decoded_elsewhere_is_diffusers_tiled_decode_bi
 def test_small_images_and_lossless_are_not_spread(engines):
     here = engines["kl"][0]
     with torch_threads(1):
-        assert here.prepare(request(here, 5, 5, 1, "uint8", 0)).tile is None  # 40x40 px < 48x48
+        assert here.prepare(request(here, 5, 5, 1, "uint8", 0)).tiling is None  # 40x40 px < 48x48
         lossless = DecodeRequest(request(here, 24, 24, 1, "uint8", 0).latents, latents_scaled=True)
-        assert here.prepare(lossless).tile is None
+        assert here.prepare(lossless).tiling is None
 
 
 class Response:
@@ -182,31 +187,45 @@ class FlakyReplicas:
     def decode_tile(self):
         return self
 
-    def remote(self, tile, part):
+    def remote(self, tile, part, fingerprint, remaining_s):
+        from vae_service.serving.tile_spread import TileAnswer
+
+        assert fingerprint == FINGERPRINT and 0 < remaining_s <= 10.0  # the request's, and its time left
         self.sends += 1
         self.events.append("sent")
-        response = Response((tile * 2, f"replica-{self.sends % 2}"), events=self.events)
+        response = Response(TileAnswer(tile * 2, f"replica-{self.sends % 2}"), events=self.events)
         if self.sends in self.failing:
             response = Response(error=RuntimeError("replica died\nTraceback (most recent call last): ..."))
         self.responses.append(response)
         return response
 
 
+FINGERPRINT = "f" * 16
+
+
+def tile_call(timeout_s: float = 10.0) -> TileCall:
+    return TileCall(RequestContext.admit(timeout_s, Limits(), FINGERPRINT), FINGERPRINT)
+
+
 def spreader(failing: set[int]):
     from vae_service.serving.tile_spread import ReplicaTiles
 
-    tiles = ReplicaTiles(retry_after_s=2.0, request_timeout_s=10.0)
+    tiles = ReplicaTiles(retry_after_s=2.0)
     tiles._handle = FlakyReplicas(failing)
     return tiles
+
+
+def not_here(tiles):
+    raise AssertionError("no tile was refused: none is decoded here")
 
 
 def test_a_failed_tile_is_sent_once_more_and_the_order_kept():
     tiles = [torch.full((1, 2), float(i)) for i in range(4)]
     spread = spreader(failing={2})  # the second tile's first send
-    replicas = set()
-    outputs = spread.images(tiles, "high", replicas)
+    call = tile_call()
+    outputs = list(spread.images(tiles, "high", call, not_here))
     assert [o[0, 0].item() for o in outputs] == [0.0, 2.0, 4.0, 6.0]
-    assert spread._handle.sends == 5 and replicas == {"replica-0", "replica-1"}
+    assert spread._handle.sends == 5 and call.replicas == {"replica-0", "replica-1"}
     # each first send routed before the next is sent (all at once, they crowd one replica)
     assert spread._handle.events[:7] == ["sent", "assigned", "sent", "sent", "assigned", "sent", "assigned"]
 
@@ -216,7 +235,7 @@ def test_a_tile_failing_twice_fails_the_request_with_503():
 
     spread = spreader(failing={2, 5})  # the second tile's both sends (after the four first sends)
     with pytest.raises(Unavailable) as err:
-        spread.images([torch.zeros(1, 2) for _ in range(4)], "high", set())
+        list(spread.images([torch.zeros(1, 2) for _ in range(4)], "high", tile_call(), not_here))
     info = wire_error(err.value)
     assert info.type == "unavailable" and info.retry_after_s == 2.0 and "two replicas" in info.message
     assert "Traceback" not in info.message  # the remote failure is logged, not sent to the client
@@ -238,7 +257,9 @@ class Stream:
     blocking until cancelled (an injected fault: a replica that died or hangs)."""
 
     def __init__(self, tile, replica: str, chunks: int, fail_after: int | None, hang: bool):
-        self.items = [(tile + k, replica) for k in range(chunks)]
+        from vae_service.serving.tile_spread import TileAnswer
+
+        self.items = [TileAnswer(tile + k, replica) for k in range(chunks)]
         self.fail_after, self.hang, self.given = fail_after, hang, 0
         self.cancelled, self.assigned = threading.Event(), False
 
@@ -275,7 +296,8 @@ class StreamingReplicas:
     def decode_tile_chunks(self):
         return self
 
-    def remote(self, tile, quality, timestep):
+    def remote(self, tile, quality, timestep, fingerprint, remaining_s):
+        assert fingerprint == FINGERPRINT and remaining_s > 0
         assert all(s.assigned for s in self.streams)  # paced: each stream routed before the next is sent
         send = len(self.streams) + 1
         stream = Stream(tile, f"replica-{send % 2}", self.chunks, self.failing.get(send), send in self.hanging)
@@ -283,30 +305,30 @@ class StreamingReplicas:
         return stream
 
 
-def streaming_spreader(replicas: StreamingReplicas, timeout_s: float = 10.0):
+def streaming_spreader(replicas: StreamingReplicas):
     from vae_service.serving.tile_spread import ReplicaTiles
 
-    tiles = ReplicaTiles(retry_after_s=2.0, request_timeout_s=timeout_s)
+    tiles = ReplicaTiles(retry_after_s=2.0)
     tiles._handle = replicas
     return tiles
 
 
 def test_a_video_tile_whose_stream_fails_is_sent_once_more_and_each_chunk_read_once():
     handle = StreamingReplicas(failing={2: 2})  # the second tile's stream dies after two chunks
-    seen = set()
-    runs = streaming_spreader(handle).chunks([torch.zeros(1), torch.full((1,), 10.0)], "high", None, seen)
+    call = tile_call()
+    runs = streaming_spreader(handle).chunks([torch.zeros(1), torch.full((1,), 10.0)], "high", None, call, not_here)
     assert len(handle.streams) == 2  # every tile sent at once, before any chunk is read
     read = [[float(c) for c in run] for run in runs]
     assert read == [[0.0, 1.0, 2.0, 3.0], [10.0, 11.0, 12.0, 13.0]]
     assert len(handle.streams) == 3 and handle.streams[2].given == 4  # resent; its first two chunks skipped
-    assert seen == {"replica-1", "replica-0"}
+    assert call.replicas == {"replica-1", "replica-0"}
 
 
 def test_a_video_tile_failing_twice_fails_the_request_with_503_and_stops_the_other_tiles():
     from vae_service.protocol.errors import Unavailable, wire_error
 
     handle = StreamingReplicas(failing={1: 1, 4: 0})  # tile one dies after a chunk, then its resend at once
-    runs = streaming_spreader(handle).chunks([torch.zeros(1)] * 3, "high", None, set())
+    runs = streaming_spreader(handle).chunks([torch.zeros(1)] * 3, "high", None, tile_call(), not_here)
     assert float(next(runs[0])) == 0.0
     with pytest.raises(Unavailable) as err:
         next(runs[0])
@@ -314,11 +336,11 @@ def test_a_video_tile_failing_twice_fails_the_request_with_503_and_stops_the_oth
     assert all(s.cancelled.is_set() for s in handle.streams[1:3])  # the other tiles' streams stop
 
 
-def test_a_video_tile_that_hangs_is_cancelled_at_the_request_deadline():
-    from vae_service.protocol.errors import Unavailable
+def test_a_video_tile_that_hangs_is_cancelled_at_the_request_deadline_and_answers_504():
+    from vae_service.engine.errors import DecodeTimeout
 
     handle = StreamingReplicas(failing={}, hanging={1})
-    runs = streaming_spreader(handle, timeout_s=0.3).chunks([torch.zeros(1)], "high", None, set())
-    with pytest.raises(Unavailable):
+    runs = streaming_spreader(handle).chunks([torch.zeros(1)], "high", None, tile_call(timeout_s=0.3), not_here)
+    with pytest.raises(DecodeTimeout):  # timed out: a 504, never a replica's failure
         next(runs[0])
     assert handle.streams[0].cancelled.is_set() and len(handle.streams) == 1  # no resend past the deadline

@@ -12,9 +12,12 @@ from tests.models import build_full_vae, save_vae, torch_threads
 from vae_service.config import Limits, ServiceConfig
 from vae_service.engine import DecodeEngine, DecodeRequest, LimitExceeded
 from vae_service.engine.memory import LiveBytes
+from vae_service.engine.planner import ClassTiles
 from vae_service.engine.postprocess import to_uint8
-from vae_service.engine.tiling import DIFFUSERS_TILES, Blender, TileGrid, tiled_chunks
+from vae_service.engine.tiling import Blender, TileGrid, tiled_chunks
+from vae_service.models.diffusers_tiling import tiled_view
 from vae_service.models.loading import LoadedVae
+from vae_service.models.spec import meta_twin
 
 # docs/performance.md, "Memory estimate and tiling": tiled vs untiled `high` (uint8) on the
 # random-weight test models with tiles of 15-17 latent px (120-136 px): measured 27.5-37.8 dB;
@@ -90,7 +93,7 @@ def test_each_tiers_estimate_is_within_ten_percent_of_a_real_decode(engines, kin
     at shapes the pricing never saw, odd and non-square."""
     engine = engines[kind]
     prepared = engine.prepare(DecodeRequest(latents_for(engine, h, w, batch), quality=quality, latents_scaled=True))
-    assert prepared.tile is None and prepared.request.quality == quality
+    assert prepared.tiling is None and prepared.request.quality == quality
     if quality == "high":  # its first decode builds the folded weights, held like weights, not per decode
         decode(engine, prepared.request)
     peak, result = measured_peak(engine, prepared)
@@ -101,12 +104,12 @@ def test_each_tiers_estimate_is_within_ten_percent_of_a_real_decode(engines, kin
 def test_the_tiers_are_priced_apart_where_their_graphs_differ(engines):
     """Winograd's scratch makes CPU fp32 `high` of a 64-channel decoder hold about 2.7x lossless'
     bytes at 16x16 latents, and stop growing with pixels past that; lossless stays linear."""
-    lossless, high = engines["kl64"].memory["lossless"], engines["kl64"].memory["high"]
-    assert lossless.affine and not high.affine
+    lossless, high = engines["kl64"].cost.tiers["lossless"], engines["kl64"].cost.tiers["high"]
+    assert lossless.constant_time and not high.constant_time
     assert high.working(1, 16, 16) > 2 * lossless.working(1, 16, 16)
     assert high.working(1, 48, 48) / (48 * 48) < 0.6 * high.working(1, 16, 16) / (16 * 16)
-    small = engines["kl"].memory
-    assert small["lossless"].affine and small["high"].affine  # 32 channels: no Winograd
+    small = engines["kl"].cost.tiers
+    assert small["lossless"].constant_time and small["high"].constant_time  # 32 channels: no Winograd
     assert small["lossless"].working(2, 12, 40) == pytest.approx(4 * small["lossless"].working(1, 12, 20), rel=1e-6)
 
 
@@ -129,8 +132,8 @@ def test_a_tiled_decodes_measured_peak_stays_within_the_bound(engines, kind, fra
         peak, result = measured_peak(engine, prepared)
     finally:
         engine.limits = Limits()
-    assert prepared.tile is not None and result.tiled
-    assert peak <= bound, f"{peak} > {bound} with {prepared.tile}"
+    assert prepared.tiling is not None and result.tiled
+    assert peak <= bound, f"{peak} > {bound} with {prepared.tiling}"
 
 
 def decoded_just_above_the_bound(engine, request):
@@ -143,7 +146,7 @@ def decoded_just_above_the_bound(engine, request):
         peak, result = measured_peak(engine, prepared)
     finally:
         engine.limits = Limits()
-    assert prepared.tile is DIFFUSERS_TILES and result.tiled and result.quality == "lossless"
+    assert isinstance(prepared.tiling, ClassTiles) and result.tiled and result.quality == "lossless"
     return prepared, peak, result, whole
 
 
@@ -230,19 +233,74 @@ def test_video_lossless_over_the_bound_is_diffusers_tiled_decode_bit_for_bit(
     assert torch.equal(result.output, want)
 
 
-@pytest.mark.parametrize("frames", [3, 21, 41])
-def test_a_long_clips_tiled_lossless_is_priced_by_its_frames(video_engines, frames):
-    """The class's tiled decode holds every tile's frames until the blend: its price follows the
-    output frames (Wan: 1 + 4(T-1)), not the latent frames it was probed with (three). Against
-    the live bytes of the same decode on the meta twin."""
-    engine, _ = video_engines["wan"]
-    tier = engine.memory["lossless_tiled"]
+def counted_class_tiled(engine, h: int, w: int, frames: int) -> int:
+    """The live bytes of the class's own tiled decode run on the meta twin: what the price stands
+    for, counted by running it tile by tile (seconds per shape, where the price is constant work)."""
+    view = tiled_view(torch.nn.Module.to(meta_twin(engine.vae), dtype=engine.dtype).eval())
+    dims = (frames,) if engine.spec.geometry.video_latents else ()
+    z = torch.empty(1, engine.spec.latent_channels, *dims, h, w, device="meta", dtype=engine.dtype)
     live = LiveBytes()
-    z = torch.empty(1, engine.spec.latent_channels, frames, 48, 40, device="meta")
     with torch.inference_mode(), live:
-        for out in tier.decode(tier.twin, z):
-            del out
-    assert 0.9 * live.peak <= tier.working(1, 48, 40, frames) <= 1.1 * live.peak
+        out = engine.runtime.pixels(view, z, engine.runtime.probe_timestep)
+        del out
+    return live.peak
+
+
+@pytest.mark.parametrize(
+    "kind, h, w, frames",
+    [
+        ("wan", 48, 40, 3),
+        ("wan", 48, 40, 21),
+        ("wan", 61, 29, 41),
+        ("wan2.2", 37, 23, 2),
+        ("wan2.2", 29, 50, 5),
+        ("qwen-image", 57, 70, 1),
+        ("qwen-image", 33, 97, 1),
+        ("hunyuan-video", 70, 41, 2),
+        ("hunyuan-video", 45, 99, 3),
+    ],
+)
+def test_a_video_class_tiled_decode_is_priced_by_its_grid_within_ten_percent(video_engines, kind, h, w, frames):
+    """The class's tiled decode holds every tile's frames until the blend: its price follows the
+    output frames (Wan: 1 + 4(T-1)) and the grid's tiles, priced in constant work (no twin run),
+    within 10% of the same decode counted on the meta twin, at shapes and clip lengths the start-up
+    probes never saw."""
+    engine, _ = video_engines[kind]
+    price = engine.cost.class_tiled
+    assert price.describe()["priced"] == "by the class's tile grid"
+    assert not price.needs_shape_work(h, w, frames)
+    counted = counted_class_tiled(engine, h, w, frames)
+    assert 0.9 * counted <= price.working(h, w, frames) <= 1.1 * counted
+
+
+@pytest.mark.parametrize("kind", ["kl", "flux"])
+@pytest.mark.parametrize("h, w", [(9, 9), (14, 31), (40, 17), (64, 64), (97, 130)])
+def test_an_image_class_tiled_decode_is_priced_by_its_grid_within_ten_percent(engines, kind, h, w):
+    engine = engines[kind]
+    price = engine.cost.class_tiled
+    assert not price.needs_shape_work(h, w)
+    counted = counted_class_tiled(engine, h, w, 1)
+    assert 0.9 * counted <= price.working(h, w) <= 1.1 * counted
+
+
+def test_a_class_tiled_decode_of_1024_px_is_priced_without_running_the_twin(engines, monkeypatch):
+    """A 1024 px tiny-kl request above the bound: 484 tiles of 8 latent px, each of which the twin
+    would run (32 s here before); priced from the grid instead, the twin never called."""
+    engine = engines["kl"]
+    from vae_service.engine.memory import TwinRun
+
+    def no_twin(*args, **kwargs):
+        raise AssertionError("the twin ran for a request's price")
+
+    monkeypatch.setattr(TwinRun, "run", no_twin)
+    request = DecodeRequest(torch.zeros(1, 4, 128, 128), latents_scaled=True)
+    engine.limits = Limits(max_decode_bytes=engine.cost.peak(engine.check(request)) - 1)
+    try:
+        prepared = engine.prepare(request)
+    finally:
+        engine.limits = Limits()
+    assert isinstance(prepared.tiling, ClassTiles) and not engine.needs_shape_work(prepared)
+    assert engine.peak_bytes(prepared) < engine.cost.peak(prepared)
 
 
 def test_lossless_over_the_bound_without_a_tiled_decode_is_refused_naming_high(tmp_path):
@@ -256,7 +314,7 @@ def test_lossless_over_the_bound_without_a_tiled_decode_is_refused_naming_high(t
         decode(engine, request, bound=need // 2)
     assert err.value.field == "latents" and "'high'" in err.value.message
     prepared, result = decode(engine, request, bound=need)  # at the bound: decoded whole
-    assert prepared.tile is None and not result.tiled
+    assert prepared.tiling is None and not result.tiled
 
 
 @pytest.mark.parametrize("kind", ["kl", "flux", "wan"])
@@ -267,7 +325,7 @@ def test_high_over_the_bound_decodes_tiled_within_the_documented_error(engines, 
     _, whole = decode(engine, request)
     need = engine.peak_bytes(engine.prepare(request))
     prepared, tiled = decode(engine, request, bound=int(0.7 * need))
-    assert tiled.tiled and not whole.tiled and prepared.tile.tile >= 15
+    assert tiled.tiled and not whole.tiled and prepared.tiling.tile >= 15
     assert tiled.output.shape == whole.output.shape and tiled.output.dtype == torch.uint8
     assert psnr(tiled.output, whole.output) >= MIN_TILED_PSNR_DB
 
@@ -276,7 +334,7 @@ def test_too_large_even_tiled_is_refused(engines):
     engine = engines["wan"]
     request = DecodeRequest(latents_for(engine, 24, 20), quality="high", latents_scaled=True)
     with pytest.raises(LimitExceeded, match="even tiled") as err:
-        decode(engine, request, bound=engine.memory["high"].working(1, 4, 4))
+        decode(engine, request, bound=engine.cost.tiers["high"].working(1, 4, 4))
     assert err.value.field == "latents"
 
 
@@ -300,7 +358,7 @@ def test_tiled_video_lockstep_and_tile_after_tile_agree_bit_for_bit(engines):
     engine = engines["wan"]
     z = latents_for(engine, 20, 18, frames=3)
     decoded, seen_at_handover = [], {}
-    chunks = engine.chunk_decoder("high")
+    chunks = engine.runtime.chunks("high", None)
 
     def counted(tile_latents):
         for out in chunks(tile_latents):
@@ -349,7 +407,7 @@ def test_out_of_memory_on_high_retries_once_in_tiles(engines, kind, monkeypatch)
     engine = engines[kind]
     request = DecodeRequest(latents_for(engine, 16, 16), quality="high", latents_scaled=True)
     _, whole = decode(engine, request)
-    original, calls = engine._execute, []
+    original, calls = engine.executor.run, []
 
     def out_of_memory_once(plan, batch, latents, call):
         calls.append(plan.tiled)
@@ -357,7 +415,7 @@ def test_out_of_memory_on_high_retries_once_in_tiles(engines, kind, monkeypatch)
             raise torch.OutOfMemoryError("CUDA out of memory (injected)")
         return original(plan, batch, latents, call)
 
-    monkeypatch.setattr(engine, "_execute", out_of_memory_once)
+    monkeypatch.setattr(engine.executor, "run", out_of_memory_once)
     _, result = decode(engine, request)
     assert calls == [False, True] and result.tiled
     assert psnr(result.output, whole.output) >= MIN_RETRY_PSNR_DB
@@ -369,18 +427,18 @@ def test_out_of_memory_on_lossless_is_not_retried(engines, monkeypatch):
     def out_of_memory(plan, batch, latents, call):
         raise torch.OutOfMemoryError("CUDA out of memory (injected)")
 
-    monkeypatch.setattr(engine, "_execute", out_of_memory)
+    monkeypatch.setattr(engine.executor, "run", out_of_memory)
     with pytest.raises(torch.OutOfMemoryError):
         decode(engine, DecodeRequest(latents_for(engine, 4, 4), latents_scaled=True))
 
 
 def test_the_bound_is_the_config_or_the_fixed_default(engines):
     engine = engines["kl"]
-    default = engine.decode_bound()
-    assert default == engine.budget.default_bound > 0
+    default = engine.cost.bound(engine.limits)
+    assert default == engine.cost.budget.default_bound > 0
     engine.limits = Limits(max_decode_bytes=12345)
     try:
-        assert engine.decode_bound() == 12345
+        assert engine.cost.bound(engine.limits) == 12345
         plan = engine.describe()["memory_plan"]
         assert plan["decode_bound_bytes"] == 12345 and plan["bound_from"] == "limits.max_decode_bytes"
         assert plan["default_bound_bytes"] == default
@@ -397,7 +455,7 @@ def test_out_of_memory_again_in_tiles_reaches_the_caller(engines, monkeypatch):
         calls.append(plan.tiled)
         raise torch.OutOfMemoryError("CUDA out of memory (injected)")
 
-    monkeypatch.setattr(engine, "_execute", out_of_memory)
+    monkeypatch.setattr(engine.executor, "run", out_of_memory)
     with pytest.raises(torch.OutOfMemoryError):
         decode(engine, DecodeRequest(latents_for(engine, 16, 16), quality="high", latents_scaled=True))
     assert calls == [False, True]

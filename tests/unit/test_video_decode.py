@@ -136,7 +136,7 @@ def test_high_is_within_the_documented_bound(engines, config, precision):
     """`high` as the engine serves it (the fast-path gate on, the high walk, its folded weights)
     against the same engine's `lossless`, within docs/fast-path.md's bounds."""
     engine = engines(config, precision)
-    assert engine.fast_path.installed and engine.walks["high"].first_frame_2d
+    assert engine.fast_path.installed and engine.runtime.walks["high"].first_frame_2d
     image = config in QWEN_CONFIGS
     for (t, h, w), batch in HIGH_CASES:
         if image and t != 1:
@@ -237,7 +237,7 @@ def test_wan22_streams_through_the_walk_in_both_tiers(config):
     diffusers' decode bit for bit, and the streamed frames are the whole answer."""
     vae = wan(config, seed=8)
     engine = engine_for(vae)
-    walks = engine.walks
+    walks = engine.runtime.walks
     assert walks["lossless"] is not None and walks["high"] is not None and walks["high"].first_frame_2d
     z = latents(vae, (3, 3, 5), batch=2, seed=8)
     with torch.inference_mode(), torch_threads(1):
@@ -270,7 +270,7 @@ def test_a_decoder_the_walk_does_not_know_decodes_through_diffusers_forward(conf
     block = next(m for m in vae.decoder.modules() if type(m).__name__.endswith("ResidualBlock"))
     block.nonlinearity = torch.nn.GELU()
     engine = engine_for(vae)
-    assert engine.walks is None and not engine.fast_path.installed
+    assert engine.runtime.walks is None and not engine.fast_path.installed
     assert any("not channel-first RMSNorm + SiLU" in r for r in engine.fast_path.skipped_because)
     z = latents(vae, (1 if config == "qwen-image" else 3, 3, 4), batch=1, seed=2)
     with torch.inference_mode(), torch_threads(1):

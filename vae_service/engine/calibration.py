@@ -10,17 +10,17 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from vae_service.engine.memory import TierMemory, probe_shapes
+from vae_service.engine.memory import TierPrice, probe_shapes
 
 
 def calibrate_on_cuda(
-    tier: TierMemory, decode: Callable[[torch.Tensor], Iterable[torch.Tensor]], device: torch.device
+    tier: TierPrice, decode: Callable[[torch.Tensor], Iterable[torch.Tensor]], device: torch.device
 ) -> list[tuple[int, int, int]]:
     """`decode(z)` runs the tier's real decode of `z` on `device`; returns the (h, w, peak) seen."""
     samples = []
-    for h, w in probe_shapes(tier.min_side)[:2]:
-        frames = (tier.frames,) if tier.video else ()
-        z = torch.randn(1, tier.latent_channels, *frames, h, w, device=device, dtype=tier.dtype)
+    for h, w in probe_shapes(tier.facts.min_side)[:2]:
+        frames = (tier.facts.frames,) if tier.facts.video else ()
+        z = torch.randn(1, tier.facts.latent_channels, *frames, h, w, device=device, dtype=tier.facts.dtype)
         held = 0
         with torch.inference_mode():
             for _ in range(2):  # the first run builds folded weights and autotunes; the second counts

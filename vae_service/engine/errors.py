@@ -48,3 +48,9 @@ class DecodeTimeout(DecodeError):
 
 class DecodeAbandoned(DecodeTimeout):
     """A decode stopped early because every request in it timed out or went away."""
+
+
+class WrongFingerprint(DecodeError):
+    """A sub-decode sent by a replica whose engine decodes other bits (another model, weights,
+    precision, fast path, thread count or version): refused, so that it is never blended into that
+    replica's answer; the requester decodes the tile itself."""

@@ -1,8 +1,9 @@
 """From a DecodeRequest to decoder input, in two steps:
 
-- `prepare` (cheap, before queueing): bring the latents into the decoder's layout
-  (engine/latent_forms.py), check them against the model's traced geometry and the limits, and
-  compute the batch key;
+- before queueing (the engine's `check`): bring the latents into the decoder's layout
+  (engine/latent_forms.py) and check them against the model's traced geometry (`decoder_latents`),
+  the output they ask for (`check_output`) and for NaN/Inf (`check_finite`); the limits are the cost
+  model's (engine/cost_model.py), checked between the first and the last;
 - `to_decoder_input` (on the device thread): move, cast, undo the latent normalisation.
 
 The normalisation is the model's pipeline's, op for op (models/normalisation.py), so that a
@@ -18,8 +19,8 @@ from typing import NamedTuple
 
 import torch
 
-from vae_service.config import Limits
-from vae_service.engine.errors import InvalidInput, LimitExceeded
+from vae_service.engine.context import RequestContext
+from vae_service.engine.errors import InvalidInput
 from vae_service.engine.latent_forms import Form, to_decoder_layout
 from vae_service.engine.request import DecodeRequest
 from vae_service.models.normalisation import Denormaliser, Normalisation, divide_and_shift
@@ -32,7 +33,7 @@ class BatchKey(NamedTuple):
     quality: str
     latent_shape: tuple[int, ...]  # without the batch dim, in decoder layout
     dtype: torch.dtype  # of the latents as sent
-    tile: object  # the tiles of a tiled decode (engine.tiling.TileGrid; None: whole)
+    tiling: object  # how it is tiled (engine.planner's Tiling: a TileGrid, ClassTiles, or None: whole)
     timestep: float | None  # the decode timestep of timestep-conditioned decoders (LTX)
 
 
@@ -43,8 +44,10 @@ class PreparedRequest:
     frames: int  # output frames per item (1 for images)
     form: Form = "decoder"  # how the latents were sent
     timestep: float | None = None  # the decode timestep (timestep-conditioned decoders only)
+    context: RequestContext | None = None  # deadline, abandonment, live limits (engine/context.py)
     sink: Callable | None = None  # streaming: gets each chunk's frames (engine.video.FrameChunk) at once
-    tile: object = None  # set by the engine's memory plan: the tiles (engine.tiling.TileGrid) or None
+    tiling: object = None  # the planner's: a TileGrid, ClassTiles, or None (whole)
+    priced: bool = False  # the memory plan is made (tiling decided)
 
     @property
     def items(self) -> int:
@@ -53,12 +56,17 @@ class PreparedRequest:
     @property
     def batch_key(self) -> BatchKey:
         return BatchKey(
-            self.request.quality, tuple(self.latents.shape[1:]), self.latents.dtype, self.tile, self.timestep
+            self.request.quality, tuple(self.latents.shape[1:]), self.latents.dtype, self.tiling, self.timestep
         )
 
     @property
     def latent_frames(self) -> int:
         return self.latents.shape[2] if self.latents.dim() == 5 else 1
+
+    @property
+    def latent_hw(self) -> tuple[int, int]:
+        h, w = self.latents.shape[-2:]
+        return h, w
 
 
 def _check_geometry(z: torch.Tensor, spec: ModelSpec) -> None:
@@ -90,40 +98,12 @@ def _timestep(request: DecodeRequest, spec: ModelSpec) -> float | None:
     return DEFAULT_DECODE_TIMESTEP if request.decode_timestep is None else request.decode_timestep
 
 
-def _check_budget(z: torch.Tensor, spec: ModelSpec, limits: Limits, flops_per_pixel: float) -> int:
-    if z.shape[0] > limits.max_batch_items:
-        raise LimitExceeded(
-            "latents", f"batch of {z.shape[0]} is over the limit of {limits.max_batch_items} (max_batch_items)"
-        )
-    try:
-        frames = spec.output_frames(z.shape[2]) if z.dim() == 5 else 1
-    except Exception as exc:  # an irregular frame law, traced for this count, and the trace failed
-        raise InvalidInput("latents", f"model '{spec.name}' cannot decode {z.shape[2]} latent frames") from exc
-    if frames > limits.max_frames:
-        raise LimitExceeded(
-            "latents", f"decodes to {frames} frames per item, over the limit of {limits.max_frames} (max_frames)"
-        )
-    pixels = z.shape[0] * frames * z.shape[-2] * z.shape[-1] * spec.spatial_scale**2
-    if pixels > limits.max_output_pixels:
-        raise LimitExceeded(
-            "latents", f"decodes to {pixels} pixels, over the limit of {limits.max_output_pixels} (max_output_pixels)"
-        )
-    tflop = pixels * flops_per_pixel / 1e12
-    if tflop > limits.max_decode_tflop:
-        raise LimitExceeded(
-            "latents",
-            f"would cost about {tflop:.3g} TFLOP to decode, over the limit of "
-            f"{limits.max_decode_tflop:g} (max_decode_tflop)",
-        )
-    return frames
-
-
 # What the encoders can write, checked before any decode (PIL refuses wider JPEGs; x264 with
 # yuv420p needs even sides, which an 8x VAE always gives).
 MAX_JPEG_SIDE = 65_500
 
 
-def _check_output(request: DecodeRequest, spec: ModelSpec, frames: int, z: torch.Tensor) -> None:
+def check_output(request: DecodeRequest, spec: ModelSpec, frames: int, z: torch.Tensor) -> None:
     if request.output == "mp4" and spec.family != "video":
         raise InvalidInput("output", f"'mp4' is for video models; model '{spec.name}' decodes images")
     height, width = z.shape[-2] * spec.spatial_scale, z.shape[-1] * spec.spatial_scale
@@ -147,22 +127,20 @@ def _check_output(request: DecodeRequest, spec: ModelSpec, frames: int, z: torch
         )
 
 
-def _check_finite(z: torch.Tensor) -> None:
+def check_finite(z: torch.Tensor) -> None:
     finite = torch.isfinite(z)
     if not bool(finite.all()):
         raise InvalidInput("latents", f"contains {int((~finite).sum())} NaN or Inf values")
 
 
-def prepare(request: DecodeRequest, spec: ModelSpec, limits: Limits, flops_per_pixel: float) -> PreparedRequest:
+def decoder_latents(request: DecodeRequest, spec: ModelSpec) -> tuple[torch.Tensor, Form, float | None]:
+    """The request's latents in decoder layout, checked against the model's geometry, how they were
+    sent, and their decode timestep. Constant work beside the layout change."""
     if request.model is not None and request.model != spec.name:
         raise InvalidInput("model", f"unknown model {request.model!r}; served: ['{spec.name}']")
     z, form = to_decoder_layout(request, spec)
     _check_geometry(z, spec)
-    timestep = _timestep(request, spec)
-    frames = _check_budget(z, spec, limits, flops_per_pixel)
-    _check_output(request, spec, frames, z)
-    _check_finite(z)
-    return PreparedRequest(request, z, frames, form, timestep)
+    return z, form, _timestep(request, spec)
 
 
 class LatentScaling:

@@ -3,7 +3,7 @@
 the meta device (shapes only, no data, no compute) while a dispatch mode counts the bytes of live
 tensor storage. For the same graph it counts what a real CPU decode holds to within 0.1%
 (measured on the 64-channel test decoder); a request's estimate adds the answer's conversion
-(engine/memory_plan.py) and is tested within 10% of a real decode's peak.
+(engine/cost_model.py) and is tested within 10% of a real decode's peak.
 
 - `working`: the peak while decoding one request's items (one latent frame at a time for the
   causal walk, its causal history included; per latent frame for video decoders that take a clip
@@ -11,22 +11,25 @@ tensor storage. For the same graph it counts what a real CPU decode holds to wit
 - `resident`: what a video decode holds between chunks (the causal history), which every tile of
   a tiled decode keeps at once.
 
-Most graphs hold bytes affine in latent pixels (linear for both tiers of SD, FLUX, Wan2.1 and the
-tiny presets; the folded weights `high` builds once are held, priced apart): three probes check
-it and fix the two numbers for every shape. CPU fp32 `high` of a wide image
-decoder is not affine: Winograd works in cache-sized chunks, so its scratch stops growing past a
-few hundred pixels per side (SD at 1024 px holds 35% of what a rate from 128 px predicts). Such
-a graph is priced per shape on the twin (0.1-1 s for SD, once per shape: cached).
+Two kinds of tier, decided at start-up by three probes:
+- `AffineTier`: bytes affine in latent pixels (both tiers of SD, FLUX, Wan2.1 and the tiny
+  presets; the folded weights `high` builds once are held, priced apart): two numbers per line,
+  every shape priced by formula, in constant time;
+- `PerShapeTier`: not affine. CPU fp32 `high` of a wide image decoder: Winograd works in
+  cache-sized chunks, so its scratch stops growing past a few hundred pixels per side (SD at 1024 px
+  holds 35% of what a rate from 128 px predicts). Priced per shape on the twin (0.1-1 s for SD,
+  once per shape, `PRICED_SHAPES` kept): such a price is work that grows with the request, so it
+  runs off the event loop (serving/decode_service.py) within the request's deadline.
 """
 
 from __future__ import annotations
 
 import threading
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
 from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
 from torch import nn
@@ -39,11 +42,6 @@ PROBE_SIDE = 16  # latent pixels per side of the smallest probe
 CALIBRATION_FRAMES = 3  # latent frames (video): the first chunk and two steady ones
 AFFINE_TOLERANCE = 0.01  # the third probe this close to the line through the first two: affine
 PRICED_SHAPES = 256  # per-shape prices kept by a tier that is not affine
-LONG_CLIP = 12  # latent frames: a whole-clip decode's price beyond, extrapolated from two probes
-LONG_CLIP_PROBES = (LONG_CLIP // 2, LONG_CLIP)
-# probed lines of affine tiers, per (class, config, dtype, device, rewrites, tier): engines of the
-# same model in one process (tests, benchmarks) probe once
-_PROBED: dict[tuple, tuple[dict, float]] = {}
 
 
 class LiveBytes(TorchDispatchMode):
@@ -79,7 +77,7 @@ class LiveBytes(TorchDispatchMode):
             self.current -= self.sizes.pop(key)
 
 
-Decode = Callable[[nn.Module, torch.Tensor], Iterator[torch.Tensor]]
+TwinDecode = Callable[[nn.Module, torch.Tensor], Iterator[torch.Tensor]]  # (twin, z) -> output chunks
 
 
 def probe_shapes(min_side: int) -> list[tuple[int, int]]:
@@ -94,117 +92,42 @@ class Peak:
     resident: int  # bytes held between chunks (the causal walk's history; 0 otherwise)
 
 
-class TierMemory:
-    """One tier's decode memory: `decode(twin, z)` yields that tier's output chunks on the meta
-    `twin` (each dropped at once, as the engine converts or streams them). `lock`: the twin's, held
-    by every run on it (tiers share the twin and its fast-path gate); `gate()`: the context the
-    tier's runs need (high: the twin's gate on)."""
+@dataclass(frozen=True)
+class ModelFacts:
+    """What every tier's price of one model shares."""
 
-    def __init__(
-        self,
-        twin: nn.Module,
-        spec: ModelSpec,
-        decode: Decode,
-        lock: threading.Lock,
-        gate: Callable[[], object] | None = None,
-        cache_key: tuple | None = None,
-        per_shape: bool = False,
-        whole_clip: bool = False,
-    ):
-        self.twin, self.decode, self.gate, self._lock = twin, decode, gate, lock
+    dtype: torch.dtype
+    itemsize: int
+    latent_channels: int
+    video: bool  # video latents
+    scale: int
+    min_side: int
+    frames: int  # latent frames of a probe (video)
+    chunked: bool  # decoded chunk by chunk (the causal walk): its working set does not grow with frames
+    chunk_frames: int  # output frames of the largest chunk it hands over (1: whole clip at once)
+
+    @property
+    def per_latent_frame(self) -> bool:
+        """The decoder takes the whole clip at once: its working set grows per latent frame."""
+        return self.video and not self.chunked
+
+    @classmethod
+    def of(cls, spec: ModelSpec, dtype: torch.dtype) -> ModelFacts:
         geometry = spec.geometry
-        self.dtype = next(twin.parameters()).dtype
-        self.itemsize = torch.empty((), dtype=self.dtype).element_size()
-        self.latent_channels = geometry.latent_channels
-        self.video, self.scale = geometry.video_latents, geometry.spatial_scale
-        self.min_side = geometry.min_latent_side
-        # `whole_clip`: the class's own decode (its tiled decode) of a causal model: not chunked
-        self.chunked = spec.path == "causal_walk" and not whole_clip
-        self.frames = 1 if spec.family == "image" else max(CALIBRATION_FRAMES, geometry.min_latent_frames)
-        self.per_latent_frame = self.video and not self.chunked  # the decoder takes the whole clip at once
-        # a whole-clip tiled decode holds every tile's output frames until the blend, beside a
-        # working set that does not grow with the clip (the larger decides the peak): priced per
-        # shape and clip length (Wan's output frames per latent frame grow from 3 towards 4)
-        self.output_frames = spec.output_frames if whole_clip and self.video else None
-        self._clip_peaks = lru_cache(maxsize=PRICED_SHAPES)(self._clip_peak)
-        # the causal walk's largest chunk in output frames (other decoders hand over the whole clip)
-        counts = [spec.output_frames(t) for t in range(1, self.frames + 1)] if self.chunked else [1]
-        self.chunk_frames = max(b - a for a, b in zip([0, *counts], counts, strict=False))
-        # CUDA: what a real decode held beyond the count (allocator, cuDNN workspaces), per latent
-        # pixel and constant, per latent frame where the decoder takes the whole clip
-        self.correction: tuple[float, float] | None = None
-        self._priced = lru_cache(maxsize=PRICED_SHAPES)(self._measure)
-        if per_shape:  # a graph known not to be affine (a tiled decode: its tiles' count steps)
-            h, w = probe_shapes(self.min_side)[0]
-            self.lines, self.affine = None, False
-            self.working_per_latent_px = self._priced(1, h, w).working / (h * w)
-            return
-        if cache_key in _PROBED:
-            self.lines, self.working_per_latent_px = _PROBED[cache_key]
-            self.affine = True
-            return
-        shapes = probe_shapes(self.min_side)
-        if gate is not None:
-            self._run(1, *shapes[0])  # uncounted: builds the fast path's folded weights
-        (px1, p1), (px2, p2), (px3, p3) = [(h * w, self._priced(1, h, w)) for h, w in shapes]
-        self.lines = {}  # per number: (bytes per latent pixel, constant bytes)
-        for name in ("working", "resident"):
-            y1, y2, y3 = getattr(p1, name), getattr(p2, name), getattr(p3, name)
-            rate = (y2 - y1) / (px2 - px1)
-            self.lines[name] = (rate, y1 - rate * px1)
-            if abs(rate * px3 + y1 - rate * px1 - y3) > AFFINE_TOLERANCE * max(y3, 1):
-                self.lines = None
-                break
-        self.affine = self.lines is not None  # priced by formula, not per shape
-        self.working_per_latent_px = self.lines["working"][0] if self.affine else p1.working / px1
-        if self.affine and cache_key is not None:
-            _PROBED[cache_key] = (self.lines, self.working_per_latent_px)
-
-    def _run(self, items: int, h: int, w: int, live: LiveBytes | None = None, frames: int | None = None) -> int:
-        """Decode on the twin (`frames` latent frames: default the probes'); the most bytes `live`
-        saw held between chunks."""
-        frames = (frames or self.frames,) if self.video else ()
-        z = torch.empty(items, self.latent_channels, *frames, h, w, device="meta", dtype=self.dtype)
-        resident = 0
-        with self._lock, torch.inference_mode(), self.gate() if self.gate else nullcontext(), live or nullcontext():
-            for out in self.decode(self.twin, z):
-                del out
-                resident = max(resident, live.current if live else 0)
-        return resident
-
-    def _measure(self, items: int, h: int, w: int) -> Peak:
-        live = LiveBytes()
-        resident = self._run(items, h, w, live)
-        frames_priced = self.frames if self.per_latent_frame else 1
-        return Peak(live.peak // frames_priced, resident if self.chunked else 0)
-
-    def _peak(self, items: int, h: int, w: int) -> Peak:
-        if self.lines is None:
-            return self._priced(items, max(h, self.min_side), max(w, self.min_side))
-        px = items * h * w
-        (rate, constant), (resident_rate, resident_constant) = self.lines["working"], self.lines["resident"]
-        return Peak(int(rate * px + constant), int(resident_rate * px + resident_constant))
-
-    def _clip_peak(self, items: int, h: int, w: int, latent_frames: int) -> int:
-        live = LiveBytes()
-        self._run(items, h, w, live, latent_frames)
-        return live.peak
-
-    def working(self, items: int, h: int, w: int, latent_frames: int = 1) -> int:
-        if self.output_frames is not None:
-            # counted as is up to LONG_CLIP latent frames; longer clips on the line through the
-            # last two probes: their held frames dominate the decoder's working set by then
-            h, w = max(h, self.min_side), max(w, self.min_side)
-            if latent_frames <= LONG_CLIP:
-                return self._clip_peaks(items, h, w, latent_frames)
-            (f1, p1), (f2, p2) = [(self.output_frames(t), self._clip_peaks(items, h, w, t)) for t in LONG_CLIP_PROBES]
-            return int(p2 + (p2 - p1) / (f2 - f1) * (self.output_frames(latent_frames) - f2))
-        frames = latent_frames if self.per_latent_frame else 1
-        rate, constant = self.correction or (0.0, 0.0)
-        return max(0, int((self._peak(items, h, w).working + rate * items * h * w + constant) * frames))
-
-    def resident(self, items: int, h: int, w: int) -> int:
-        return self._peak(items, h, w).resident
+        chunked = spec.path == "causal_walk"
+        frames = 1 if spec.family == "image" else max(CALIBRATION_FRAMES, geometry.min_latent_frames)
+        counts = [spec.output_frames(t) for t in range(1, frames + 1)] if chunked else [1]
+        return cls(
+            dtype,
+            torch.empty((), dtype=dtype).element_size(),
+            geometry.latent_channels,
+            geometry.video_latents,
+            geometry.spatial_scale,
+            geometry.min_latent_side,
+            frames,
+            chunked,
+            max(b - a for a, b in zip([0, *counts], counts, strict=False)),
+        )
 
     def answer(self, output_pixels: int, output: str) -> int:
         """What the answer holds: video keeps converted frames only (chunks are converted as they
@@ -215,22 +138,161 @@ class TierMemory:
             return output_pixels * kept
         return output_pixels * (3 * self.itemsize + 12 + kept)
 
+
+class TwinRun:
+    """Runs one tier's decode on the meta twin and counts what it holds. `lock`: the twin's, held by
+    every run on it (tiers share the twin and its fast-path gate); `gate()`: the context the tier's
+    runs need (high: the twin's gate on)."""
+
+    def __init__(
+        self,
+        twin: nn.Module,
+        facts: ModelFacts,
+        decode: TwinDecode,
+        lock: threading.Lock,
+        gate: Callable[[], object] | None = None,
+    ):
+        self.twin, self.facts, self.decode, self.gate, self._lock = twin, facts, decode, gate, lock
+
+    def run(self, items: int, h: int, w: int, frames: int | None = None) -> tuple[int, int]:
+        """(peak bytes, the most held between chunks) of decoding `frames` latent frames (default
+        the probes')."""
+        facts = self.facts
+        dims = (frames or facts.frames,) if facts.video else ()
+        z = torch.empty(items, facts.latent_channels, *dims, h, w, device="meta", dtype=facts.dtype)
+        live, resident = LiveBytes(), 0
+        with self._lock, torch.inference_mode(), self.gate() if self.gate else nullcontext(), live:
+            for out in self.decode(self.twin, z):
+                del out
+                resident = max(resident, live.current)
+        return live.peak, resident
+
+    def measure(self, items: int, h: int, w: int) -> Peak:
+        peak, resident = self.run(items, h, w)
+        priced_frames = self.facts.frames if self.facts.per_latent_frame else 1
+        return Peak(peak // priced_frames, resident if self.facts.chunked else 0)
+
+    def warm(self) -> None:
+        """One uncounted run: builds what the tier keeps between decodes (high's folded weights)."""
+        self.run(1, *probe_shapes(self.facts.min_side)[0])
+
+
+class TierPrice:
+    """One tier's decode memory. `working` and `resident` per request shape; `constant_time`: every
+    shape is priced by formula (else `needs_shape_work` says which shapes run the twin first)."""
+
+    facts: ModelFacts
+    constant_time = True
+    # CUDA: what a real decode held beyond the count (allocator, cuDNN workspaces), per latent pixel
+    # and constant (engine/calibration.py)
+    correction: tuple[float, float] | None = None
+
+    def peak(self, items: int, h: int, w: int) -> Peak:
+        raise NotImplementedError
+
+    def needs_shape_work(self, items: int, h: int, w: int) -> bool:
+        return False
+
+    def working(self, items: int, h: int, w: int, latent_frames: int = 1) -> int:
+        frames = latent_frames if self.facts.per_latent_frame else 1
+        rate, constant = self.correction or (0.0, 0.0)
+        return max(0, int((self.peak(items, h, w).working + rate * items * h * w + constant) * frames))
+
+    def resident(self, items: int, h: int, w: int) -> int:
+        return self.peak(items, h, w).resident
+
     def calibrate(self, samples: list[tuple[int, int, int]]) -> None:
-        """`samples`: two (h, w, bytes) where a real one-item decode of `self.frames` latent frames
+        """`samples`: two (h, w, bytes) where a real one-item decode of `facts.frames` latent frames
         held `bytes` at its peak; the difference from the count, as a line in latent pixels, is
         added to every price from now on (up or down)."""
         self.correction = None
-        frames = self.frames if self.per_latent_frame else 1
-        (px1, d1), (px2, d2) = [(h * w, (held - self.working(1, h, w, self.frames)) / frames) for h, w, held in samples]
+        frames = self.facts.frames if self.facts.per_latent_frame else 1
+        points = [(h * w, (held - self.working(1, h, w, self.facts.frames)) / frames) for h, w, held in samples]
+        (px1, d1), (px2, d2) = points
         rate = (d2 - d1) / (px2 - px1)
         self.correction = (rate, d1 - rate * px1)
 
     def describe(self) -> dict:
         rate, constant = self.correction or (0.0, 0.0)
         return {
-            "bytes_per_latent_pixel": round(self.working_per_latent_px + rate),
-            "priced": "affine in pixels" if self.affine else "per shape",
+            "bytes_per_latent_pixel": round(self.rate + rate),
+            "priced": "affine in pixels" if self.constant_time else "per shape",
             "calibrated": None
             if self.correction is None
             else {"bytes_per_latent_pixel": round(rate), "constant_bytes": round(constant)},
         }
+
+    @property
+    def rate(self) -> float:
+        """Working bytes per latent pixel (at the smallest probe, where not affine)."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class Lines:
+    """Per number: (bytes per latent pixel, constant bytes)."""
+
+    working: tuple[float, float]
+    resident: tuple[float, float]
+
+
+class AffineTier(TierPrice):
+    def __init__(self, facts: ModelFacts, lines: Lines):
+        self.facts, self.lines = facts, lines
+
+    def peak(self, items: int, h: int, w: int) -> Peak:
+        px = items * h * w
+        (rate, constant), (resident_rate, resident_constant) = self.lines.working, self.lines.resident
+        return Peak(int(rate * px + constant), int(resident_rate * px + resident_constant))
+
+    @property
+    def rate(self) -> float:
+        return self.lines.working[0]
+
+
+class PerShapeTier(TierPrice):
+    constant_time = False
+
+    def __init__(self, run: TwinRun, first: Peak, first_pixels: int):
+        self.facts, self._run = run.facts, run
+        self._rate = first.working / first_pixels
+        self._priced: OrderedDict[tuple[int, int, int], Peak] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def _shape(self, items: int, h: int, w: int) -> tuple[int, int, int]:
+        return items, max(h, self.facts.min_side), max(w, self.facts.min_side)
+
+    def needs_shape_work(self, items: int, h: int, w: int) -> bool:
+        return self._shape(items, h, w) not in self._priced
+
+    def peak(self, items: int, h: int, w: int) -> Peak:
+        key = self._shape(items, h, w)
+        with self._lock:
+            if key in self._priced:
+                self._priced.move_to_end(key)
+                return self._priced[key]
+        found = self._run.measure(*key)
+        with self._lock:
+            self._priced[key] = found
+            while len(self._priced) > PRICED_SHAPES:
+                self._priced.popitem(last=False)
+        return found
+
+    @property
+    def rate(self) -> float:
+        return self._rate
+
+
+def fit_lines(run: TwinRun) -> tuple[Lines | None, Peak, int]:
+    """The tier's lines through three probes (None where the third is off the line through the
+    first two), and the first probe's peak and pixels."""
+    shapes = probe_shapes(run.facts.min_side)
+    (px1, p1), (px2, p2), (px3, p3) = [(h * w, run.measure(1, h, w)) for h, w in shapes]
+    lines = {}
+    for name in ("working", "resident"):
+        y1, y2, y3 = getattr(p1, name), getattr(p2, name), getattr(p3, name)
+        rate = (y2 - y1) / (px2 - px1)
+        lines[name] = (rate, y1 - rate * px1)
+        if abs(rate * px3 + y1 - rate * px1 - y3) > AFFINE_TOLERANCE * max(y3, 1):
+            return None, p1, px1
+    return Lines(**lines), p1, px1

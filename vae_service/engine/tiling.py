@@ -22,18 +22,11 @@ from dataclasses import dataclass
 
 import torch
 
-from vae_service.engine.memory import TierMemory
+from vae_service.engine.memory import TierPrice
 
 MIN_TILE = 8  # latent pixels per side
 
 
-@dataclass(frozen=True)
-class DiffusersTiles:
-    """`lossless` above the memory bound: the model's own tiled decode (`vae.enable_tiling()`, then
-    `vae.decode`, diffusers' default tile settings), bit-identical to what diffusers gives."""
-
-
-DIFFUSERS_TILES = DiffusersTiles()
 OVERLAP_FRACTION = 4  # overlap = tile // 4, like diffusers' tiled decoders
 
 
@@ -87,14 +80,12 @@ def spread_grid(h: int, w: int, scale: int, pixels: int | None) -> TileGrid | No
     return TileGrid(tile, h, w) if tile < max(h, w) else None
 
 
-def tile_for(
-    model: TierMemory, items: int, frames: int, h: int, w: int, held_bytes: int, bound: int
-) -> TileGrid | None:
+def tile_for(model: TierPrice, items: int, frames: int, h: int, w: int, held_bytes: int, bound: int) -> TileGrid | None:
     """The largest tiles whose decode fits `bound` with `held_bytes` beside it, lockstep first
     (None: nothing fits). Images: a
     tile's need grows with its size, so a bisection finds it (a tier priced per shape runs its twin
     a few times, not once per size)."""
-    scale_px = model.scale**2
+    scale_px = model.facts.scale**2
     clip_fp32 = items * frames * h * w * scale_px * 3 * 4  # tile after tile: the blended clip
 
     def fits(tile: int, lockstep: bool) -> bool:
@@ -103,7 +94,7 @@ def tile_for(
         others = (len(grid.tiles()) - 1) * model.resident(items, grid.tile_h, grid.tile_w)  # their history
         return one + (others if lockstep else clip_fp32) + held_bytes <= bound
 
-    if not model.video:
+    if not model.facts.video:
         if not fits(MIN_TILE, True):
             return None
         lo, hi = MIN_TILE, max(h, w)  # fits(lo); the answer is in lo..hi

@@ -9,9 +9,9 @@ from dataclasses import dataclass
 
 import torch
 
+from vae_service.engine.call import DecodeCall
 from vae_service.engine.errors import DecodeFailed
 from vae_service.engine.latents import PreparedRequest
-from vae_service.engine.plan import DecodeCall
 from vae_service.engine.postprocess import convert, to_host
 from vae_service.models.catalog import PixelRange
 

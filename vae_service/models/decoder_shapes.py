@@ -6,8 +6,8 @@ compute, no memory."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
-from functools import lru_cache
+import threading
+from collections import OrderedDict
 
 import torch
 from torch import nn
@@ -23,13 +23,20 @@ class NoMetaShapes(Exception):
     """The decoder's outputs could not be shaped on the meta device."""
 
 
-@dataclass(frozen=True)
-class DecoderShapes:
-    """The decoder's outputs as empty meta tensors, from its meta twin."""
+SHAPES_KEPT = 1024  # (input shape, cache state) answers kept per model: a few per tile shape
 
-    cls: type
-    config: str
-    dtype: torch.dtype
+
+class DecoderShapes:
+    """The decoder's outputs as empty meta tensors, from its meta twin (built once, on first use).
+    One per model: its answers are kept here, per input shape and cache state (a tiled decode has
+    a few tile shapes, and a tile's cache reaches a steady state after a few frames: the twin runs a
+    few times per tile shape, not once per frame)."""
+
+    def __init__(self, cls: type, config: dict, dtype: torch.dtype):
+        self.cls, self.config, self.dtype = cls, config, dtype
+        self._decoder: nn.Module | None = None
+        self._answers: OrderedDict[tuple, tuple] = OrderedDict()
+        self._lock = threading.Lock()
 
     @classmethod
     def of(cls, view: nn.Module) -> DecoderShapes | None:
@@ -37,12 +44,35 @@ class DecoderShapes:
         dtype = next((p.dtype for p in decoder.parameters()), None) if isinstance(decoder, nn.Module) else None
         if dtype is None or not callable(getattr(view, "from_config", None)):
             return None
-        return cls(type(view), json.dumps(dict(view.config), sort_keys=True, default=str), dtype)
+        return cls(type(view), json.loads(json.dumps(dict(view.config), default=str)), dtype)
+
+    def _meta_decoder(self) -> nn.Module:
+        if self._decoder is None:
+            self._decoder = nn.Module.to(twin_of(self.cls, self.config), dtype=self.dtype).decoder
+        return self._decoder
+
+    def _answer(self, key: tuple, run):
+        with self._lock:
+            if key in self._answers:
+                self._answers.move_to_end(key)
+                return self._answers[key]
+            found = run()
+            self._answers[key] = found
+            while len(self._answers) > SHAPES_KEPT:
+                self._answers.popitem(last=False)
+            return found
 
     def plain(self, x: torch.Tensor) -> torch.Tensor:
         """For a decoder called with one tensor."""
+
+        def run():
+            out = self._meta_decoder()(torch.empty(x.shape, dtype=x.dtype, device="meta"))
+            if not isinstance(out, torch.Tensor):  # e.g. (output, cache)
+                raise TypeError(f"{self.cls.__name__}'s decoder returns {type(out).__name__}")
+            return out.shape, out.dtype
+
         try:
-            shape, out_dtype = _meta_output(self.cls, self.config, self.dtype, tuple(x.shape), x.dtype)
+            shape, out_dtype = self._answer(("plain", tuple(x.shape), x.dtype), run)
         except META_ERRORS as exc:  # no meta run: decode locally
             raise NoMetaShapes from exc
         return torch.empty(shape, dtype=out_dtype, device="meta")
@@ -50,43 +80,22 @@ class DecoderShapes:
     def cached(self, x: torch.Tensor, first: bool | None, state: tuple) -> tuple[torch.Tensor, tuple, tuple]:
         """For one call of a cached decoder, from the state of its cache (`cache_state`): the output,
         the state the call leaves, and the cache and index it leaves (meta)."""
+
+        def run():
+            cache, idx = materialise(state), [0]
+            kwargs = {"feat_cache": cache, "feat_idx": idx}
+            if first is not None:
+                kwargs[FIRST_CHUNK] = first
+            out = self._meta_decoder()(torch.empty(x.shape, dtype=x.dtype, device="meta"), **kwargs)
+            if not isinstance(out, torch.Tensor):
+                raise TypeError(f"{self.cls.__name__}'s decoder returns {type(out).__name__}")
+            return out.shape, out.dtype, cache_state(cache), idx[0]
+
         try:
-            shape, out_dtype, after, idx = _meta_step(
-                self.cls, self.config, self.dtype, (tuple(x.shape), x.dtype), first, state
-            )
+            shape, out_dtype, after, idx = self._answer(("cached", tuple(x.shape), x.dtype, first, state), run)
         except META_ERRORS as exc:
             raise NoMetaShapes from exc
         return torch.empty(shape, dtype=out_dtype, device="meta"), after, (materialise(after), idx)
-
-
-@lru_cache(maxsize=256)
-def _meta_output(
-    cls: type, config: str, dtype: torch.dtype, shape: tuple[int, ...], in_dtype: torch.dtype
-) -> tuple[torch.Size, torch.dtype]:
-    """The decoder's output shape and dtype for one input shape (a tiled decode has a few: inner,
-    edge and corner tiles), from its meta twin."""
-    out = _meta_decoder(cls, config, dtype)(torch.empty(shape, dtype=in_dtype, device="meta"))
-    if not isinstance(out, torch.Tensor):  # e.g. (output, cache)
-        raise TypeError(f"{cls.__name__}'s decoder returns {type(out).__name__}")
-    return out.shape, out.dtype
-
-
-@lru_cache(maxsize=1024)
-def _meta_step(
-    cls: type, config: str, dtype: torch.dtype, x: tuple, first: bool | None, state: tuple
-) -> tuple[torch.Size, torch.dtype, tuple, int]:
-    """A cached decoder's output shape and dtype for an input (`x`: shape and dtype) and a cache
-    in `state`, and the state and index it leaves: its meta twin run on a meta cache. Shapes
-    depend on nothing else, and a tile's cache reaches a steady state after a few frames (it keeps
-    the last ones), so the twin runs a few times per tile shape, not once per frame."""
-    cache, idx = materialise(state), [0]
-    kwargs = {"feat_cache": cache, "feat_idx": idx}
-    if first is not None:
-        kwargs[FIRST_CHUNK] = first
-    out = _meta_decoder(cls, config, dtype)(torch.empty(x[0], dtype=x[1], device="meta"), **kwargs)
-    if not isinstance(out, torch.Tensor):
-        raise TypeError(f"{cls.__name__}'s decoder returns {type(out).__name__}")
-    return out.shape, out.dtype, cache_state(cache), idx[0]
 
 
 def cache_state(cache: list) -> tuple:
@@ -105,8 +114,3 @@ def cache_state(cache: list) -> tuple:
 
 def materialise(state: tuple) -> list:
     return [torch.empty_strided(*e[:2], dtype=e[2], device="meta") if isinstance(e, tuple) else e for e in state]
-
-
-@lru_cache(maxsize=8)
-def _meta_decoder(cls: type, config: str, dtype: torch.dtype) -> nn.Module:
-    return nn.Module.to(twin_of(cls, json.loads(config)), dtype=dtype).decoder

@@ -113,6 +113,7 @@ def tiled_decode_elsewhere(
     z: torch.Tensor,
     decode_tiles: Callable[[list[torch.Tensor], str], Iterable[torch.Tensor]],
     checkpoint: Callable[[], None] | None = None,
+    shapes: DecoderShapes | None = None,
 ) -> torch.Tensor | None:
     """`view.decode(z).sample` (`view`: a `tiled_view`; `z`: one item of decoder-input latents),
     bit for bit, with every call of its decoder made by `decode_tiles(jobs, part)`: all the jobs
@@ -132,7 +133,7 @@ def tiled_decode_elsewhere(
     differ from the recorded ones."""
     if not any(cls.__name__ in REPLAYED_CLASSES for cls in type(view).__mro__):
         return None
-    shapes = DecoderShapes.of(view)
+    shapes = shapes or DecoderShapes.of(view)  # the caller's, kept per model (else made for this call)
     if shapes is None:
         return None
     recorder = _Recorder(shapes, view)

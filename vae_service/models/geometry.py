@@ -13,8 +13,13 @@ compute):
   the smallest latent side that decodes (LTX-2's reflect padding needs 2);
 - frames per latent frame count (video latents): traced for every count from 1 to
   `TRACED_FRAMES`. Where one law `a * T + b` fits them all (Wan 4T - 3, LTX 8T - 7) it answers
-  for every count; where none does (CogVideoX: 4T for even T, 4T - 3 for odd T), each count is
-  traced when first asked for and remembered.
+  for every count. Where none does, the counts are searched for a law that repeats with a period
+  (CogVideoX: 4T for even T, 4T - 3 for odd T: period 2; MiniMax-H3 and KVAE-video: 17 more frames
+  every 5, 16 every 4, from their third count on), traced further where needed
+  (`TRACED_FRAMES_IRREGULAR`) and accepted once it holds over two whole periods. A decoder with
+  neither is traced per count when first asked (remembered, at most `TRACED_COUNTS_KEPT`), and
+  `at_least(T)` bounds its frames without tracing (every latent frame decodes to at least one), so a
+  count over the frame limit is refused before any trace.
 """
 
 from __future__ import annotations
@@ -30,47 +35,102 @@ from vae_service.models.errors import ModelLoadError
 
 TRACE_SIDES = ((8, 12), (12, 20))  # latent (h, w): distinct per side, so a transposition shows
 TRACED_FRAMES = 7  # latent frame counts traced at load (1..7)
+TRACED_FRAMES_IRREGULAR = 18  # traced at load where no law fits the first ones
+MAX_PERIOD = 5  # latent frames after which an irregular law may repeat
+TRACED_COUNTS_KEPT = 256  # counts remembered for a decoder without any law
 _LAYERS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)
 
 Decode = Callable[[nn.Module, torch.Tensor], torch.Tensor]  # (meta vae, latents) -> decoded pixels
 
 
+@dataclass(frozen=True)
+class FrameLaw:
+    """f(T) for every T from `start` on: f(start + k * period + r) = f(start + r) + k * step; below
+    `start`, the traced counts themselves."""
+
+    start: int
+    period: int
+    step: int
+    known: tuple[tuple[int, int], ...]  # (T, f(T)) for the counts below start + period
+
+    def __call__(self, latent_frames: int) -> int:
+        known = dict(self.known)
+        if latent_frames < self.start:
+            return known[latent_frames]
+        k, r = divmod(latent_frames - self.start, self.period)
+        return known[self.start + r] + k * self.step
+
+    @property
+    def linear(self) -> tuple[int, int] | None:
+        """(a, b) of f(T) = a * T + b when the law is one line from its first count."""
+        if self.period != 1:
+            return None
+        a = self.step
+        return a, dict(self.known)[self.start] - a * self.start
+
+
+def find_law(traced: dict[int, int]) -> FrameLaw | None:
+    """The law with the earliest start (one of the first counts) and then the shortest period that
+    every traced count from its start on follows, seen over at least two whole periods."""
+    counts = sorted(traced)
+    for start in [t for t in counts if t <= counts[0] + MAX_PERIOD]:  # a law from one of the first counts
+        for period in range(1, MAX_PERIOD + 1):
+            pairs = [t for t in counts if t >= start and t + period in traced]
+            if len(pairs) < 2 * period:
+                break
+            steps = {traced[t + period] - traced[t] for t in pairs}
+            if len(steps) == 1 and (step := steps.pop()) >= period:
+                known = tuple((t, traced[t]) for t in counts if t < start + period)
+                return FrameLaw(start, period, step, known)
+    return None
+
+
 class FrameCounts:
-    """Output frames per latent frame count: a linear law where one fits every traced count, else
-    a trace per count on the meta twin (memoised; `trace(t)` raises where t does not decode)."""
+    """Output frames per latent frame count: a law where the traced counts follow one, else a trace
+    per count on the meta twin (`trace(t)` raises where t does not decode)."""
 
     def __init__(self, traced: dict[int, int], trace: Callable[[int], int]):
         self.traced, self._trace, self._lock = dict(traced), trace, threading.Lock()
-        counts = sorted(traced)
-        self.law: tuple[int, int] | None = None
-        if len(counts) >= 2:
-            t1, t2 = counts[-2:]
-            a = (traced[t2] - traced[t1]) // (t2 - t1)
-            b = traced[t2] - a * t2
-            if a >= 1 and all(traced[t] == a * t + b for t in counts):
-                self.law = (a, b)
+        self.min_latent_frames = min(traced)
+        self.rule = find_law(self.traced)
 
     @property
-    def min_latent_frames(self) -> int:
-        return min(self.traced)
+    def law(self) -> tuple[int, int] | None:
+        """(a, b) where f(T) = a * T + b for every count (Wan 4T - 3)."""
+        return self.rule.linear if self.rule is not None and self.rule.start <= self.min_latent_frames else None
+
+    def needs_trace(self, latent_frames: int) -> bool:
+        """Whether answering for this count would run the decoder's trace (work that grows with it)."""
+        return self.rule is None and latent_frames not in self.traced
+
+    def at_least(self, latent_frames: int) -> int:
+        """A bound from below, without tracing: every latent frame decodes to at least one frame."""
+        if not self.needs_trace(latent_frames):
+            return self(latent_frames)
+        return max(latent_frames, max((f for t, f in self.traced.items() if t <= latent_frames), default=1))
 
     def __call__(self, latent_frames: int) -> int:
-        if self.law is not None:
-            a, b = self.law
-            return a * latent_frames + b
+        if self.rule is not None and latent_frames >= self.rule.start:
+            return self.rule(latent_frames)
         if latent_frames not in self.traced:
             with self._lock:
                 if latent_frames not in self.traced:
-                    self.traced[latent_frames] = self._trace(latent_frames)
+                    frames = self._trace(latent_frames)
+                    if len(self.traced) >= TRACED_COUNTS_KEPT:
+                        self.traced.pop(max(self.traced))  # the longest: the rarest
+                    self.traced[latent_frames] = frames
         return self.traced[latent_frames]
 
     def describe(self) -> str:
-        if self.law is None:
-            return "traced per latent frame count: " + ", ".join(
-                f"{t} -> {self.traced[t]}" for t in sorted(self.traced)
-            )
-        a, b = self.law
-        return f"{a} * T {'-' if b < 0 else '+'} {abs(b)}"
+        law = self.law
+        if law is not None:
+            a, b = law
+            return f"{a} * T {'-' if b < 0 else '+'} {abs(b)}"
+        if self.rule is not None:
+            r = self.rule
+            first = ", ".join(f"{t} -> {f}" for t, f in r.known)
+            return f"{first}; then {r.step} more every {r.period} latent frames"
+        return "traced per latent frame count: " + ", ".join(f"{t} -> {self.traced[t]}" for t in sorted(self.traced))
 
 
 @dataclass(frozen=True)
@@ -172,17 +232,23 @@ def trace_geometry(
     )
 
 
+def _trace_counts(tracer: _Tracer, counts: range, traced: dict[int, int]) -> None:
+    for t in counts:
+        try:
+            traced[t] = tracer.frames(t)
+        except Exception:
+            if traced:  # a gap after a count that decoded: not a frame law we can serve
+                raise
+
+
 def _trace(tracer: _Tracer, single_frame: bool) -> Geometry:
     traced: dict[int, int] = {}
     if tracer.video:
-        for t in range(1, 2 if single_frame else TRACED_FRAMES + 1):
-            try:
-                traced[t] = tracer.frames(t)
-            except Exception:
-                if traced:  # a gap after a count that decoded: not a frame law we can serve
-                    raise
+        _trace_counts(tracer, range(1, 2 if single_frame else TRACED_FRAMES + 1), traced)
         if not traced:
             raise ValueError(f"no latent frame count from 1 to {TRACED_FRAMES} decodes")
+        if not single_frame and find_law(traced) is None:
+            _trace_counts(tracer, range(TRACED_FRAMES + 1, TRACED_FRAMES_IRREGULAR + 1), traced)
     frames = min(traced) if traced else 1
     (h1, _), (h2, _) = TRACE_SIDES
     sizes = [tracer(frames, h, w) for h, w in TRACE_SIDES]

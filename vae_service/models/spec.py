@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
 from torch import nn
@@ -14,6 +13,7 @@ from vae_service.models.catalog import ClassEntry, Media, entry_for
 from vae_service.models.errors import ModelLoadError
 from vae_service.models.geometry import Geometry, trace_geometry
 from vae_service.models.normalisation import Normalisation
+from vae_service.models.probe_cache import Architecture, ProbeCache, config_digest
 
 DEFAULT_DECODE_TIMESTEP = 0.0  # LTX pipelines' default `decode_timestep`
 ENCODER_SIDE = ("encoder", "quant_conv")  # modules `encode` uses; a decode service drops them
@@ -141,15 +141,14 @@ def twin_of(cls: type, config: dict, dropped: tuple[str, ...] = ()) -> nn.Module
 
 def geometry_of(cls: type, config: dict, dropped: tuple[str, ...] = ()) -> Geometry:
     """The geometry of `cls` built from `config` without the `dropped` modules, traced on the meta
-    device (no weights). Raises ModelLoadError where it does not trace."""
-    return _traced(cls, json.dumps(config, sort_keys=True, default=str), dropped)
+    device (no weights), once per architecture and process (equal configs build equal modules).
+    Raises ModelLoadError where it does not trace."""
+    key = Architecture(cls, config_digest(config), dropped)
+    return ProbeCache.process().get(key, "geometry", lambda: _trace_of(cls, config, dropped))
 
 
-@lru_cache(maxsize=64)
-def _traced(cls: type, config_json: str, dropped: tuple[str, ...]) -> Geometry:
-    """One trace per architecture and process: the modules are built from the config, so equal
-    configs have equal geometry (engines of one model, tests)."""
-    config = json.loads(config_json)
+def _trace_of(cls: type, config: dict, dropped: tuple[str, ...]) -> Geometry:
+    config = json.loads(json.dumps(config, default=str))  # the plain values a saved config holds
     hints = tuple(int(config[k]) for k in ("latent_channels", "z_dim") if isinstance(config.get(k), int))
     single_frame = entry_for(cls.__name__).media == "image"
     return trace_geometry(twin_of(cls, config, dropped), _meta_decode, hints, single_frame=single_frame)

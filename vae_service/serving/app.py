@@ -29,7 +29,9 @@ def _decoder(config: ServiceConfig, deployment=VaeDecoder, **deployment_options)
     """`deployment_options` (num_replicas, autoscaling_config, ray_actor_options, ...) override
     the options derived from the config (max_ongoing_requests, max_queued_requests, backpressure)."""
     options = {**config.deployment_options(), **deployment_options}
-    return deployment.options(user_config=config.live().model_dump(), **options).bind(config.model_dump())
+    # the replica checks live changes against what Serve enforces, and drains within it
+    enforced = {k: options[k] for k in ("max_ongoing_requests", "graceful_shutdown_timeout_s") if k in options}
+    return deployment.options(user_config=config.live().model_dump(), **options).bind(config.model_dump(), enforced)
 
 
 def decoder_app(args: dict | None = None, **deployment_options) -> Application:

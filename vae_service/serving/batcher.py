@@ -77,6 +77,7 @@ class BatcherLimits:
     max_batch_size: int = 8
     batch_wait_ms: float = 0.0
     max_queued_items: int = 256
+    retry_after_s: float = 1.0  # what a caller refused for a full queue is told to wait
 
 
 @dataclass
@@ -167,7 +168,7 @@ class KeyedBatcher(Generic[T]):
             self._worker = asyncio.get_running_loop().create_task(self._work())
 
     def _retry_after(self) -> float:
-        return max(1.0, self.limits.batch_wait_ms / 1e3)
+        return self.limits.retry_after_s
 
     def _oldest_head(self) -> tuple[Hashable, _Pending] | None:
         now = self.clock()

@@ -1,6 +1,12 @@
 """The framework-free core of a decode replica: one engine (model, precision and device fixed
 for the replica's life), tier-keyed batching with serialised device work off the event loop,
-timing, and the live settings (limits, batching). The Serve deployment and the tests drive it."""
+timing, and the live settings (limits, batching). The Serve deployment and the tests drive it.
+
+Each request gets its RequestContext (engine/context.py) when it arrives here: its deadline from the
+live `batching.request_timeout_s` of that moment, its live limits, the engine's fingerprint. Every
+stage after it (parsing and checking, pricing, the queue, the device, the host copy, the encoders)
+keeps to that one deadline, and a caller that goes away marks it abandoned, which stops them.
+"""
 
 from __future__ import annotations
 
@@ -14,8 +20,9 @@ import torch
 
 from vae_service.config import LiveConfig, ServiceConfig
 from vae_service.engine import DecodeEngine, DecodeRequest, DecodeResult, PreparedRequest
-from vae_service.engine.errors import DecodeTimeout, InvalidInput, OutOfMemory, Overloaded
-from vae_service.engine.plan import TileSpreader
+from vae_service.engine.call import TileSpreader
+from vae_service.engine.context import RequestContext
+from vae_service.engine.errors import DecodeTimeout, InvalidInput, LimitExceeded, OutOfMemory, Overloaded
 from vae_service.engine.result import PendingResult
 from vae_service.serving.batcher import BatcherLimits, BatchStats, DeadlineExceeded, KeyedBatcher, QueueFull
 from vae_service.serving.encoders import EncoderPool
@@ -25,13 +32,12 @@ from vae_service.serving.frame_stream import FrameStream
 # requests. Measured here: a thread hop ~0.07 ms; parsing and checking a 64 KiB body inline
 # ~0.07 ms, so up to 256 KiB the hop would cost as much as it saves.
 INLINE_BYTES = 256 * 1024
+PRICING_QUEUE = 8  # requests waiting for a per-shape price before more are refused (429)
 
 
-def batcher_limits(live: LiveConfig) -> BatcherLimits:
-    b = live.batching
-    return BatcherLimits(
-        max_batch_size=b.max_batch_size, batch_wait_ms=b.batch_wait_ms, max_queued_items=b.max_queued_items
-    )
+def batcher_limits(config: ServiceConfig) -> BatcherLimits:
+    b = config.batching
+    return BatcherLimits(b.max_batch_size, b.batch_wait_ms, b.max_queued_items, config.serving.retry_after_s)
 
 
 class DecodeService:
@@ -47,11 +53,16 @@ class DecodeService:
     ):
         self.config = config
         self.engine = engine or DecodeEngine(config)
-        self.spread = spread  # tiled `high` images: tiles decoded by other replicas (tile_spread.py)
+        self.spread = spread  # tiled requests: tiles decoded by other replicas (tile_spread.py)
+        bind = self.engine.bind_thread
         # one thread feeds the device, set up once like the engine wants (torch's CPU thread count)
-        self.device_thread = ThreadPoolExecutor(1, thread_name_prefix="vae-device", initializer=self.engine.bind_thread)
+        self.device_thread = ThreadPoolExecutor(1, thread_name_prefix="vae-device", initializer=bind)
+        # large bodies are parsed and checked here; prices that run the twin on their own thread
+        self.parsers = ThreadPoolExecutor(2, thread_name_prefix="vae-parse", initializer=bind)
+        self.pricing = ThreadPoolExecutor(1, thread_name_prefix="vae-price", initializer=bind)
+        self._pricing_waiting = 0
         self.batcher: KeyedBatcher[PreparedRequest] = KeyedBatcher(
-            self._decode_batch, batcher_limits(config.live()), self._observe, executor=self.device_thread
+            self._decode_batch, batcher_limits(config), self._observe, executor=self.device_thread
         )
         self.encoders = EncoderPool(self.engine.encode_settings, config.encoding.threads)
         self.on_batch, self.on_rejected = on_batch, on_rejected
@@ -79,10 +90,16 @@ class DecodeService:
         return self.config.live()
 
     def apply(self, live: LiveConfig) -> None:
-        """Limits and batching, in place; every other setting is fixed for the replica's life."""
+        """Limits and batching, in place; every other setting is fixed for the replica's life.
+        Requests already admitted keep the settings they were admitted under."""
         self.config = self.config.with_live(live)
         self.engine.limits = live.limits
-        self.batcher.update(batcher_limits(live))
+        self.batcher.update(batcher_limits(self.config))
+
+    def admit(self) -> RequestContext:
+        """A request arriving now: its deadline and limits from the live settings of this moment."""
+        config = self.config  # read once: reconfigure swaps it
+        return RequestContext.admit(config.batching.request_timeout_s, config.limits, self.engine.fingerprint)
 
     async def decode(self, request: DecodeRequest) -> DecodeResult:
         return await self.decode_from(lambda: request, request.latents.nbytes)
@@ -90,7 +107,7 @@ class DecodeService:
     async def decode_from(self, parse: Callable[[], DecodeRequest], size: int) -> DecodeResult:
         """Parse and check a request (off the event loop when `size` bytes are many), then queue it
         for its batch. Raises the engine's DecodeError kinds."""
-        prepared = await self._prepare(parse, size)
+        prepared = await self._prepare(parse, size, self.admit())
         if prepared.request.stream:
             raise InvalidInput("stream", "this call answers whole outputs; stream frames with the streaming call")
         return await self._decode_prepared(prepared)
@@ -99,7 +116,7 @@ class DecodeService:
         """Like decode_from, but a request with `stream` set comes back as a FrameStream once its
         first frames are decoded (errors before them are raised here)."""
         arrived = time.perf_counter()
-        prepared = await self._prepare(parse, size)
+        prepared = await self._prepare(parse, size, self.admit())
         if not prepared.request.stream:
             return await self._decode_prepared(prepared)
         stream = FrameStream(prepared.items)
@@ -108,18 +125,57 @@ class DecodeService:
             self.on_first_frames(prepared.request.quality, (time.perf_counter() - arrived) * 1e3)
         return stream
 
-    async def _prepare(self, parse: Callable[[], DecodeRequest], size: int) -> PreparedRequest:
-        def prepare() -> PreparedRequest:
-            return self.engine.prepare(parse())
+    async def _prepare(self, parse: Callable[[], DecodeRequest], size: int, context: RequestContext) -> PreparedRequest:
+        """Parse and check (constant work beside the body's size), then price: inline where that is
+        constant work, else on the pricing thread within the request's deadline."""
+        engine = self.engine
 
-        # a tier priced per shape (CPU Winograd) may run its meta twin for a new shape: off the loop
-        inline = size <= INLINE_BYTES and self.engine.prices_in_constant_time
-        return prepare() if inline else await asyncio.to_thread(prepare)
+        def check() -> PreparedRequest:
+            return engine.check(parse(), context)
+
+        inline = size <= INLINE_BYTES
+        checked = check() if inline else await self._off_loop(self.parsers, check, context, "parsing")
+        if not engine.needs_shape_work(checked):
+            return (
+                engine.price(checked)
+                if inline
+                else await self._off_loop(self.parsers, engine.price, context, "", checked)
+            )
+        if self._pricing_waiting >= PRICING_QUEUE:
+            raise Overloaded(
+                "latents",
+                f"{self._pricing_waiting} requests wait for a price; retry later",
+                self.config.serving.retry_after_s,
+            )
+        self._pricing_waiting += 1
+        try:
+            return await self._off_loop(self.pricing, engine.price, context, "pricing", checked)
+        finally:
+            self._pricing_waiting -= 1
+
+    @staticmethod
+    async def _off_loop(pool: ThreadPoolExecutor, work: Callable, context: RequestContext, what: str, *args):
+        future = asyncio.get_running_loop().run_in_executor(pool, work, *args)
+        try:
+            return await asyncio.wait_for(future, _timeout(context))
+        except TimeoutError:
+            raise DecodeTimeout(
+                "body", f"not decoded within request_timeout_s (timed out {what or 'preparing'})"
+            ) from None
 
     async def _decode_prepared(self, prepared: PreparedRequest) -> DecodeResult:
-        arrived = time.perf_counter()
+        arrived, context = time.perf_counter(), prepared.context
+        batching = self.config.batching
+        if prepared.items > batching.max_queued_items:  # no queue of this replica can ever hold it
+            raise LimitExceeded(
+                "latents",
+                f"{prepared.items} items are more than this replica ever queues "
+                f"({batching.max_queued_items}, batching.max_queued_items): send fewer per request",
+            )
+        finished = False
         try:
-            result = await self.batcher.submit(prepared, timeout_s=self.config.batching.request_timeout_s)
+            result = await self.batcher.submit(prepared, timeout_s=_timeout(context))
+            finished = True
         except QueueFull as exc:
             raise Overloaded("body", f"decode queue is full ({exc}); retry later", exc.retry_after_s) from None
         except DeadlineExceeded as exc:
@@ -130,13 +186,20 @@ class DecodeService:
                 "the device ran out of memory for this request; retry later or send fewer items",
                 self.config.serving.retry_after_s,
             ) from None
+        finally:
+            if not finished and not context.expired:
+                context.abandon()  # the caller left (cancelled): its tiles and waits stop
         if isinstance(result, PendingResult):
-            result = await asyncio.to_thread(result.wait)
+            await asyncio.to_thread(context.wait_until, result.copied, "the copy to the host")
+            result = result.result
         if self.on_decoded is not None:
             self.on_decoded(result)
         decoded_ms = (time.perf_counter() - arrived) * 1e3
         result = replace(result, timing=replace(result.timing, queue_ms=max(0.0, decoded_ms - result.timing.decode_ms)))
-        return await self.encoders.finish(result)
+        try:
+            return await asyncio.wait_for(self.encoders.finish(result), _timeout(context))
+        except TimeoutError:
+            raise DecodeTimeout("output", "not encoded within request_timeout_s") from None
 
     def describe(self) -> dict:
         return {
@@ -153,6 +216,12 @@ class DecodeService:
     async def drain(self, timeout_s: float) -> bool:
         """Let queued and running batches finish (shutdown); False if they did not in time."""
         drained = await self.batcher.drain(timeout_s)
-        self.device_thread.shutdown(wait=False)
+        for pool in (self.device_thread, self.parsers, self.pricing):
+            pool.shutdown(wait=False)
         self.encoders.shutdown()
         return drained
+
+
+def _timeout(context: RequestContext) -> float | None:
+    """What is left of the request's time, for asyncio's timeouts (None: an unbounded context)."""
+    return context.remaining() if context.bounded else None

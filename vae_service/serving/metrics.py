@@ -4,6 +4,7 @@ docs/interfaces.md (Metrics)."""
 
 from __future__ import annotations
 
+import functools
 from functools import lru_cache
 
 from ray.serve.metrics import Counter, Gauge, Histogram
@@ -65,8 +66,12 @@ def report_batch(model: str, stats: BatchStats) -> None:
 
 def report_queue(model: str, batcher: KeyedBatcher) -> None:
     for tier in QUALITIES:
-        depth = batcher.queued_items(lambda key, t=tier: key.quality == t)
+        depth = batcher.queued_items(functools.partial(_of_tier, tier))
         _metrics()["queue"].set(depth, tags={"model": model, "tier": tier})
+
+
+def _of_tier(tier: str, key) -> bool:
+    return key.quality == tier
 
 
 def report_rejected(model: str, exc: BaseException) -> None:

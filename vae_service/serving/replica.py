@@ -10,13 +10,14 @@ that decoded it. `reconfigure` (Serve's user_config) applies limits and batching
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
 
 from ray import serve
 
-from vae_service.config import LIVE_FIELDS, LiveConfig, ServiceConfig
+from vae_service.config import LIVE_FIELDS, SHUTDOWN_MARGIN_S, LiveConfig, ServiceConfig
 from vae_service.protocol.errors import Unauthenticated, wire_error
 from vae_service.serving import metrics
 from vae_service.serving.admission import Admission
@@ -32,7 +33,7 @@ from vae_service.serving.grpc_servicer import (
 )
 from vae_service.serving.handle_api import handle_decode, handle_decode_frames
 from vae_service.serving.http_routes import HttpAnswer, decode_answer, decode_events, remote_decode_answer
-from vae_service.serving.tile_spread import ReplicaTiles, run_tile, stream_tile
+from vae_service.serving.tile_spread import ReplicaTiles, TileAnswer, run_tile, stream_tile, sub_decode_context
 
 log = logging.getLogger("ray.serve")  # Serve writes it to the replica's own log file
 
@@ -53,25 +54,58 @@ def resident_bytes() -> int | None:
         return None
 
 
-def parse_live(user_config: dict) -> LiveConfig:
+def parse_live(
+    user_config: dict, deployed: ServiceConfig | None = None, serve_options: dict | None = None
+) -> LiveConfig:
+    """A user_config as live settings. `deployed`: the deployment's arguments, from which Serve's
+    options were derived at deploy (`serve_options`: the ones Serve enforces); a live change that
+    would contradict them is refused, naming the field, rather than applied where Serve would then
+    throttle batches or kill a draining replica with its requests."""
     fixed = sorted(k for k in user_config if k in ServiceConfig.model_fields and k not in LIVE_FIELDS)
     if fixed:
         raise ValueError(
             f"user_config: {fixed} are fixed for a replica's life (deployment arguments); change the "
             f"application's args to roll replicas. user_config takes only {list(LIVE_FIELDS)}"
         )
-    return LiveConfig.model_validate(user_config)
+    live = LiveConfig.model_validate(user_config)
+    if deployed is not None:
+        _check_against_deploy(live, deployed, serve_options or {})
+    return live
+
+
+def _check_against_deploy(live: LiveConfig, deployed: ServiceConfig, serve_options: dict) -> None:
+    batching, at_deploy = live.batching, deployed.batching
+    if batching.request_timeout_s > at_deploy.request_timeout_s:
+        raise ValueError(
+            f"user_config: batching.request_timeout_s {batching.request_timeout_s:g} is over the "
+            f"{at_deploy.request_timeout_s:g} s it was at deploy, from which Serve's graceful_shutdown_timeout_s "
+            "was derived (a draining replica would be killed with its requests): change it in args to redeploy"
+        )
+    ongoing = serve_options.get("max_ongoing_requests")
+    keys = deployed.serving.concurrent_keys
+    if ongoing is not None and batching.max_batch_size * keys > ongoing:
+        raise ValueError(
+            f"user_config: batching.max_batch_size {batching.max_batch_size} x serving.concurrent_keys {keys} is "
+            f"over this deployment's max_ongoing_requests {ongoing}, fixed at deploy (batches could never fill): "
+            "change it in args to redeploy"
+        )
+
+
+def drain_timeout_s(live: LiveConfig, serve_options: dict) -> float:
+    """How long shutdown waits for queued and running decodes: the requests' own timeout, within
+    what Serve enforces (graceful_shutdown_timeout_s, less the drain's own bookkeeping)."""
+    enforced = serve_options.get("graceful_shutdown_timeout_s")
+    timeout = live.batching.request_timeout_s
+    return timeout if enforced is None else max(0.0, min(timeout, enforced - SHUTDOWN_MARGIN_S))
 
 
 class DecoderReplica:
-    def __init__(self, config: dict | ServiceConfig):
+    def __init__(self, config: dict | ServiceConfig, serve_options: dict | None = None):
+        """`serve_options`: the Serve options this deployment runs with (serving/app.py)."""
         config = ServiceConfig.model_validate(config)
+        self.deployed, self.serve_options = config, dict(serve_options or {})
         self.admission = Admission.from_config(config)  # the token; HTTP routes also its body limits
-        spread = (
-            ReplicaTiles(config.serving.retry_after_s, config.batching.request_timeout_s)
-            if config.parallel.tiles_across_replicas
-            else None
-        )
+        spread = ReplicaTiles(config.serving.retry_after_s) if config.parallel.tiles_across_replicas else None
         self.service = DecodeService(
             config,
             spread=spread,
@@ -91,7 +125,7 @@ class DecoderReplica:
         return self.service.config
 
     def reconfigure(self, user_config: dict) -> None:
-        self.service.apply(parse_live(user_config))
+        self.service.apply(parse_live(user_config, self.deployed, self.serve_options))
         log.info("live settings now %s", self.service.live.model_dump())
 
     def _observe_batch(self, stats) -> None:
@@ -181,19 +215,31 @@ class DecoderReplica:
         async for message in handle_decode_frames(self.service, latents, quality=quality, output=output, **options):
             yield message
 
-    async def decode_tile(self, latents, part: str = "high") -> tuple:
-        """An image tile of a request (tile_spread.py): its pixels on the host and this replica's
-        id. On the replica's one tile thread, not behind the device thread (where a request's own
-        replica waits for its tiles): one tile at a time, beside at most the device thread's batch."""
-        pixels = await run_tile(self.tile_thread, lambda: self.service.engine.decode_tile(latents, part))
-        return pixels, replica_id()
-
-    async def decode_tile_chunks(self, latents, quality: str, timestep: float | None):
-        """A video tile of a request: its chunks as decoded, each with this replica's id (a
-        streaming method: `handle.options(stream=True)`); on the tile thread like an image tile."""
+    async def decode_tile(self, latents, part: str, fingerprint: str, remaining_s: float) -> TileAnswer:
+        """An image tile of a request (tile_spread.py): its pixels on the host, or why it is refused
+        (another fingerprint, no time left). On the replica's one tile thread, not behind the device
+        thread (where a request's own replica waits for its tiles): one tile at a time, beside at
+        most the device thread's batch."""
         engine = self.service.engine
-        async for chunk in stream_tile(self.tile_thread, lambda: engine.tile_chunks(latents, quality, timestep)):
-            yield chunk, replica_id()
+        context = sub_decode_context(fingerprint, remaining_s, engine.fingerprint)
+        if isinstance(context, str):
+            return TileAnswer(None, replica_id(), context)
+        pixels = await run_tile(self.tile_thread, functools.partial(engine.decode_tile, latents, part, fingerprint))
+        return TileAnswer(pixels, replica_id())
+
+    async def decode_tile_chunks(
+        self, latents, quality: str, timestep: float | None, fingerprint: str, remaining_s: float
+    ):
+        """A video tile of a request: its chunks as decoded (a streaming method:
+        `handle.options(stream=True)`), or one refusal; on the tile thread like an image tile."""
+        engine = self.service.engine
+        context = sub_decode_context(fingerprint, remaining_s, engine.fingerprint)
+        if isinstance(context, str):
+            yield TileAnswer(None, replica_id(), context)
+            return
+        chunks = functools.partial(engine.tile_chunks, latents, quality, timestep, fingerprint)
+        async for chunk in stream_tile(self.tile_thread, chunks, context):
+            yield TileAnswer(chunk, replica_id())
 
     def release_folded(self) -> int:
         """Drop the fast path's folded weights now (the next `high` decode rebuilds them)."""
@@ -204,7 +250,7 @@ class DecoderReplica:
     async def __del__(self) -> None:
         # Serve calls this on scale-down, redeploy, delete and shutdown (not on a hard kill):
         # let queued and running batches finish, then give the folded buffers back.
-        drained = await self.service.drain(self.config.batching.request_timeout_s)
+        drained = await self.service.drain(drain_timeout_s(self.service.live, self.serve_options))
         await asyncio.to_thread(self.tile_thread.shutdown, True)  # a tile in flight finishes first
         freed = self.release_folded()
         log.info(

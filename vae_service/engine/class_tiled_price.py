@@ -1,0 +1,332 @@
+"""The price of `lossless` above the memory bound: the class's own tiled decode (bit-identical to
+`vae.enable_tiling(); vae.decode`), priced from its tile grid (models/class_tiling.py) in constant
+work per request instead of running it on the meta twin tile by tile (which took 32 s for a 1024 px
+tiny-kl request, seconds more per shape for video).
+
+A class tiled decode decodes its tiles one after another and keeps every tile's output until it
+blends them, then blends into rows and joins them. Its peak is the larger of two phases:
+- decoding tile k: the outputs of the tiles before it, and tile k's own decode (`TileWorking`: the
+  class's plain decode of a latent that size, a plane in latent pixels and pixels x output frames
+  fitted on the twin at start-up);
+- blending: every tile's output, and `kappa` outputs' worth of blend buffers (AutoencoderKL: the
+  rows and the joined answer, 2; Wan: 3) with a constant, fitted at start-up on tiled decodes on
+  the twin whose decoder answers empty outputs (shapes only).
+Checked at start-up against a whole tiled decode counted on the twin (within `FIT_TOLERANCE`, the
+grid's decoder calls as read); a class whose grid is not read, or whose check fails, and clips
+long enough for a class to tile time too, are priced per shape on the twin (`PerShapeClassTiled`:
+bounded cache, clips past `LONG_CLIP` extrapolated) off the event loop.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import logging
+import threading
+from collections import Counter, OrderedDict
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import _disable_current_modes
+
+from vae_service.engine.memory import PRICED_SHAPES, LiveBytes, TwinRun
+from vae_service.models.class_tiling import ClassGrid, class_grid
+from vae_service.models.decoder_shapes import META_ERRORS
+from vae_service.models.spec import ModelSpec
+
+log = logging.getLogger(__name__)
+
+FIT_TOLERANCE = 0.1
+STEADY = 0  # the regime of clips of `ModelFacts.frames` latent frames and more
+LONG_CLIP = 12  # latent frames: a per-shape price beyond, extrapolated from two probes
+LONG_CLIP_PROBES = (LONG_CLIP // 2, LONG_CLIP)
+
+
+class ClassTiledPrice:
+    def working(self, h: int, w: int, latent_frames: int = 1) -> int:
+        raise NotImplementedError
+
+    def needs_shape_work(self, h: int, w: int, latent_frames: int = 1) -> bool:
+        return False
+
+    def describe(self) -> dict:
+        raise NotImplementedError
+
+
+class PerShapeClassTiled(ClassTiledPrice):
+    """The tiled decode run on the twin per shape and clip length (kept: PRICED_SHAPES)."""
+
+    def __init__(self, run: TwinRun, spec: ModelSpec, why: str):
+        self.run, self.spec, self.why = run, spec, why
+        self._priced: OrderedDict[tuple[int, int, int], int] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def _key(self, h: int, w: int, latent_frames: int) -> tuple[int, int, int]:
+        side = self.run.facts.min_side
+        return max(h, side), max(w, side), latent_frames if self.run.facts.video else 1
+
+    def _measured(self, h: int, w: int, latent_frames: int) -> int:
+        key = (h, w, latent_frames)
+        with self._lock:
+            if key in self._priced:
+                self._priced.move_to_end(key)
+                return self._priced[key]
+        peak, _ = self.run.run(1, h, w, latent_frames)
+        with self._lock:
+            self._priced[key] = peak
+            while len(self._priced) > PRICED_SHAPES:
+                self._priced.popitem(last=False)
+        return peak
+
+    def needs_shape_work(self, h: int, w: int, latent_frames: int = 1) -> bool:
+        h, w, t = self._key(h, w, latent_frames)
+        probes = [(h, w, t)] if t <= LONG_CLIP else [(h, w, p) for p in LONG_CLIP_PROBES]
+        return any(key not in self._priced for key in probes)
+
+    def working(self, h: int, w: int, latent_frames: int = 1) -> int:
+        # past LONG_CLIP latent frames on the line through two probes: the tiles' held frames
+        # dominate the decoder's working set by then
+        h, w, t = self._key(h, w, latent_frames)
+        if t <= LONG_CLIP:
+            return self._measured(h, w, t)
+        out = self.spec.output_frames
+        (f1, p1), (f2, p2) = [(out(t), self._measured(h, w, t)) for t in LONG_CLIP_PROBES]
+        return int(p2 + (p2 - p1) / (f2 - f1) * (out(t) - f2))
+
+    def describe(self) -> dict:
+        return {"priced": "per shape", "why": self.why}
+
+
+@dataclass(frozen=True)
+class TileWorking:
+    """The class's decode of one tile: w0 + w1 * P + w2 * P * F (P latent pixels, F output frames)."""
+
+    w0: float
+    w1: float
+    w2: float
+
+    def __call__(self, pixels: int, frames: int) -> float:
+        return self.w0 + self.w1 * pixels + self.w2 * pixels * frames
+
+
+@dataclass(frozen=True)
+class Regime:
+    """One regime's fit: a tile's decode, and the blend buffers beside the tiles' outputs (`kappa`
+    outputs' worth, and `per_frame` bytes per output frame: a tile's frames kept by the blend)."""
+
+    tile: TileWorking
+    kappa: float
+    per_frame: float
+
+
+class FormulaClassTiled(ClassTiledPrice):
+    def __init__(
+        self,
+        grid: ClassGrid,
+        regimes: dict[int, Regime],
+        spec: ModelSpec,
+        pixel_bytes: int,
+        fallback: PerShapeClassTiled,
+    ):
+        """`regimes`: by clip length in latent frames, for the short clips fitted alone (a causal
+        decoder's first chunk runs without history, its second holds the first's: Wan2.2's tile
+        holds 15, 53, 62, 65 MB at 1-4 latent frames, a line only from the third on), and under
+        STEADY the plane for every longer clip."""
+        self.grid, self.regimes, self.spec = grid, regimes, spec
+        self.pixel_bytes = pixel_bytes  # bytes of one latent pixel's decoded output, per frame
+        self.fallback = fallback  # clips the class tiles in time as well
+
+    def _frames(self, latent_frames: int) -> int:
+        return self.spec.output_frames(latent_frames) if self.spec.geometry.video_latents else 1
+
+    def regime(self, latent_frames: int) -> Regime:
+        return self.regimes.get(latent_frames) or self.regimes[STEADY]
+
+    def needs_shape_work(self, h: int, w: int, latent_frames: int = 1) -> bool:
+        return self.grid.tiles_time(latent_frames) and self.fallback.needs_shape_work(h, w, latent_frames)
+
+    def working(self, h: int, w: int, latent_frames: int = 1) -> int:
+        if self.grid.tiles_time(latent_frames):
+            return self.fallback.working(h, w, latent_frames)
+        regime, frames = self.regime(latent_frames), self._frames(latent_frames)
+        per_pixel = self.pixel_bytes * frames
+        tiles = self.grid.tiles(h, w)
+        if tiles is None:  # the class decodes these latents whole
+            return int(_decoding(regime, h * w, frames, per_pixel))
+        held = decoding = 0.0
+        for pixels in (th * tw for th, tw in tiles):
+            decoding = max(decoding, held + _decoding(regime, pixels, frames, per_pixel))
+            held += pixels * per_pixel
+        return int(max(decoding, held + regime.kappa * h * w * per_pixel + regime.per_frame * frames))
+
+    def describe(self) -> dict:
+        g = self.grid
+        return {
+            "priced": "by the class's tile grid",
+            "tile": [g.height.tile, g.width.tile],
+            "stride": [g.height.stride, g.width.stride],
+            "blend_outputs": round(self.regimes[STEADY].kappa, 3),
+        }
+
+
+def _decoding(regime: Regime, pixels: int, frames: int, per_pixel: float) -> float:
+    """One tile's decode, never under its own output (the fit is a plane through small tiles)."""
+    return max(regime.tile(pixels, frames), pixels * per_pixel)
+
+
+class _FirstTileDone(Exception):
+    """Stops a probe once its first tile is decoded: what comes after is not measured."""
+
+
+class _ShapesOnly(nn.Module):
+    """A decoder that answers empty outputs of the real one's shapes (the real one run with the
+    byte count off), except its first `real` calls, decoded as they are and counted; with
+    `stop`, the decode ends after those. It notes the spatial shape of every call."""
+
+    def __init__(self, real_decoder: nn.Module, real: int = 0, stop: bool = False):
+        super().__init__()
+        self.real_decoder, self.real, self.stop = real_decoder, real, stop
+        self.shapes: Counter = Counter()
+
+    def forward(self, *args, **kwargs):
+        calls = sum(self.shapes.values())
+        if self.stop and calls >= self.real:
+            raise _FirstTileDone
+        self.shapes[tuple(args[0].shape[-2:])] += 1
+        if calls < self.real:
+            return self.real_decoder(*args, **kwargs)
+        with _disable_current_modes():
+            out = self.real_decoder(*args, **kwargs)
+        return pytree.tree_map_only(torch.Tensor, _empty_like, out)  # (output, cache) where it returns both
+
+
+def _empty_like(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty(t.shape, dtype=t.dtype, device=t.device)
+
+
+def _with_decoder(view: nn.Module, decoder: nn.Module) -> nn.Module:
+    probe = copy.copy(view)
+    probe.__dict__["_modules"] = view._modules.copy()  # copy.copy shares `_modules`
+    probe.decoder = decoder
+    return probe
+
+
+def _as_read(calls: Counter, tiles: list[tuple[int, int]]) -> int | None:
+    """The decoder calls per tile, where the calls are the grid's tiles, each called alike."""
+    expected = Counter(tiles)
+    if set(calls) != set(expected):
+        return None
+    ratios = {calls[shape] / expected[shape] for shape in expected}
+    ratio = ratios.pop() if len(ratios) == 1 else 0
+    return int(ratio) if ratio >= 1 and ratio == int(ratio) else None
+
+
+class _Probe:
+    """Runs the class's tiled decode on the twin with a decoder of `_ShapesOnly`: the peak bytes
+    and the decoder's calls."""
+
+    def __init__(self, view: nn.Module, tiled: TwinRun):
+        self.view, self.tiled = view, tiled
+
+    def run(self, h: int, w: int, frames: int, real: int = 0, stop: bool = False) -> tuple[int, Counter]:
+        decoder = _ShapesOnly(self.view.decoder, real, stop)
+        facts = self.tiled.facts
+        z = torch.empty(
+            1, facts.latent_channels, *((frames,) if facts.video else ()), h, w, device="meta", dtype=facts.dtype
+        )
+        live = LiveBytes()
+        try:
+            with self.tiled._lock, torch.inference_mode(), live:
+                for out in self.tiled.decode(_with_decoder(self.view, decoder), z):
+                    del out
+        except _FirstTileDone:
+            pass
+        return live.peak, decoder.shapes
+
+
+def fit_class_tiled(view: nn.Module, tiled: TwinRun, spec: ModelSpec) -> ClassTiledPrice:
+    """`view`: the twin with its class's tiling on; `tiled` runs its decode."""
+    grid = class_grid(view)
+    if grid is None:
+        return PerShapeClassTiled(tiled, spec, "the class's tile grid is not read")
+    try:
+        return _fit(view, grid, tiled, spec)
+    except META_ERRORS as exc:  # a class whose tiled decode does not run so on the meta device
+        log.warning("%s's tiled decode is priced per shape: %s: %s", spec.class_name, type(exc).__name__, exc)
+        return PerShapeClassTiled(tiled, spec, f"its fit failed ({type(exc).__name__})")
+
+
+def _clip_lengths(grid: ClassGrid, first: int, least: int) -> tuple[int, ...]:
+    """Two clip lengths (latent frames, more than one) to fit a tile's decode on, neither tiled in time."""
+    for other in (2 * first, first + 1, first - 1):
+        if other >= max(2, least) and other != first and not grid.tiles_time(other):
+            return first, other
+    return (first,)
+
+
+class _Unread(Exception):
+    """The decoder's calls are not the grid's tiles."""
+
+
+def _fit_regime(probe: _Probe, grid: ClassGrid, clips: tuple[int, ...], out, pixel_bytes: int, min_side: int) -> Regime:
+    """A tile's decode fitted on grids whose first tile is whole, short or narrow (each measured as
+    the first tile: nothing held before it, the decode stopped after it), and the blend buffers
+    fitted on grids of 4, 6 and 16 tiles with every tile answered by shape."""
+    th, tw, sh, sw = grid.height.tile, grid.width.tile, grid.height.stride, grid.width.stride
+    small_h, small_w = max(min_side, th // 2), max(min_side, tw // 2 + 1)
+    square = (sh + max(1, th // 2), sw + max(1, tw // 2))  # two tiles a side, the second cut short
+    firsts = {(th, tw): square, (small_h, tw): (small_h, tw + sw // 2), (th, small_w): (th + sh // 2, small_w)}
+    rows, ys, blends = [], [], []
+    for t in clips:
+        per_pixel = pixel_bytes * out(t)
+        per_tile = None
+        for h, w in (square, (2 * sh + max(1, th // 3), sw + max(1, tw // 3)), (3 * sh + 1, 3 * sw + 2)):
+            tiles = grid.tiles(h, w)
+            blend_peak, shapes = probe.run(h, w, t)
+            per_tile = _as_read(shapes, tiles)
+            if per_tile is None:
+                raise _Unread(f"the decoder calls {dict(shapes)} are not the grid's tiles {tiles}")
+            blends.append((h * w * per_pixel, out(t), blend_peak - sum(a * b for a, b in tiles) * per_pixel))
+        for (ah, aw), (h, w) in firsts.items():
+            rows.append([1.0, ah * aw, ah * aw * out(t)])
+            ys.append(probe.run(h, w, t, real=per_tile, stop=True)[0])
+    design, values = torch.tensor(rows, dtype=torch.float64), torch.tensor(ys, dtype=torch.float64)
+    if len(clips) == 1:  # one clip length: P and P * F are one column
+        design = design[:, :2]
+    solution = torch.linalg.lstsq(design, values[:, None]).solution.flatten().tolist()
+    tile = TileWorking(*solution) if len(solution) == 3 else TileWorking(solution[0], solution[1], 0.0)
+    outputs = torch.tensor([[o, f] for o, f, _ in blends], dtype=torch.float64)
+    extra = torch.tensor([[e] for _, _, e in blends], dtype=torch.float64)
+    kappa, per_frame = torch.linalg.lstsq(outputs, extra).solution.flatten().tolist()
+    return Regime(tile, max(0.0, kappa), max(0.0, per_frame))
+
+
+def _fit(view: nn.Module, grid: ClassGrid, tiled: TwinRun, spec: ModelSpec) -> ClassTiledPrice:
+    fallback = PerShapeClassTiled(tiled, spec, "clips this long are tiled in time as well")
+    facts, probe = tiled.facts, _Probe(view, tiled)
+    out = spec.output_frames if facts.video else (lambda t: 1)
+    pixel_bytes = 3 * facts.itemsize * facts.scale**2
+    fit = functools.partial(_fit_regime, probe, grid, out=out, pixel_bytes=pixel_bytes, min_side=facts.min_side)
+    try:
+        if spec.family == "image":  # one latent frame, always (Qwen-Image's video decoder too)
+            regimes = {STEADY: fit((1,))}
+        else:
+            least = spec.geometry.min_latent_frames
+            regimes = {STEADY: fit(_clip_lengths(grid, facts.frames, least))}
+            regimes.update({t: fit((t,)) for t in range(least, facts.frames)})
+    except _Unread as exc:
+        log.warning("%s's tiled decode is priced per shape: %s", spec.class_name, exc)
+        return PerShapeClassTiled(tiled, spec, str(exc))
+    price = FormulaClassTiled(grid, regimes, spec, pixel_bytes, fallback)
+    # the check: a whole tiled decode counted on the twin, at a grid none of the fits used
+    th, tw, sh, sw = grid.height.tile, grid.width.tile, grid.height.stride, grid.width.stride
+    h, w, t = sh + max(1, th // 3), sw + max(1, tw // 4), facts.frames if spec.family == "video" else 1
+    counted, _ = tiled.run(1, h, w, t)
+    estimate = price.working(h, w, t)
+    if abs(estimate - counted) > FIT_TOLERANCE * counted:
+        why = f"the grid's price {estimate} B vs {counted} B counted at {h}x{w}x{t}"
+        log.warning("%s's tiled decode is priced per shape: %s", spec.class_name, why)
+        return PerShapeClassTiled(tiled, spec, why)
+    return price

@@ -1,0 +1,307 @@
+"""Where a request's cost is decided, from numbers fixed at start-up: its limits (items, frames,
+pixels, FLOPs) and its peak memory per way of decoding it (whole in its tier, in spatial tiles, by
+the class's own tiled decode). Pricing a request is constant work, except where a tier is priced
+per shape (`needs_shape_work`: CPU Winograd's `high`, a frame count of a decoder without a frame
+law, a class tiled decode the formula does not cover); the service runs those off the event loop
+within the request's deadline.
+
+Start-up (each probe once per architecture and process, models/probe_cache.py): each tier's graph
+on the meta twin (engine/memory.py), the FLOP curve (engine/flops.py), the class tiled decode's fit
+(engine/class_tiled_price.py); on CUDA each tier checked against real decodes
+(engine/calibration.py); the memory bound (engine/memory_budget.py).
+
+The peak of a whole decode: video converts and keeps frames while the decode goes on; an image is
+decoded, then converted (its decoded pixels are in both phases), and `lossless` decodes its items
+one by one, keeps them, then joins them.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+
+import torch
+
+from vae_service.config import Limits
+from vae_service.engine.calibration import calibrate_on_cuda
+from vae_service.engine.class_tiled_price import ClassTiledPrice, fit_class_tiled
+from vae_service.engine.errors import LimitExceeded
+from vae_service.engine.flops import FlopModel, fit_flops
+from vae_service.engine.latents import PreparedRequest
+from vae_service.engine.memory import AffineTier, ModelFacts, PerShapeTier, TierPrice, TwinRun, fit_lines
+from vae_service.engine.memory_budget import MemoryBudget, memory_budget
+from vae_service.engine.runtime import ChunkDecoder, Runtime
+from vae_service.fastpath import install_fast_path
+from vae_service.fastpath.rewrites import NORM_REWRITES
+from vae_service.models import ModelLoadError
+from vae_service.models.diffusers_tiling import tiled_view
+from vae_service.models.probe_cache import Architecture, ProbeCache, config_digest
+from vae_service.models.spec import dropped_parts, jsonable_config, meta_twin
+
+
+class TwinChunks:
+    """A tier's decode on the meta twin, as output chunks."""
+
+    def __init__(self, runtime: Runtime, quality: str, folded=None):
+        self.runtime, self.quality, self.folded = runtime, quality, folded
+
+    def __call__(self, twin: torch.nn.Module, z: torch.Tensor):
+        runtime = self.runtime
+        if runtime.chunked:
+            return ChunkDecoder(runtime, self.quality, runtime.probe_timestep, vae=twin, folded=self.folded)(z)
+        return iter([runtime.pixels(twin, z, runtime.probe_timestep)])
+
+
+class TwinWhole:
+    """The class's own decode on the twin, the whole output at once (its tiled decode on a view)."""
+
+    def __init__(self, runtime: Runtime):
+        self.runtime = runtime
+
+    def __call__(self, twin: torch.nn.Module, z: torch.Tensor):
+        return iter([self.runtime.pixels(twin, z, self.runtime.probe_timestep)])
+
+
+class RealChunks:
+    """A tier's real decode on the device (CUDA calibration)."""
+
+    def __init__(self, runtime: Runtime, quality: str):
+        self.runtime, self.quality = runtime, quality
+
+    def __call__(self, z: torch.Tensor):
+        runtime = self.runtime
+        with runtime.gate(self.quality):
+            if runtime.chunked:
+                yield from runtime.chunks(self.quality, runtime.probe_timestep)(z)
+            else:
+                yield runtime.image(z) if self.quality == "high" else runtime.pixels(runtime.vae, z)
+
+
+class CostModel:
+    def __init__(self, runtime: Runtime, disabled: tuple[str, ...], probes: ProbeCache | None = None):
+        self.runtime, self.spec = runtime, runtime.spec
+        probes = probes or ProbeCache.process()
+        self.facts = ModelFacts.of(self.spec, runtime.dtype)
+        twin = torch.nn.Module.to(meta_twin(runtime.vae), dtype=runtime.dtype).eval()
+        rewrites = tuple(sorted(runtime.fast_path.plan.active.items())) if runtime.fast_path.installed else ()
+        self.architecture = Architecture(
+            type(runtime.vae),
+            config_digest(jsonable_config(runtime.vae)),
+            dropped_parts(runtime.vae),
+            str(runtime.dtype),
+            runtime.device.type,
+            rewrites,
+        )
+        lock = threading.Lock()  # one twin, one fast-path gate: one run at a time
+        self.flops: FlopModel = probes.get(
+            self.architecture, "flops", lambda: fit_flops(twin, self.spec, TwinChunks(runtime, "lossless"))
+        )
+        lossless_run = TwinRun(twin, self.facts, TwinChunks(runtime, "lossless"), lock)
+        self.tiers: dict[str, TierPrice] = {"lossless": self._tier(lossless_run, probes, "lossless")}
+        self.tiers["high"], folded = self.tiers["lossless"], 0
+        if runtime.fast_path.installed:
+            twin_fast = self._fast_twin(twin, disabled)
+            gate = functools.partial(twin_fast.gate.use, True)
+            high_run = TwinRun(twin, self.facts, TwinChunks(runtime, "high", twin_fast.folded), lock, gate)
+            self.tiers["high"] = self._tier(high_run, probes, "high", warm=True)
+            folded = probes.get(self.architecture, "folded", lambda: self._folded_bytes(high_run, twin_fast))
+        # lossless above the bound: the class's own tiled decode, its price fitted when first needed
+        # (a few seconds on the twin, that most deployments never spend)
+        self._probes, twin_tiled = probes, tiled_view(twin)
+        self.has_class_tiled = twin_tiled is not None
+        self._fit_class_tiled = None
+        if twin_tiled is not None:
+            tiled_run = TwinRun(twin_tiled, self.facts, TwinWhole(runtime), lock)
+            self._fit_class_tiled = functools.partial(fit_class_tiled, twin_tiled, tiled_run, self.spec)
+        if runtime.device.type == "cuda":
+            for quality, tier in self.tiers.items():
+                if quality == "lossless" or tier is not self.tiers["lossless"]:
+                    calibrate_on_cuda(tier, RealChunks(runtime, quality), runtime.device)
+        weights = sum(t.numel() * t.element_size() for t in (*runtime.vae.parameters(), *runtime.vae.buffers()))
+        self.budget: MemoryBudget = memory_budget(runtime.device, weights, folded)  # fixed for the engine's life
+
+    @property
+    def class_tiled(self) -> ClassTiledPrice | None:
+        """The class tiled decode's price (fitted now if it was not: work that `needs_shape_work`
+        sends off the event loop)."""
+        if self._fit_class_tiled is None:
+            return None
+        return self._probes.get(self.architecture, "class tiled", self._fit_class_tiled)
+
+    @property
+    def class_tiled_fitted(self) -> ClassTiledPrice | None:
+        return self._probes.peek(self.architecture, "class tiled")
+
+    def _fast_twin(self, twin: torch.nn.Module, disabled: tuple[str, ...]):
+        """The twin with this engine's rewrites (the exact ones run in both tiers; Triton kernels stand
+        in on meta by allocating their outputs)."""
+        active = self.runtime.fast_path.plan.active
+        norms = [backend for name, backend in active.items() if name in NORM_REWRITES]
+        fast = install_fast_path(twin, disabled, norms[0] if norms else None, plan_device=self.runtime.device)
+        if fast.plan.active != active or not fast.installed:
+            raise ModelLoadError(f"fast path: its twin differs ({fast.skipped_because or fast.plan})")
+        return fast
+
+    @staticmethod
+    def _folded_bytes(run: TwinRun, fast) -> int:
+        if not fast.folded.nbytes:
+            run.warm()
+        return fast.folded.nbytes
+
+    def _tier(self, run: TwinRun, probes: ProbeCache, quality: str, warm: bool = False) -> TierPrice:
+        warmed = []
+
+        def probe():
+            if warm:
+                run.warm()  # uncounted: builds the fast path's folded weights
+                warmed.append(True)
+            return fit_lines(run)
+
+        lines, first, pixels = probes.get(self.architecture, f"memory {quality}", probe)
+        if lines is not None:
+            return AffineTier(self.facts, lines)
+        if warm and not warmed:  # this twin prices per shape: its folded weights first, uncounted
+            run.warm()
+        return PerShapeTier(run, first, pixels)
+
+    # ---- limits ------------------------------------------------------------------------------
+    def bound_frames(self, z: torch.Tensor, limits: Limits) -> None:
+        """A count whose frames must be over max_frames is refused before any trace (a decoder
+        without a frame law is traced per count, work that grows with the count)."""
+        frames = self.spec.geometry.frames
+        if z.dim() == 5 and frames is not None and frames.at_least(z.shape[2]) > limits.max_frames:
+            raise LimitExceeded(
+                "latents",
+                f"{z.shape[2]} latent frames decode to at least {frames.at_least(z.shape[2])} frames per item, "
+                f"over the limit of {limits.max_frames} (max_frames)",
+            )
+
+    def output_frames(self, z: torch.Tensor, limits: Limits) -> int:
+        """Frames per item, checked against max_frames (bound_frames first)."""
+        if z.dim() != 5:
+            return 1
+        self.bound_frames(z, limits)
+        try:
+            found = self.spec.output_frames(z.shape[2])
+        except Exception as exc:  # an irregular frame law, traced for this count, and the trace failed
+            raise LimitExceeded(
+                "latents", f"model '{self.spec.name}' cannot decode {z.shape[2]} latent frames"
+            ) from exc
+        if found > limits.max_frames:
+            raise LimitExceeded(
+                "latents", f"decodes to {found} frames per item, over the limit of {limits.max_frames} (max_frames)"
+            )
+        return found
+
+    def frames_need_trace(self, z: torch.Tensor) -> bool:
+        frames = self.spec.geometry.frames
+        return z.dim() == 5 and frames is not None and frames.needs_trace(z.shape[2])
+
+    def check_limits(self, z: torch.Tensor, limits: Limits, frames: int) -> None:
+        """Items, pixels and FLOPs (frames: output_frames), in constant time."""
+        if z.shape[0] > limits.max_batch_items:
+            raise LimitExceeded(
+                "latents", f"batch of {z.shape[0]} is over the limit of {limits.max_batch_items} (max_batch_items)"
+            )
+        pixels = z.shape[0] * frames * z.shape[-2] * z.shape[-1] * self.spec.spatial_scale**2
+        if pixels > limits.max_output_pixels:
+            raise LimitExceeded(
+                "latents",
+                f"decodes to {pixels} pixels, over the limit of {limits.max_output_pixels} (max_output_pixels)",
+            )
+        tflop = self.tflop(z.shape[0], frames, *z.shape[-2:])
+        if tflop > limits.max_decode_tflop:
+            raise LimitExceeded(
+                "latents",
+                f"would cost about {tflop:.3g} TFLOP to decode, over the limit of "
+                f"{limits.max_decode_tflop:g} (max_decode_tflop)",
+            )
+
+    def tflop(self, items: int, frames: int, h: int, w: int) -> float:
+        return self.flops.tflop(items, frames, h, w)
+
+    # ---- memory ------------------------------------------------------------------------------
+    def bound(self, limits: Limits) -> int:
+        """limits.max_decode_bytes, or the engine's fixed default (engine/memory_budget.py)."""
+        return limits.max_decode_bytes if limits.max_decode_bytes is not None else self.budget.default_bound
+
+    def needs_shape_work(self, prepared: PreparedRequest, limits: Limits) -> bool:
+        """Whether pricing this request runs the twin (work that grows with the request)."""
+        quality, items, (h, w) = prepared.request.quality, prepared.items, prepared.latent_hw
+        tier = self.tiers.get(quality)
+        if tier is None:  # preview: no decoder
+            return False
+        if tier.needs_shape_work(items if quality == "high" else 1, h, w):
+            return True
+        if quality != "lossless" or not self.has_class_tiled or self.peak(prepared) <= self.bound(limits):
+            return False  # only above the bound is the class's tiled decode priced
+        fitted = self.class_tiled_fitted
+        return fitted is None or fitted.needs_shape_work(h, w, prepared.latent_frames)
+
+    def output_pixels(self, prepared: PreparedRequest, frames: int = 1) -> int:
+        """Output pixels of `frames` frames of every item."""
+        h, w = prepared.latent_hw
+        return prepared.items * frames * h * w * self.facts.scale**2
+
+    def answer_bytes(self, prepared: PreparedRequest) -> int:
+        """What the answer holds while it is decoded (nothing for a streamed request)."""
+        if prepared.request.stream:
+            return 0
+        return self.facts.answer(self.output_pixels(prepared, prepared.frames), prepared.request.output)
+
+    def _chunk_pixels(self, prepared: PreparedRequest) -> int:
+        """Output pixels of the largest chunk a video decode hands over at once."""
+        facts = self.facts
+        chunk_frames = prepared.frames if facts.per_latent_frame else min(prepared.frames, facts.chunk_frames)
+        return self.output_pixels(prepared, chunk_frames)
+
+    def held_beside_the_decode(self, prepared: PreparedRequest) -> int:
+        """Video: the frames kept so far, and the conversion of one chunk (its fp32 copy and uint8
+        pixels), both held while the decode goes on."""
+        converting = 0 if prepared.request.output == "float" else self._chunk_pixels(prepared) * (12 + 3)
+        return self.answer_bytes(prepared) + converting
+
+    def held_while_tiled(self, prepared: PreparedRequest) -> int:
+        """Beside one tile's decode: the blend's fp32 accumulator (video in lockstep: one chunk's;
+        tile after tile's whole clip is counted by tile_for) and what the answer holds."""
+        if self.facts.video:
+            return self.held_beside_the_decode(prepared) + self._chunk_pixels(prepared) * 12
+        return self.answer_bytes(prepared) + self.output_pixels(prepared) * 12
+
+    def peak(self, prepared: PreparedRequest, quality: str | None = None) -> int:
+        """Estimated peak of decoding this request whole in its tier (or `quality`'s)."""
+        quality = quality or prepared.request.quality
+        (h, w), items, high = prepared.latent_hw, prepared.items, quality == "high"
+        working = self.tiers[quality].working(items if high else 1, h, w, prepared.latent_frames)
+        return self._with_answer(prepared, working, together=high)
+
+    def class_tiled_peak(self, prepared: PreparedRequest) -> int:
+        """Estimated peak of `lossless` by the class's own tiled decode, item by item."""
+        h, w = prepared.latent_hw
+        working = self.class_tiled.working(h, w, prepared.latent_frames)
+        return self._with_answer(prepared, working, together=False)
+
+    def _with_answer(self, prepared: PreparedRequest, working: int, together: bool) -> int:
+        if self.facts.video:
+            return working + self.held_beside_the_decode(prepared)
+        answer = self.answer_bytes(prepared)
+        if together:
+            return max(working, answer)
+        decoded_item = self.output_pixels(prepared) // prepared.items * 3 * self.facts.itemsize
+        return max(working + (prepared.items - 1) * decoded_item, 2 * prepared.items * decoded_item, answer)
+
+    def describe(self, limits: Limits) -> dict:
+        tiers = {name: tier.describe() for name, tier in self.tiers.items()}
+        if self.has_class_tiled:
+            fitted = self.class_tiled_fitted
+            tiers["lossless_tiled"] = fitted.describe() if fitted else {"priced": "fitted when first needed"}
+        h = w = 128  # latent pixels: the FLOPs per pixel of a 1024 px image
+        return {
+            "decode_mflop_per_pixel": round(self.flops.mflop_per_output_pixel(h, w, self.facts.scale), 3),
+            "memory_plan": {
+                "decode_bound_bytes": self.bound(limits),
+                "bound_from": "limits.max_decode_bytes" if limits.max_decode_bytes else "default",
+                **self.budget.describe(),
+                "tiers": tiers,
+            },
+        }

@@ -1,0 +1,119 @@
+"""Deciding, before any tensor moves: how one request is decoded within the memory bound (whole, in
+spatial tiles, or by the class's own tiled decode; else 413), and how a batch of requests that
+share a key is run (which decode together, which alone). The executor (engine/executor.py) does
+what the plan says; nothing here decodes.
+
+Tiers:
+- `preview`: one run for the whole batch (the preview's map is per pixel, never tiled);
+- `lossless`: one run per request, every item alone (bit-identity with `vae.decode` of that item);
+  above the bound, the class's own tiled decode of every item (`ClassTiles`);
+- `high`: one run for the whole batch when nothing is tiled and the batch fits the bound together,
+  else one run per request with its items together, tiled by its grid (`TileGrid`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vae_service.engine.cost_model import CostModel
+from vae_service.engine.errors import LimitExceeded
+from vae_service.engine.latents import PreparedRequest
+from vae_service.engine.tiling import TileGrid, spread_grid, tile_for
+
+
+@dataclass(frozen=True)
+class ClassTiles:
+    """`lossless` above the bound: the class's own tiled decode (`vae.enable_tiling()`, then
+    `vae.decode`, with diffusers' default tile settings), bit-identical to what diffusers gives."""
+
+
+Tiling = TileGrid | ClassTiles | None  # None: decoded whole
+
+
+def plan_request(prepared: PreparedRequest, cost: CostModel, bound: int, spread_pixels: int | None) -> Tiling:
+    """How `prepared` decodes within `bound`: whole, tiled, or refused (LimitExceeded). A `high`
+    request that fits whole is tiled anyway when it is large (`spread_pixels`: tiles of about that
+    many output pixels, for other replicas to decode)."""
+    quality = prepared.request.quality
+    if quality == "preview":
+        return None
+    need = cost.peak(prepared)
+    if need <= bound:
+        if quality == "high":
+            return spread_grid(*prepared.latent_hw, cost.facts.scale, spread_pixels)
+        return None
+    gib = f"about {need / 2**30:.3g} GiB, over max_decode_bytes ({bound / 2**30:.3g} GiB)"
+    if quality == "lossless":
+        if not cost.has_class_tiled:
+            raise LimitExceeded(
+                "latents",
+                f"decoding these latents needs {gib}, and this model's class has no tiled decode of its own "
+                "for 'lossless' above the bound: send quality 'high' (decoded in spatial tiles within the "
+                "bound) or fewer items",
+            )
+        tiled_need = cost.class_tiled_peak(prepared)
+        if tiled_need > bound:
+            raise LimitExceeded(
+                "latents",
+                f"decoding these latents needs {gib}; even diffusers' tiled decode needs about "
+                f"{tiled_need / 2**30:.3g} GiB: send quality 'high' or fewer items",
+            )
+        return ClassTiles()
+    grid = tiles_within(prepared, cost, bound)
+    if grid is None:
+        raise LimitExceeded("latents", f"decoding these latents needs {gib}, and even tiled it does not fit")
+    return grid
+
+
+def tiles_within(prepared: PreparedRequest, cost: CostModel, bound: int) -> TileGrid | None:
+    """The largest `high` tiles whose decode fits `bound` beside what the request holds meanwhile."""
+    h, w = prepared.latent_hw
+    held = cost.held_while_tiled(prepared)
+    return tile_for(cost.tiers["high"], prepared.items, prepared.frames, h, w, held, bound)
+
+
+@dataclass(frozen=True)
+class Run:
+    members: tuple[int, ...]  # indices of the batch's requests decoded by this run, in order
+    together: bool  # their items share one decoder call; else every item runs alone
+    tiling: Tiling = None
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    quality: str
+    runs: tuple[Run, ...]
+
+    @property
+    def tiled(self) -> bool:
+        return any(run.tiling is not None for run in self.runs)
+
+
+def plan_batch(batch: list[PreparedRequest], cost: CostModel, bound: int) -> BatchPlan:
+    """The batch's runs, each request with the tiling its prepare planned."""
+    keys = {r.batch_key for r in batch}
+    if len(keys) != 1:
+        raise ValueError(f"a batch must share one (tier, shape, dtype) key, got {sorted(map(str, keys))}")
+    quality = batch[0].request.quality
+    everyone = tuple(range(len(batch)))
+    if quality == "preview":
+        runs = (Run(everyone, together=True),)
+    elif quality == "lossless":
+        runs = tuple(Run((i,), together=False, tiling=r.tiling) for i, r in enumerate(batch))
+    elif batch[0].tiling is None and (len(batch) == 1 or sum(cost.peak(r) for r in batch) <= bound):
+        runs = (Run(everyone, together=True),)
+    else:
+        runs = tuple(Run((i,), together=True, tiling=r.tiling) for i, r in enumerate(batch))
+    return BatchPlan(quality, runs)
+
+
+def retry_plan(batch: list[PreparedRequest], cost: CostModel) -> BatchPlan:
+    """The out-of-memory retry's plan: every request in `high` tiles planned for half its estimated
+    peak (a real device held more than the estimate said)."""
+    runs = []
+    for i, request in enumerate(batch):
+        grid = tiles_within(request, cost, cost.peak(request) // 2)
+        if grid is None:
+            raise LimitExceeded("latents", "out of device memory, and even tiled small it does not fit")
+        runs.append(Run((i,), together=True, tiling=grid))
+    return BatchPlan(batch[0].request.quality, tuple(runs))
