@@ -7,6 +7,8 @@ MODEL ?= sd
 HOST ?= 127.0.0.1
 PORT ?= 8000
 PYTEST_ARGS ?=
+# pytest-xdist workers for the unit suite (tests/conftest.py splits torch's threads among them)
+UNIT_WORKERS ?= 2
 
 INSTALLED := $(VENV)/.installed
 
@@ -18,14 +20,19 @@ $(INSTALLED): pyproject.toml clients/pyproject.toml
 	$(VENV)/bin/python -m pip install -q -e ./clients -e ".[test]"
 	touch $@
 
-.PHONY: install serve test lint bench
+.PHONY: install serve test test-unit lint bench
 install: $(INSTALLED)
 
 serve: $(INSTALLED)
 	$(VENV)/bin/vae-service serve --model $(MODEL) --host $(HOST) --port $(PORT)
 
+# the unit suite in parallel workers, then the Ray suites (one shared local cluster) in order
 test: lint
-	$(VENV)/bin/python -m pytest $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest tests/unit -n $(UNIT_WORKERS) $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest tests --ignore=tests/unit $(PYTEST_ARGS)
+
+test-unit: $(INSTALLED)
+	$(VENV)/bin/python -m pytest tests/unit -n $(UNIT_WORKERS) $(PYTEST_ARGS)
 
 lint: $(INSTALLED)
 	$(VENV)/bin/ruff check .

@@ -11,6 +11,11 @@ import pytest
 
 from tests.models import build_full_vae, save_vae
 
+# pytest-xdist workers share the cores: torch's own threads split among them, so the totals do not
+# oversubscribe the machine (most tests decode with one thread anyway, as the service's replicas do)
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 
 @pytest.fixture(scope="session")
 def kl_vae():

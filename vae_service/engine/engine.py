@@ -46,13 +46,8 @@ from vae_service.engine.request import QUALITIES, DecodeRequest
 from vae_service.engine.result import DecodeResult, PendingResult, Timing
 from vae_service.engine.runtime import Runtime
 from vae_service.models import LoadedVae
-from vae_service.models.diffusers_tiling import DECODER_PARTS, decoder_part
 from vae_service.models.probe_cache import ProbeCache
 from vae_service.models.spec import jsonable_config, pipeline_statistics
-
-# what a sub-decode of an image tile runs: `high`'s decode of the tile, or a job of the model's own
-# tiled decode (models/diffusers_tiling.py: the decoder module alone, or a cached causal decoder's tile)
-TILE_PARTS = ("high", *DECODER_PARTS)
 
 
 class DecodeEngine:
@@ -243,30 +238,17 @@ class DecodeEngine:
             )
 
     def decode_tile(self, z: torch.Tensor, part: str, fingerprint: str) -> torch.Tensor:
-        """One tile of another replica's request, from its decoder-input latents: as that
-        replica's tiled `high` plan decodes a tile, or a job of the model's own tiled decode
-        (`decoder`: the decoder module alone; `causal_decoder`: a Wan or Qwen-Image tile, all its
-        latent frames on a fresh cache); never split again. Refused (WrongFingerprint) where this
-        engine would decode other bits than the request's."""
+        """One image tile of another replica's request (Runtime.tile); refused (WrongFingerprint)
+        where this engine would decode other bits than the request's."""
         self._accept(fingerprint)
-        if part not in TILE_PARTS:
-            raise ValueError(f"part: {part!r} is not one of {TILE_PARTS}")
-        runtime = self.runtime
-        with torch.inference_mode(), runtime.gate(part):
-            z = runtime.to_device(z)
-            return decoder_part(runtime.vae, z, part) if part in DECODER_PARTS else runtime.image(z)
+        return self.runtime.tile(z, part)
 
     def tile_chunks(
         self, z: torch.Tensor, quality: str, timestep: float | None, fingerprint: str
     ) -> Iterator[torch.Tensor]:
-        """One video tile of another replica's request: its output chunks, as that replica's tiled
-        plan decodes the tile (its own causal history); never split again. Run it to the end on
-        one thread: the tier's settings hold for the whole tile. Refused like decode_tile."""
+        """One video tile of another replica's request (Runtime.tile_chunks), refused likewise."""
         self._accept(fingerprint)
-        runtime = self.runtime
-        runtime.check_quality(quality)
-        with torch.inference_mode(), runtime.gate(quality):
-            yield from runtime.chunks(quality, timestep)(runtime.to_device(z))
+        return self.runtime.tile_chunks(z, quality, timestep)
 
     # ---- answers and lifecycle -------------------------------------------------------------
     def encode(self, result: DecodeResult) -> DecodeResult:

@@ -27,12 +27,16 @@ from vae_service.fastpath import install_fast_path
 from vae_service.fastpath.folded import FoldedBuffers
 from vae_service.fastpath.rewrites import RewritePlan
 from vae_service.models import LoadedVae, ModelLoadError, load_vae
+from vae_service.models.diffusers_tiling import DECODER_PARTS, decoder_part
 from vae_service.models.spec import decoded_pixels, jsonable_config
 from vae_service.models.wan_internals import diffusers_chunks, walk_unsupported_because
 
 log = logging.getLogger(__name__)
 
 DECODER_TIERS = ("lossless", "high")
+# what a sub-decode of an image tile runs: `high`'s decode of the tile, or a job of the model's own
+# tiled decode (models/diffusers_tiling.py: the decoder module alone, or a cached causal decoder's tile)
+TILE_PARTS = ("high", *DECODER_PARTS)
 
 
 class ChunkDecoder:
@@ -140,6 +144,25 @@ class Runtime:
 
     def to_device(self, z: torch.Tensor) -> torch.Tensor:
         return z.to(self.device, self.dtype)
+
+    def tile(self, z: torch.Tensor, part: str) -> torch.Tensor:
+        """One tile of another replica's request, from its decoder-input latents: as that
+        replica's tiled `high` plan decodes a tile, or a job of the model's own tiled decode
+        (`decoder`: the decoder module alone; `causal_decoder`: a Wan or Qwen-Image tile, all its
+        latent frames on a fresh cache); never split again."""
+        if part not in TILE_PARTS:
+            raise ValueError(f"part: {part!r} is not one of {TILE_PARTS}")
+        with torch.inference_mode(), self.gate(part):
+            z = self.to_device(z)
+            return decoder_part(self.vae, z, part) if part in DECODER_PARTS else self.image(z)
+
+    def tile_chunks(self, z: torch.Tensor, quality: str, timestep: float | None) -> Iterator[torch.Tensor]:
+        """One video tile of another replica's request: its output chunks, as that replica's tiled
+        plan decodes the tile (its own causal history); never split again. Run it to the end on
+        one thread: the tier's settings hold for the whole tile."""
+        self.check_quality(quality)
+        with torch.inference_mode(), self.gate(quality):
+            yield from self.chunks(quality, timestep)(self.to_device(z))
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def bind_thread(self) -> None:
