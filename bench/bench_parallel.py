@@ -312,7 +312,7 @@ def device_case(case: str, engines: list, tile_px: int | None, repeat: int) -> l
         untiled = here.prepare(request)
     with spread_from(here, (tile * scale) ** 2):
         tiled = here.prepare(request)
-    if tiled.tile is None:
+    if tiled.tiling is None:
         raise SystemExit(f"{case}: tiles of {tile * scale} px leave one tile; nothing to spread")
     spreader = DeviceTiles(engines)
     busiest = []
@@ -345,14 +345,14 @@ def device_case(case: str, engines: list, tile_px: int | None, repeat: int) -> l
         identical = f"NO, max |diff| {(one.float() - spread_result.float()).abs().max().item():.2e}"
     busy = statistics.median(busiest[1:])  # the timed rounds'
     n = len(engines)
-    grid = tiled.tile
+    grid = tiled.tiling
     size = f"{height}x{width}" + ("" if frames is None else f" x {spec.output_frames(frames)} frames")
     return [
         model,
         size,
         here.precision,
         f"{len(grid.tiles())} x {grid.tile_h * scale}x{grid.tile_w * scale}",
-        seconds["untiled"] if untiled.tile is None else f"{seconds['untiled']:.3g} (tiled by the memory bound)",
+        seconds["untiled"] if untiled.tiling is None else f"{seconds['untiled']:.3g} (tiled by the memory bound)",
         seconds["one"],
         seconds["spread"],
         seconds["one"] / seconds["spread"],

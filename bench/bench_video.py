@@ -150,7 +150,7 @@ def planned_memory(case: str, precision: str, bound_gib: float) -> list:
     engine.limits = Limits(**unlimited, max_decode_bytes=2**62)
     need = engine.peak_bytes(engine.prepare(request))
     engine.limits = Limits(**unlimited, max_decode_bytes=bound)
-    grid = engine.prepare(request).tile
+    grid = engine.prepare(request).tiling
     order = "-" if grid is None else ("lockstep" if grid.lockstep else "tile after tile")
     tiles = "-" if grid is None else f"{len(grid.tiles())} x {grid.tile * scale} px"
     return [model, f"{height}x{width} x {engine.spec.output_frames(frames)} frames", engine.precision,

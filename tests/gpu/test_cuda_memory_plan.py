@@ -42,7 +42,7 @@ def test_each_tiers_estimate_is_within_ten_percent_of_the_allocated_peak(engine,
     prepared = engine.prepare(DecodeRequest(latents(engine, h, w, batch), quality=quality, latents_scaled=True))
     peak, result = allocated_peak(engine, prepared)
     assert not result.tiled
-    assert 0.9 * peak <= engine.peak_bytes(prepared) <= 1.1 * peak, (peak, engine.memory[quality].describe())
+    assert 0.9 * peak <= engine.peak_bytes(prepared) <= 1.1 * peak, (peak, engine.cost.tiers[quality].describe())
 
 
 def test_a_tiled_decodes_allocated_peak_stays_within_the_bound(engine):
@@ -54,16 +54,16 @@ def test_a_tiled_decodes_allocated_peak_stays_within_the_bound(engine):
         peak, result = allocated_peak(engine, prepared)
     finally:
         engine.limits = Limits()
-    assert result.tiled and peak <= bound, (peak, bound, prepared.tile)
+    assert result.tiled and peak <= bound, (peak, bound, prepared.tiling)
 
 
 def test_the_default_bound_is_fixed_whatever_is_allocated(engine, monkeypatch):
     """Planning never reads the allocator (what it holds moves with whatever else runs): with 8 GiB
     more allocated, and with every allocator query made to fail, the same bound and tiles."""
     request = DecodeRequest(latents(engine, 256, 256), quality="high", latents_scaled=True)
-    before = engine.decode_bound(), engine.prepare(request).tile
+    before = engine.cost.bound(engine.limits), engine.prepare(request).tiling
     ballast = torch.empty(8 * 2**30, dtype=torch.uint8, device="cuda")
-    during = engine.decode_bound(), engine.prepare(request).tile
+    during = engine.cost.bound(engine.limits), engine.prepare(request).tiling
     del ballast
 
     def never(*args, **kwargs):
@@ -71,8 +71,8 @@ def test_the_default_bound_is_fixed_whatever_is_allocated(engine, monkeypatch):
 
     for query in ("memory_allocated", "memory_reserved", "mem_get_info", "max_memory_allocated"):
         monkeypatch.setattr(torch.cuda, query, never)
-    blind = engine.decode_bound(), engine.prepare(request).tile
+    blind = engine.cost.bound(engine.limits), engine.prepare(request).tiling
     total = torch.cuda.get_device_properties(0).total_memory
     assert before == during == blind
-    budget = engine.budget
+    budget = engine.cost.budget
     assert before[0] == int(total * budget.fraction) - budget.weights - budget.folded - budget.reserve

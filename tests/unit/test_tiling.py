@@ -251,7 +251,7 @@ def counted_class_tiled(engine, h: int, w: int, frames: int) -> int:
     [
         ("wan", 48, 40, 3),
         ("wan", 48, 40, 21),
-        ("wan", 61, 29, 41),
+        ("wan", 37, 29, 33),
         ("wan2.2", 37, 23, 2),
         ("wan2.2", 29, 50, 5),
         ("qwen-image", 57, 70, 1),
@@ -274,7 +274,7 @@ def test_a_video_class_tiled_decode_is_priced_by_its_grid_within_ten_percent(vid
 
 
 @pytest.mark.parametrize("kind", ["kl", "flux"])
-@pytest.mark.parametrize("h, w", [(9, 9), (14, 31), (40, 17), (64, 64), (97, 130)])
+@pytest.mark.parametrize("h, w", [(9, 9), (14, 31), (40, 17), (41, 53)])
 def test_an_image_class_tiled_decode_is_priced_by_its_grid_within_ten_percent(engines, kind, h, w):
     engine = engines[kind]
     price = engine.cost.class_tiled

@@ -132,6 +132,10 @@ class CostModel:
     def class_tiled_fitted(self) -> ClassTiledPrice | None:
         return self._probes.peek(self.architecture, "class tiled")
 
+    def fit_lazy_prices(self) -> None:
+        """Fit now what is otherwise fitted when first needed (a service does, beside start-up)."""
+        _ = self.class_tiled
+
     def _fast_twin(self, twin: torch.nn.Module, disabled: tuple[str, ...]):
         """The twin with this engine's rewrites (the exact ones run in both tiers; Triton kernels stand
         in on meta by allocating their outputs)."""

@@ -61,6 +61,9 @@ class DecodeService:
         self.parsers = ThreadPoolExecutor(2, thread_name_prefix="vae-parse", initializer=bind)
         self.pricing = ThreadPoolExecutor(1, thread_name_prefix="vae-price", initializer=bind)
         self._pricing_waiting = 0
+        # the class tiled decode's price is fitted here, beside start-up: the first request above the
+        # bound then finds it made (else it waits for it on this thread, within its deadline)
+        self.pricing.submit(self.engine.cost.fit_lazy_prices)
         self.batcher: KeyedBatcher[PreparedRequest] = KeyedBatcher(
             self._decode_batch, batcher_limits(config), self._observe, executor=self.device_thread
         )
