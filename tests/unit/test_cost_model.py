@@ -41,7 +41,8 @@ def test_flops_follow_the_decoders_real_growth_within_ten_percent(name):
 
 def test_a_1024_px_price_is_constant_work(kl_dir):
     """Pricing and planning shapes up to 1024 px of tiny-kl by formula (both tiers, the class tiled
-    decode above a small bound): none runs the twin (bench/bench_admission.py times it)."""
+    decode above a small bound) once the class tiled price is fitted: none runs the twin
+    (bench/bench_admission.py times it)."""
     from vae_service.config import ServiceConfig
     from vae_service.engine import DecodeEngine, DecodeRequest
     from vae_service.engine.memory import TwinRun
@@ -49,6 +50,7 @@ def test_a_1024_px_price_is_constant_work(kl_dir):
     engine = DecodeEngine(
         ServiceConfig(model=str(kl_dir), device="cpu", cpu_threads=1, limits={"max_decode_bytes": 64 * 2**20})
     )
+    engine.cost.fit_lazy_prices()  # once per architecture, as a service does beside start-up
     runs = []
     original = TwinRun.run
     TwinRun.run = lambda self, *a, **k: runs.append(a) or original(self, *a, **k)
