@@ -1,7 +1,6 @@
 """Batching, backpressure, timeouts, live reconfigure and scaling on the real local Serve."""
 
 import asyncio
-import copy
 import glob
 import os
 import re
@@ -14,7 +13,7 @@ import pytest
 import torch
 from ray import serve
 
-from tests.models import reference_decode, torch_threads
+from tests.models import at_precision, reference_decode, torch_threads
 from vae_service.serving.app import decoder_app
 from vae_service_client import AsyncVaeClient, VaeClient, VaeServiceError
 from vae_service_client.messages import pack, request_map
@@ -23,7 +22,7 @@ pytestmark = pytest.mark.integration
 FP32_MAX_ABS = 1e-3  # high vs lossless, as in tests/unit/test_fastpath.py
 
 
-async def test_mixed_tier_load_is_answered_exactly_once_and_correctly(kl_url, kl_vae):
+async def test_mixed_tier_load_is_answered_exactly_once_and_correctly(kl_url, kl_reference):
     gen = torch.Generator().manual_seed(21)
     jobs = [
         (f"r{i}", "lossless" if i % 3 else "high", torch.randn(1 + i % 2, 4, 5, 6, generator=gen)) for i in range(24)
@@ -38,7 +37,7 @@ async def test_mixed_tier_load_is_answered_exactly_once_and_correctly(kl_url, kl
     for (rid, quality, z), resp in zip(jobs, responses, strict=True):
         assert resp.request_id == rid and resp.quality == quality
         with torch_threads(threads):
-            solo = reference_decode(kl_vae, z).numpy()
+            solo = reference_decode(kl_reference, z).numpy()
         if quality == "lossless":
             np.testing.assert_array_equal(resp.output, solo)
         else:
@@ -149,7 +148,7 @@ def _running_replicas(app_name):
     return status.replica_states.get("RUNNING", 0)
 
 
-async def test_a_precision_change_rolls_replicas_without_failing_a_request(ray_cluster, kl_dir, kl_vae):
+async def test_a_precision_change_rolls_replicas_without_failing_a_request(ray_cluster, kl_dir, kl_reference):
     """Precision is a deployment argument: redeploying with another rolls replicas through Serve.
     Requests in flight meanwhile all succeed (no retries), and each lossless reply is bit-identical
     to the solo decode at the precision it names."""
@@ -195,7 +194,7 @@ async def test_a_precision_change_rolls_replicas_without_failing_a_request(ray_c
     references = {}
     with torch_threads(1):
         for precision, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-            vae = copy.deepcopy(kl_vae).to(dtype)
+            vae = at_precision(kl_reference, dtype)
             references[precision] = {id(z): reference_decode(vae, z.to(dtype)).float().numpy() for z in latents}
     for z, reply in replies:
         np.testing.assert_array_equal(reply.output, references[reply.precision][id(z)])

@@ -35,7 +35,7 @@ def decoders(ray_cluster, kl_dir, wan_dir):
 @pytest.mark.parametrize("compiled", [False, True], ids=["dag", "compiled"])
 @pytest.mark.parametrize("name", ["kl", "wan"])
 def test_dag_round_trip_is_diffusers_lossless_decode(decoders, request, name, compiled):
-    vae = request.getfixturevalue(f"{name}_vae")
+    vae = request.getfixturevalue(f"{name}_reference")  # the actor loaded its folder
     shape = [1, 4, 5, 7] if name == "kl" else [1, vae.config.z_dim, 2, 3, 5]  # odd sides
     denoiser = StandInDenoiser.remote(shape)
     dag = build_dag(denoiser, decoders[name], compiled, output="float", scaling_factor=None)
@@ -70,7 +70,7 @@ def test_bad_request_raises_the_typed_error_through_the_graph(decoders, compiled
             dag.teardown()
 
 
-def test_concurrent_calls_batch_by_tier_never_mixed(ray_cluster, kl_dir, kl_vae):
+def test_concurrent_calls_batch_by_tier_never_mixed(ray_cluster, kl_dir, kl_reference):
     # a batch waits (up to 30 s) for a second item of its own key: two per tier, each tier alone
     decoder = DecoderActor.remote(
         {"model": str(kl_dir), "cpu_threads": 1, "batching": {"max_batch_size": 2, "batch_wait_ms": 30_000}}
@@ -89,7 +89,7 @@ def test_concurrent_calls_batch_by_tier_never_mixed(ray_cluster, kl_dir, kl_vae)
         with torch_threads(1):  # lossless items decoded alone within their batch
             for zi, r, q in zip(z, results, qualities, strict=True):
                 if q == "lossless":
-                    np.testing.assert_array_equal(r["output"], reference_decode(kl_vae, zi).numpy())
+                    np.testing.assert_array_equal(r["output"], reference_decode(kl_reference, zi).numpy())
     finally:
         ray.kill(decoder)
 
