@@ -102,6 +102,22 @@ def multi_url(ray_cluster, kl_dir, flux_dir, wan_dir):
 
 
 @pytest.fixture(scope="session")
+def hasty_url(ray_cluster, kl_dir):
+    """tiny-kl whose requests time out almost at once (request_timeout_s 0.05): one deployment for
+    the 504 over HTTP (test_batching_lifecycle.py) and DEADLINE_EXCEEDED over gRPC (test_grpc.py,
+    application `hasty`)."""
+    from ray import serve
+
+    from vae_service.serving.app import decoder_app
+
+    config = {"model": str(kl_dir), "model_name": "hasty", "cpu_threads": 1, "batching": {"request_timeout_s": 0.05}}
+    # no CPU reserved: the session's apps hold as many of the cluster's 8 as before it was shared
+    options = dict(TEST_DEPLOYMENT, ray_actor_options={"num_cpus": 0})
+    serve.run(decoder_app(config, **options), name="hasty", route_prefix="/hasty")
+    return f"{ray_cluster}/hasty"
+
+
+@pytest.fixture(scope="session")
 def metrics_url(ray_cluster):
     return f"http://127.0.0.1:{PORTS['metrics']}/metrics"
 

@@ -115,8 +115,7 @@ def test_raw_status_codes_carry_type_and_field_in_trailers(grpc_target, request_
     assert err.details().startswith(field)
 
 
-def test_raw_deadline_exceeded_on_request_timeout(grpc_target, app):
-    app("hasty_grpc", batching={"request_timeout_s": 0.05})
-    err = raw_call(grpc_target, request_proto(np.zeros((1, 4, 64, 64), np.float32)), application="hasty_grpc")
+def test_raw_deadline_exceeded_on_request_timeout(grpc_target, hasty_url):
+    err = raw_call(grpc_target, request_proto(np.zeros((1, 4, 64, 64), np.float32)), application="hasty")
     assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert dict(err.trailing_metadata())["error-type"] == "timeout"
