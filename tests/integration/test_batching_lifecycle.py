@@ -80,7 +80,7 @@ def test_request_timeout_is_a_504_not_a_hang(hasty_url):
                 assert exc.status == 504
                 return False
 
-        _wait(small_decode_succeeds, timeout_s=60, every=0.5)
+        _wait(small_decode_succeeds, timeout_s=60, every=0.1)
 
 
 def _replica_logs(replica_id):
@@ -90,7 +90,7 @@ def _replica_logs(replica_id):
     return glob.glob(os.path.join(session, "logs", "serve", f"*{replica_id}*.log"))
 
 
-def _wait(predicate, timeout_s=60, every=0.5):
+def _wait(predicate, timeout_s=60, every=0.1):
     end = time.time() + timeout_s
     while time.time() < end:
         value = predicate()
@@ -111,6 +111,7 @@ def test_autoscaling_1_2_1_and_the_removed_replica_releases_its_folded_buffers(a
             "upscale_delay_s": 0.5,
             "downscale_delay_s": 3,
             "look_back_period_s": 1,
+            "metrics_interval_s": 0.5,  # load reported twice a second (default: every 10 s)
         },
         batching={"max_batch_size": 1},
     )

@@ -108,8 +108,12 @@ async def test_a_client_that_goes_away_before_its_batch_runs_is_never_decoded(ap
                     headers={"content-type": MSGPACK},
                 )
         await busy
-        await asyncio.sleep(0.5)  # the slot was freed: nothing left queued, nothing decoded for it
-        health = await client.health()
+        # the replica goes idle (a request still queued would be decoded first): nothing was left
+        # queued for the client that went away, nor decoded for it
+        deadline = time.monotonic() + 30
+        while (health := await client.health())["queued_items"] or health["running_batches"]:
+            assert time.monotonic() < deadline, f"the replica never went idle: {health}"
+            await asyncio.sleep(0.02)
     assert health["queued_items"] == 0 and health["decoded_items"] == before + 1
 
 
