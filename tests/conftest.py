@@ -9,7 +9,7 @@ if not torch.cuda.is_available():
 
 import pytest
 
-from tests.models import build_full_vae, save_vae
+from tests.models import build_full_vae, load_reference, save_vae
 
 # pytest-xdist workers share the cores: torch's own threads split among them, so the totals do not
 # oversubscribe the machine (most tests decode with one thread anyway, as the service's replicas do)
@@ -45,6 +45,23 @@ def flux_dir(flux_vae, tmp_path_factory):
 @pytest.fixture(scope="session")
 def wan_dir(wan_vae, tmp_path_factory):
     return save_vae(wan_vae, tmp_path_factory.mktemp("wan"))
+
+
+# diffusers' own loads of the saved folders: the references for whatever loaded those folders (a
+# service, an engine), never the in-memory models above (tests/models.py: load_reference says why)
+@pytest.fixture(scope="session")
+def kl_reference(kl_dir):
+    return load_reference(kl_dir)
+
+
+@pytest.fixture(scope="session")
+def flux_reference(flux_dir):
+    return load_reference(flux_dir)
+
+
+@pytest.fixture(scope="session")
+def wan_reference(wan_dir):
+    return load_reference(wan_dir)
 
 
 @pytest.fixture

@@ -3,9 +3,12 @@ initialisation, saved with save_pretrained, so loading goes through the real fol
 
 from __future__ import annotations
 
+import copy
+import json
 from contextlib import contextmanager
 from pathlib import Path
 
+import diffusers
 import torch
 from diffusers import AutoencoderKL, AutoencoderKLWan
 
@@ -44,6 +47,26 @@ def build_full_vae(kind: str, seed: int = 0) -> torch.nn.Module:
 def save_vae(vae: torch.nn.Module, folder: Path) -> Path:
     vae.save_pretrained(folder, safe_serialization=True)
     return folder
+
+
+def load_reference(folder: Path) -> torch.nn.Module:
+    """diffusers' own `from_pretrained` of a saved folder: the reference for anything that loaded
+    that folder (the service, an engine, a pipeline stage). Never the in-memory model that saved it:
+    safetensors-loaded weights are not 64-byte aligned, and on some CPUs (AMD EPYC) an fp32 kernel
+    takes another path for them, so every load of the folder (ours and diffusers' alike) differs
+    from the in-memory model in the last bits. A copy of a loaded model is aligned again (see
+    `at_precision`)."""
+    class_name = json.loads((Path(folder) / "config.json").read_text())["_class_name"]
+    return getattr(diffusers, class_name).from_pretrained(folder).eval()
+
+
+def at_precision(vae: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """`vae` itself in its own dtype (a deep copy would realign a loaded model's weights and give
+    the in-memory model's bits, see `load_reference`), else a copy cast to `dtype` (the cast writes
+    new tensors whatever the source's alignment, as the service's own cast does)."""
+    if all(p.dtype == dtype for p in vae.parameters()):
+        return vae
+    return copy.deepcopy(vae).to(dtype)
 
 
 def reference_decode(vae: torch.nn.Module, z: torch.Tensor) -> torch.Tensor:

@@ -98,10 +98,10 @@ class Load:
 
 
 @pytest.fixture(scope="module")
-def expected(kl_vae) -> list[np.ndarray]:
+def expected(kl_reference) -> list[np.ndarray]:
     """Each load client's latent decoded by diffusers itself (`lossless`: one latent, one torch thread)."""
     with torch_threads(1):
-        return [reference_decode(kl_vae, z_for(i)).numpy() for i in range(LOAD_CLIENTS)]
+        return [reference_decode(kl_reference, z_for(i)).numpy() for i in range(LOAD_CLIENTS)]
 
 
 def deployed(cluster: FakeCluster, config: dict, replicas: int = 1) -> dict[str, str]:

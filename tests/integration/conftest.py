@@ -38,6 +38,13 @@ def ray_cluster():
             }
         },
     )
+    # serve.run and serve.delete wait for the controller by asking it once a second: half a second
+    # lost on average per call, ~70 calls a run. The local controller answers in about a
+    # millisecond, so it is asked every 50 ms instead (a private constant of Ray 2.60's client).
+    from ray.serve._private import client as serve_client
+
+    assert serve_client.CLIENT_POLLING_INTERVAL_S == 1.0, "Ray's Serve client changed: revisit this"
+    serve_client.CLIENT_POLLING_INTERVAL_S = 0.05
     from ray.serve.config import gRPCOptions
 
     port = free_port()
@@ -92,6 +99,22 @@ def multi_url(ray_cluster, kl_dir, flux_dir, wan_dir):
     ]
     serve.run(multi_model_app({"models": models}, **TEST_DEPLOYMENT), name="multi", route_prefix="/multi")
     return f"{ray_cluster}/multi"
+
+
+@pytest.fixture(scope="session")
+def hasty_url(ray_cluster, kl_dir):
+    """tiny-kl whose requests time out almost at once (request_timeout_s 0.05): one deployment for
+    the 504 over HTTP (test_batching_lifecycle.py) and DEADLINE_EXCEEDED over gRPC (test_grpc.py,
+    application `hasty`)."""
+    from ray import serve
+
+    from vae_service.serving.app import decoder_app
+
+    config = {"model": str(kl_dir), "model_name": "hasty", "cpu_threads": 1, "batching": {"request_timeout_s": 0.05}}
+    # no CPU reserved: the session's apps hold as many of the cluster's 8 as before it was shared
+    options = dict(TEST_DEPLOYMENT, ray_actor_options={"num_cpus": 0})
+    serve.run(decoder_app(config, **options), name="hasty", route_prefix="/hasty")
+    return f"{ray_cluster}/hasty"
 
 
 @pytest.fixture(scope="session")

@@ -23,6 +23,11 @@ def kl_config(kl_dir) -> dict:
     return {"model": str(kl_dir), "model_name": "kl", "cpu_threads": 1}  # as the kl_url service
 
 
+# Runs here use one decoding actor (the default) where the claim is about outputs, not the pool:
+# every actor is a process that imports torch and loads the model (~7 s here). The CLI test runs
+# two (`--concurrency 2`), writing into one output folder side by side.
+
+
 @pytest.fixture
 def kl_inputs(tmp_path):
     """Odd sizes, two items in one file, half precision in a safetensors file."""
@@ -44,7 +49,7 @@ def kl_inputs(tmp_path):
 def test_folder_outputs_are_the_services_answers(ray_cluster, kl_url, kl_dir, kl_inputs, tmp_path, quality, output):
     folder, latents = kl_inputs
     out = tmp_path / "out"
-    summary = run_batch_decode(folder, out, kl_config(kl_dir), quality=quality, output=output, concurrency=2)
+    summary = run_batch_decode(folder, out, kl_config(kl_dir), quality=quality, output=output)
     assert (summary.total, summary.counts["decoded"], summary.failures) == (3, 3, [])
     with VaeClient(kl_url) as client:
         for name, z in latents.items():
@@ -85,7 +90,7 @@ def test_a_rerun_after_an_interrupted_run_decodes_only_the_rest(ray_cluster, kl_
     inputs.mkdir()
     for i in range(8):
         np.save(inputs / f"z{i}.npy", np.random.default_rng(i).standard_normal((1, 4, 4, 4)).astype(np.float32))
-    first = run_batch_decode(inputs, out, kl_config(kl_dir), concurrency=2)
+    first = run_batch_decode(inputs, out, kl_config(kl_dir))
     assert first.counts["decoded"] == 8
     whole = {i: (out / f"z{i}.png").read_bytes() for i in range(8)}
     for i in (5, 6, 7):  # cut short: z5 died while its file was written, z6 and z7 never started
@@ -93,7 +98,7 @@ def test_a_rerun_after_an_interrupted_run_decodes_only_the_rest(ray_cluster, kl_
     (out / f".z5.png.{os.getpid()}.tmp").write_bytes(whole[5][:10])
     before = {p.name: p.stat().st_mtime_ns for p in out.glob("*.png")}
 
-    summary = run_batch_decode(inputs, out, kl_config(kl_dir), concurrency=2)
+    summary = run_batch_decode(inputs, out, kl_config(kl_dir))
     assert (summary.counts["skipped"], summary.counts["decoded"], summary.failures) == (5, 3, [])
     assert sorted(p.name for p in out.glob("*.png")) == [f"z{i}.png" for i in range(8)]
     assert all(os.stat(out / name).st_mtime_ns == mtime for name, mtime in before.items())

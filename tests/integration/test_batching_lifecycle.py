@@ -1,7 +1,6 @@
 """Batching, backpressure, timeouts, live reconfigure and scaling on the real local Serve."""
 
 import asyncio
-import copy
 import glob
 import os
 import re
@@ -14,7 +13,7 @@ import pytest
 import torch
 from ray import serve
 
-from tests.models import reference_decode, torch_threads
+from tests.models import at_precision, reference_decode, torch_threads
 from vae_service.serving.app import decoder_app
 from vae_service_client import AsyncVaeClient, VaeClient, VaeServiceError
 from vae_service_client.messages import pack, request_map
@@ -23,7 +22,7 @@ pytestmark = pytest.mark.integration
 FP32_MAX_ABS = 1e-3  # high vs lossless, as in tests/unit/test_fastpath.py
 
 
-async def test_mixed_tier_load_is_answered_exactly_once_and_correctly(kl_url, kl_vae):
+async def test_mixed_tier_load_is_answered_exactly_once_and_correctly(kl_url, kl_reference):
     gen = torch.Generator().manual_seed(21)
     jobs = [
         (f"r{i}", "lossless" if i % 3 else "high", torch.randn(1 + i % 2, 4, 5, 6, generator=gen)) for i in range(24)
@@ -38,7 +37,7 @@ async def test_mixed_tier_load_is_answered_exactly_once_and_correctly(kl_url, kl
     for (rid, quality, z), resp in zip(jobs, responses, strict=True):
         assert resp.request_id == rid and resp.quality == quality
         with torch_threads(threads):
-            solo = reference_decode(kl_vae, z).numpy()
+            solo = reference_decode(kl_reference, z).numpy()
         if quality == "lossless":
             np.testing.assert_array_equal(resp.output, solo)
         else:
@@ -68,9 +67,8 @@ async def test_overload_gets_the_configured_status_with_retry_after_and_never_50
     assert all(r.headers.get("retry-after") == "2" for r in rs if r.status_code == status)
 
 
-def test_request_timeout_is_a_504_not_a_hang(app):
-    url = app("hasty", batching={"request_timeout_s": 0.05})
-    with VaeClient(url) as client:
+def test_request_timeout_is_a_504_not_a_hang(hasty_url):
+    with VaeClient(hasty_url) as client:
         with pytest.raises(VaeServiceError) as err:
             client.decode(torch.randn(1, 4, 64, 64))
         assert err.value.status == 504 and err.value.type == "timeout"
@@ -82,7 +80,7 @@ def test_request_timeout_is_a_504_not_a_hang(app):
                 assert exc.status == 504
                 return False
 
-        _wait(small_decode_succeeds, timeout_s=60, every=0.5)
+        _wait(small_decode_succeeds, timeout_s=60, every=0.1)
 
 
 def _replica_logs(replica_id):
@@ -92,7 +90,7 @@ def _replica_logs(replica_id):
     return glob.glob(os.path.join(session, "logs", "serve", f"*{replica_id}*.log"))
 
 
-def _wait(predicate, timeout_s=60, every=0.5):
+def _wait(predicate, timeout_s=60, every=0.1):
     end = time.time() + timeout_s
     while time.time() < end:
         value = predicate()
@@ -113,6 +111,7 @@ def test_autoscaling_1_2_1_and_the_removed_replica_releases_its_folded_buffers(a
             "upscale_delay_s": 0.5,
             "downscale_delay_s": 3,
             "look_back_period_s": 1,
+            "metrics_interval_s": 0.5,  # load reported twice a second (default: every 10 s)
         },
         batching={"max_batch_size": 1},
     )
@@ -149,7 +148,7 @@ def _running_replicas(app_name):
     return status.replica_states.get("RUNNING", 0)
 
 
-async def test_a_precision_change_rolls_replicas_without_failing_a_request(ray_cluster, kl_dir, kl_vae):
+async def test_a_precision_change_rolls_replicas_without_failing_a_request(ray_cluster, kl_dir, kl_reference):
     """Precision is a deployment argument: redeploying with another rolls replicas through Serve.
     Requests in flight meanwhile all succeed (no retries), and each lossless reply is bit-identical
     to the solo decode at the precision it names."""
@@ -195,7 +194,7 @@ async def test_a_precision_change_rolls_replicas_without_failing_a_request(ray_c
     references = {}
     with torch_threads(1):
         for precision, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-            vae = copy.deepcopy(kl_vae).to(dtype)
+            vae = at_precision(kl_reference, dtype)
             references[precision] = {id(z): reference_decode(vae, z.to(dtype)).float().numpy() for z in latents}
     for z, reply in replies:
         np.testing.assert_array_equal(reply.output, references[reply.precision][id(z)])

@@ -51,7 +51,7 @@ def client_python(tmp_path_factory):
     return python
 
 
-def test_the_client_distribution_installs_and_decodes_alone(client_python, kl_url, grpc_target, kl_vae, tmp_path):
+def test_the_client_distribution_installs_and_decodes_alone(client_python, kl_url, grpc_target, kl_reference, tmp_path):
     installed = subprocess.run(
         [str(client_python), "-m", "pip", "list", "--format=json"], capture_output=True, text=True, check=True
     ).stdout
@@ -70,7 +70,7 @@ def test_the_client_distribution_installs_and_decodes_alone(client_python, kl_ur
     report = json.loads(run.stdout.strip().splitlines()[-1])
     assert report == {"loaded": [], "model": "kl", "request_id": "alone", "error": [400, "latents"]}
     with torch_threads(1):
-        expected = reference_decode(kl_vae, torch.from_numpy(z)).numpy()
+        expected = reference_decode(kl_reference, torch.from_numpy(z)).numpy()
     out = np.load(tmp_path / "out.npz")
     np.testing.assert_array_equal(out["http"], expected)
     np.testing.assert_array_equal(out["grpc"], expected)

@@ -32,12 +32,23 @@ def decoders(ray_cluster, kl_dir, wan_dir):
         ray.kill(actor)
 
 
+@pytest.fixture(scope="module")
+def denoisers(ray_cluster, wan_reference):
+    """One stand-in denoiser per model, in a plain DAG and in a compiled graph alike (a compiled
+    graph's teardown leaves its actors usable, as the decoders above): each is a process that
+    imports torch and the engine."""
+    shapes = {"kl": [1, 4, 5, 7], "wan": [1, wan_reference.config.z_dim, 2, 3, 5]}  # odd sides
+    actors = {name: (StandInDenoiser.remote(shape), shape) for name, shape in shapes.items()}
+    yield actors
+    for actor, _ in actors.values():
+        ray.kill(actor)
+
+
 @pytest.mark.parametrize("compiled", [False, True], ids=["dag", "compiled"])
 @pytest.mark.parametrize("name", ["kl", "wan"])
-def test_dag_round_trip_is_diffusers_lossless_decode(decoders, request, name, compiled):
-    vae = request.getfixturevalue(f"{name}_vae")
-    shape = [1, 4, 5, 7] if name == "kl" else [1, vae.config.z_dim, 2, 3, 5]  # odd sides
-    denoiser = StandInDenoiser.remote(shape)
+def test_dag_round_trip_is_diffusers_lossless_decode(decoders, denoisers, request, name, compiled):
+    vae = request.getfixturevalue(f"{name}_reference")  # the actor loaded its folder
+    denoiser, shape = denoisers[name]
     dag = build_dag(denoiser, decoders[name], compiled, output="float", scaling_factor=None)
     try:
         for seed in (0, 1):
@@ -50,7 +61,6 @@ def test_dag_round_trip_is_diffusers_lossless_decode(decoders, request, name, co
     finally:
         if compiled:
             dag.teardown()
-        ray.kill(denoiser)
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["dag", "compiled"])
@@ -70,7 +80,7 @@ def test_bad_request_raises_the_typed_error_through_the_graph(decoders, compiled
             dag.teardown()
 
 
-def test_concurrent_calls_batch_by_tier_never_mixed(ray_cluster, kl_dir, kl_vae):
+def test_concurrent_calls_batch_by_tier_never_mixed(ray_cluster, kl_dir, kl_reference):
     # a batch waits (up to 30 s) for a second item of its own key: two per tier, each tier alone
     decoder = DecoderActor.remote(
         {"model": str(kl_dir), "cpu_threads": 1, "batching": {"max_batch_size": 2, "batch_wait_ms": 30_000}}
@@ -89,7 +99,7 @@ def test_concurrent_calls_batch_by_tier_never_mixed(ray_cluster, kl_dir, kl_vae)
         with torch_threads(1):  # lossless items decoded alone within their batch
             for zi, r, q in zip(z, results, qualities, strict=True):
                 if q == "lossless":
-                    np.testing.assert_array_equal(r["output"], reference_decode(kl_vae, zi).numpy())
+                    np.testing.assert_array_equal(r["output"], reference_decode(kl_reference, zi).numpy())
     finally:
         ray.kill(decoder)
 

@@ -59,6 +59,21 @@ def _kill_replicas(app_name: str, deployment: str) -> int:
     return killed
 
 
+async def _decoding_with_more_queued(http: httpx.AsyncClient, url: str) -> None:
+    """Returns once the decoder says a batch is running and more items wait behind it (its own
+    /health, or the router's entry for it), so the kill lands on requests in flight. /health may
+    itself queue behind the decodes in Serve (the replica's slots are full): it answers as soon as
+    one frees."""
+    deadline = time.monotonic() + 60
+    while True:
+        health = (await http.get(f"{url}/health")).json()
+        (decoder,) = health["models"].values() if "models" in health else (health,)
+        if decoder["running_batches"] and decoder["queued_items"]:
+            return
+        assert time.monotonic() < deadline, f"never saw a batch running with more queued: {decoder}"
+        await asyncio.sleep(0.02)
+
+
 async def _load_through_a_kill(url: str, app_name: str, deployment: str) -> list[httpx.Response]:
     body = pack(request_map(torch.randn(1, 4, 48, 48, generator=torch.Generator().manual_seed(0))))
     async with httpx.AsyncClient(timeout=120) as http:
@@ -66,7 +81,7 @@ async def _load_through_a_kill(url: str, app_name: str, deployment: str) -> list
             asyncio.create_task(http.post(f"{url}/decode", content=body, headers={"content-type": MSGPACK}))
             for _ in range(16)
         ]
-        await asyncio.sleep(1.0)  # some decoding, some queued
+        await _decoding_with_more_queued(http, url)
         assert await asyncio.to_thread(_kill_replicas, app_name, deployment) >= 1
         return await asyncio.gather(*requests)
 

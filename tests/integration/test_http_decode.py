@@ -27,7 +27,7 @@ def test_health_describes_the_deployment(kl_url):
     assert health["weights"] == "loaded"
 
 
-async def test_concurrent_lossless_answers_are_bit_identical_to_diffusers_solo(kl_url, kl_vae):
+async def test_concurrent_lossless_answers_are_bit_identical_to_diffusers_solo(kl_url, kl_reference):
     gen = torch.Generator().manual_seed(11)
     latents = [torch.randn(b, 4, 5, 4, generator=gen) for b in (1, 2, 3, 1, 2, 1, 3, 1)]
     async with AsyncVaeClient(kl_url) as client:
@@ -41,7 +41,7 @@ async def test_concurrent_lossless_answers_are_bit_identical_to_diffusers_solo(k
         assert set(resp.timing) == {"queue_ms", "decode_ms", "encode_ms", "batch_size", "replicas"}
         assert resp.timing["replicas"] == 1
         with torch_threads(threads):
-            np.testing.assert_array_equal(resp.output, reference_decode(kl_vae, z).numpy())
+            np.testing.assert_array_equal(resp.output, reference_decode(kl_reference, z).numpy())
 
 
 def test_uint8_and_png_outputs(kl_url, kl_vae):

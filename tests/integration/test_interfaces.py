@@ -34,10 +34,10 @@ def test_remote_decode_pil_png_and_jpeg(kl_url, z):
     assert err < 0.5 * np.abs(np.asarray(jpg).astype(float) - pixels[::-1, ::-1]).mean()
 
 
-def test_remote_decode_pt_is_the_lossless_decode(kl_url, kl_vae, z):
+def test_remote_decode_pt_is_the_lossless_decode(kl_url, kl_reference, z):
     threads = VaeClient(kl_url).health()["cpu_threads"]
     with torch_threads(threads):
-        expected = reference_decode(kl_vae, z / 0.18215)
+        expected = reference_decode(kl_reference, z / 0.18215)
     out = remote_decode(
         endpoint=f"{kl_url}/remote-decode", tensor=z, scaling_factor=0.18215, output_type="pt", return_type="pt"
     )
@@ -118,7 +118,7 @@ def test_health_lists_every_model(multi_url):
     assert {name: m["family"] for name, m in models.items()} == {"kl": "image", "flux": "image", "wan": "video"}
 
 
-def test_routing_by_model_field(multi_url, flux_vae, wan_vae):
+def test_routing_by_model_field(multi_url, flux_reference):
     with VaeClient(multi_url) as client:
         packed = torch.randn(1, 6, 32, generator=torch.Generator().manual_seed(2))
         flux = client.decode(packed, model="flux", output="float", height=32, width=48)
@@ -131,7 +131,7 @@ def test_routing_by_model_field(multi_url, flux_vae, wan_vae):
     assert flux.model == "flux" and flux.output.shape == (1, 3, 32, 48)
     unpacked = packed.view(1, 2, 3, 8, 2, 2).permute(0, 3, 1, 4, 2, 5).reshape(1, 8, 4, 6)
     with torch_threads(1):
-        expected = reference_decode(flux_vae, unpacked / 0.3611 + 0.1159)
+        expected = reference_decode(flux_reference, unpacked / 0.3611 + 0.1159)
     np.testing.assert_array_equal(flux.output, expected.numpy())
     assert video.model == "wan" and video.output.shape == (1, 5, 32, 32, 3)
 
@@ -171,13 +171,13 @@ def test_remote_decode_through_the_router_packed_and_video(multi_url):
     assert own < 0.5 * shifted, (own, shifted)  # lossy, but these frames in this order
 
 
-def test_handle_api_routes_and_validates(multi_url, kl_vae):
+def test_handle_api_routes_and_validates(multi_url, kl_reference):
     handle = serve.get_app_handle("multi")
     z = np.random.default_rng(3).standard_normal((2, 4, 3, 3)).astype(np.float32)
     result = handle.decode.remote(z, model="kl", output="float", scaling_factor=None).result()
     assert result["model"] == "kl" and result["precision"] == "fp32" and result["output"].dtype == np.float32
     with torch_threads(1):
-        np.testing.assert_array_equal(result["output"], reference_decode(kl_vae, torch.from_numpy(z)).numpy())
+        np.testing.assert_array_equal(result["output"], reference_decode(kl_reference, torch.from_numpy(z)).numpy())
     # bad input raises the typed error HTTP would answer, with its status, type and field
     for kwargs, status, type_, field in (
         (dict(model="kl"), 400, "invalid_request", "latents"),

@@ -7,7 +7,7 @@ import pytest
 from ray import serve
 
 from tests.integration.conftest import TEST_DEPLOYMENT
-from tests.models import save_vae, torch_threads
+from tests.models import load_reference, save_vae, torch_threads
 from tests.zoo import BY_NAME, build, decode_alone, latents
 from vae_service_client import VaeClient, VaeGrpcClient
 
@@ -22,15 +22,15 @@ APP = "zoo"
 def zoo(ray_cluster, tmp_path_factory):
     from vae_service.serving.app import multi_model_app
 
-    vaes, models = {}, []
+    references, models = {}, []
     for name in SERVED:
-        vaes[name] = build(BY_NAME[name], seed=11)
-        folder = save_vae(vaes[name], tmp_path_factory.mktemp(name))
+        folder = save_vae(build(BY_NAME[name], seed=11), tmp_path_factory.mktemp(name))
+        references[name] = load_reference(folder)  # what the service loads, as diffusers loads it
         models.append({"model": str(folder), "model_name": name, "cpu_threads": 1})
     # no CPU reserved per replica: thirteen tiny decoders share the test cluster's CPUs
     app = multi_model_app({"models": models}, ray_actor_options={"num_cpus": 0}, **TEST_DEPLOYMENT)
     serve.run(app, name=APP, route_prefix=f"/{APP}")
-    yield f"{ray_cluster}/{APP}", vaes
+    yield f"{ray_cluster}/{APP}", references
     serve.delete(APP)
 
 

@@ -4,7 +4,6 @@ API's encoded outputs and release_folded."""
 
 import asyncio
 import contextlib
-import copy
 import io
 import threading
 import time
@@ -17,7 +16,7 @@ import torch
 from PIL import Image
 from ray import serve
 
-from tests.models import reference_decode, torch_threads
+from tests.models import at_precision, reference_decode, torch_threads
 from vae_service_client import AsyncVaeClient, VaeClient, VaeGrpcClient, retries
 from vae_service_client.messages import MSGPACK, pack, request_map
 
@@ -25,7 +24,7 @@ pytestmark = pytest.mark.integration
 SLOW = torch.randn(1, 4, 64, 64, generator=torch.Generator().manual_seed(0))  # ~0.3-0.5 s per decode here
 
 
-async def test_requests_queued_and_running_when_a_replica_is_removed_all_complete(ray_cluster, kl_dir, kl_vae):
+async def test_requests_queued_and_running_when_a_replica_is_removed_all_complete(ray_cluster, kl_dir, kl_reference):
     from vae_service.serving.app import decoder_app
 
     config = {
@@ -57,7 +56,7 @@ async def test_requests_queued_and_running_when_a_replica_is_removed_all_complet
         await deleting
     with torch_threads(health["cpu_threads"]):
         for z, reply in zip(latents, replies, strict=True):
-            np.testing.assert_array_equal(reply.output, reference_decode(kl_vae, z).numpy())
+            np.testing.assert_array_equal(reply.output, reference_decode(kl_reference, z).numpy())
 
 
 @pytest.fixture(scope="module")
@@ -76,10 +75,10 @@ def bf16_app(ray_cluster, kl_dir):
     serve.delete("kl16")
 
 
-def test_bf16_answers_are_exact_through_http_grpc_and_handles(bf16_app, grpc_target, kl_vae):
+def test_bf16_answers_are_exact_through_http_grpc_and_handles(bf16_app, grpc_target, kl_reference):
     z = torch.randn(2, 4, 3, 5, generator=torch.Generator().manual_seed(6))
     with torch_threads(1):
-        expected = reference_decode(copy.deepcopy(kl_vae).to(torch.bfloat16), z.to(torch.bfloat16)).float().numpy()
+        expected = reference_decode(at_precision(kl_reference, torch.bfloat16), z.to(torch.bfloat16)).float().numpy()
     with VaeClient(bf16_app) as client:
         http = client.decode(z, output="float", scaling_factor=None)
     with VaeGrpcClient(grpc_target, application="kl16") as client:
@@ -109,8 +108,12 @@ async def test_a_client_that_goes_away_before_its_batch_runs_is_never_decoded(ap
                     headers={"content-type": MSGPACK},
                 )
         await busy
-        await asyncio.sleep(0.5)  # the slot was freed: nothing left queued, nothing decoded for it
-        health = await client.health()
+        # the replica goes idle (a request still queued would be decoded first): nothing was left
+        # queued for the client that went away, nor decoded for it
+        deadline = time.monotonic() + 30
+        while (health := await client.health())["queued_items"] or health["running_batches"]:
+            assert time.monotonic() < deadline, f"the replica never went idle: {health}"
+            await asyncio.sleep(0.02)
     assert health["queued_items"] == 0 and health["decoded_items"] == before + 1
 
 

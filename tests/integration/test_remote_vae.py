@@ -55,32 +55,32 @@ def generate(pipe, **kwargs):
                     generator=g, **kwargs)  # fmt: skip
 
 
-def test_an_image_pipeline_gives_the_local_vaes_images(kl_url, kl_vae):
+def test_an_image_pipeline_gives_the_local_vaes_images(kl_url, kl_reference):
     remote = RemoteVae(kl_url)
-    assert remote.config.scaling_factor == kl_vae.config.scaling_factor
-    assert remote.config.block_out_channels == list(kl_vae.config.block_out_channels)
+    assert remote.config.scaling_factor == kl_reference.config.scaling_factor
+    assert remote.config.block_out_channels == list(kl_reference.config.block_out_channels)
     assert remote.dtype == torch.float32 and remote.device == torch.device("cpu")
-    local = generate(sd_pipeline(kl_vae), height=40, width=24).images
+    local = generate(sd_pipeline(kl_reference), height=40, width=24).images
     served = generate(sd_pipeline(remote), height=40, width=24).images
     assert served.shape == local.shape == (1, 3, 40, 24) and torch.equal(served, local)
 
 
-def test_wan_pipeline_gives_the_local_vaes_frames(wan_url, wan_vae):
+def test_wan_pipeline_gives_the_local_vaes_frames(wan_url, wan_reference):
     remote = RemoteVae(wan_url)
-    assert list(remote.config.latents_mean) == list(wan_vae.config.latents_mean)
-    local = generate(wan_pipeline(wan_vae), height=16, width=32, num_frames=9).frames
+    assert list(remote.config.latents_mean) == list(wan_reference.config.latents_mean)
+    local = generate(wan_pipeline(wan_reference), height=16, width=32, num_frames=9).frames
     served = generate(wan_pipeline(remote), height=16, width=32, num_frames=9).frames
     assert served.shape == local.shape == (1, 9, 3, 16, 32) and torch.equal(served, local)
 
 
-def test_a_routing_ingress_needs_the_model_and_encode_says_what_to_do(multi_url, flux_vae):
+def test_a_routing_ingress_needs_the_model_and_encode_says_what_to_do(multi_url, flux_reference):
     with pytest.raises(ValueError, match=r"model: None is not served.*'flux', 'kl', 'wan'"):
         RemoteVae(multi_url)
     remote = RemoteVae(multi_url, model="flux")
-    assert remote.config.shift_factor == flux_vae.config.shift_factor
+    assert remote.config.shift_factor == flux_reference.config.shift_factor
     z = torch.randn(2, 8, 3, 5, generator=torch.Generator().manual_seed(6))
     with torch.inference_mode(), torch_threads(1):
-        expected = torch.cat([flux_vae.decode(item).sample for item in z.split(1)])
+        expected = torch.cat([flux_reference.decode(item).sample for item in z.split(1)])
     out = remote.decode(z, return_dict=False)[0]
     assert torch.equal(out, expected) and torch.equal(remote.decode(z).sample, expected)
     with pytest.raises(NotImplementedError, match=r"decodes only.*encode with a local VAE"):

@@ -40,7 +40,7 @@ def stage(kl_dir, tmp_path):
         yield make
 
 
-def test_files_decode_to_the_lossless_pixels_named_after_their_inputs(stage, kl_vae, tmp_path):
+def test_files_decode_to_the_lossless_pixels_named_after_their_inputs(stage, kl_reference, tmp_path):
     gen = torch.Generator().manual_seed(0)
     one, two = torch.randn(1, 4, 5, 3, generator=gen), torch.randn(2, 4, 3, 4, generator=gen)
     np.save(tmp_path / "one.npy", one.numpy())
@@ -49,21 +49,21 @@ def test_files_decode_to_the_lossless_pixels_named_after_their_inputs(stage, kl_
     assert as_dict(out) == {"one": ("decoded", 1, ""), "two": ("decoded", 2, "")}
     with torch_threads(1):
         expected = {
-            "one.png": to_uint8(reference_decode(kl_vae, one))[0],
-            "two-0.png": to_uint8(reference_decode(kl_vae, two.half().float()))[0],
-            "two-1.png": to_uint8(reference_decode(kl_vae, two.half().float()))[1],
+            "one.png": to_uint8(reference_decode(kl_reference, one))[0],
+            "two-0.png": to_uint8(reference_decode(kl_reference, two.half().float()))[0],
+            "two-1.png": to_uint8(reference_decode(kl_reference, two.half().float()))[1],
         }
     assert sorted(os.listdir(tmp_path / "out")) == sorted(expected)
     for name, pixels in expected.items():
         np.testing.assert_array_equal(np.asarray(Image.open(tmp_path / "out" / name)), pixels.numpy())
 
 
-def test_npy_output_holds_the_uint8_answer_of_each_input(stage, kl_vae, tmp_path):
+def test_npy_output_holds_the_uint8_answer_of_each_input(stage, kl_reference, tmp_path):
     z = torch.randn(2, 4, 4, 6, generator=torch.Generator().manual_seed(1))
     np.save(tmp_path / "pair.npy", z.numpy())
     assert as_dict(stage("npy")(rows(tmp_path / "pair.npy"))) == {"pair": ("decoded", 1, "")}
     with torch_threads(1):
-        expected = to_uint8(reference_decode(kl_vae, z)).numpy()
+        expected = to_uint8(reference_decode(kl_reference, z)).numpy()
     np.testing.assert_array_equal(np.load(tmp_path / "out" / "pair.npy", allow_pickle=False), expected)
 
 

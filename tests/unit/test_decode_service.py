@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.models import reference_decode, torch_threads
+from tests.models import load_reference, reference_decode, torch_threads
 from vae_service.config import Batching, Limits, LiveConfig, ServiceConfig
 from vae_service.engine import DecodeRequest, DecodeTimeout, LimitExceeded
 from vae_service.engine.encoding import encode_item
@@ -21,7 +21,7 @@ from vae_service.serving.replica import parse_live
 from vae_service_client.messages import MSGPACK, DecodeResponse, pack, request_map
 
 
-async def test_concurrent_lossless_requests_are_bit_identical_to_solo_decodes(kl_dir, kl_vae):
+async def test_concurrent_lossless_requests_are_bit_identical_to_solo_decodes(kl_dir, kl_reference):
     service = DecodeService(ServiceConfig(model=str(kl_dir), model_name="kl", device="cpu"))
     gen = torch.Generator().manual_seed(7)
     latents = [torch.randn(b, 4, 4, 5, generator=gen) for b in (1, 3, 2, 1, 2)]
@@ -33,7 +33,7 @@ async def test_concurrent_lossless_requests_are_bit_identical_to_solo_decodes(kl
     )
     for i, (z, result) in enumerate(zip(latents, results, strict=True)):
         assert result.request_id == str(i) and (result.model, result.precision) == ("kl", "fp32")
-        assert torch.equal(result.output, reference_decode(kl_vae, z))
+        assert torch.equal(result.output, reference_decode(kl_reference, z))
         assert result.timing.queue_ms >= 0 and result.timing.decode_ms > 0
     assert max(r.timing.batch_size for r in results) > max(z.shape[0] for z in latents)  # some were batched
 
@@ -124,7 +124,7 @@ async def test_batches_run_on_one_device_thread_with_the_engines_thread_count(kl
         torch.set_num_threads(before)
     assert {name.split("_")[0] for name, _ in seen} == {"vae-device"} and {n for _, n in seen} == {1}
     with torch_threads(1):
-        expected = reference_decode(kl_vae, z)
+        expected = reference_decode(load_reference(kl_dir), z)  # not kl_vae: tests/models.py load_reference
     assert all(torch.equal(o.output, expected) for o in outs)
     assert service.describe()["cpu_threads"] == 1
 
@@ -133,7 +133,7 @@ def kl_service(kl_dir, **config) -> DecodeService:
     return DecodeService(ServiceConfig(model=str(kl_dir), model_name="kl", device="cpu", cpu_threads=1, **config))
 
 
-async def test_out_of_memory_retries_the_batch_item_by_item_then_answers_503_with_retry_after(kl_dir, kl_vae):
+async def test_out_of_memory_retries_the_batch_item_by_item_then_answers_503_with_retry_after(kl_dir, kl_reference):
     service = kl_service(kl_dir, batching={"batch_wait_ms": 50}, serving={"retry_after_s": 3})
     calls, decode = [], service.engine.decode
 
@@ -156,7 +156,7 @@ async def test_out_of_memory_retries_the_batch_item_by_item_then_answers_503_wit
     assert ok == {200} and answers[1].status == 503 and answers[1].headers == {"Retry-After": "3"}
     assert json.loads(answers[1].body)["error"]["type"] == "out_of_memory"
     with torch_threads(1):
-        expected = reference_decode(kl_vae, z[[0, 2]])
+        expected = reference_decode(kl_reference, z[[0, 2]])
     outputs = [DecodeResponse.from_map(msgpack.unpackb(answers[i].body)).output for i in (0, 2)]
     np.testing.assert_array_equal(np.concatenate(outputs), expected.numpy())
 

@@ -19,12 +19,12 @@ def decoder(kl_dir):
     decoder.close()
 
 
-def test_decode_answers_like_the_handle_api(decoder, kl_vae):
+def test_decode_answers_like_the_handle_api(decoder, kl_reference):
     z = torch.randn(2, 4, 3, 5, generator=torch.Generator().manual_seed(4))
     result = decoder.decode(z, output="float", scaling_factor=None)
     assert (result["model"], result["quality"], result["timing"]["batch_size"]) == ("kl", "lossless", 2)
     with torch_threads(1):
-        np.testing.assert_array_equal(result["output"], reference_decode(kl_vae, z).numpy())
+        np.testing.assert_array_equal(result["output"], reference_decode(kl_reference, z).numpy())
     with pytest.raises(InvalidRequest) as err:
         decoder.decode(z, quality="best")
     assert (err.value.status, err.value.field) == (400, "quality")

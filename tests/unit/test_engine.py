@@ -1,4 +1,3 @@
-import copy
 import io
 
 import numpy as np
@@ -8,7 +7,7 @@ from diffusers.image_processor import VaeImageProcessor
 from PIL import Image
 from pydantic import ValidationError
 
-from tests.models import reference_decode
+from tests.models import at_precision, reference_decode
 from vae_service.config import Limits, ServiceConfig
 from vae_service.engine import DecodeEngine, DecodeFailed, DecodeRequest, InvalidInput, LimitExceeded
 
@@ -42,11 +41,11 @@ def run(engine, **kw):
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
-def test_lossless_batch_is_bit_identical_to_diffusers_solo_decodes(engines, kl_vae, precision, gen):
+def test_lossless_batch_is_bit_identical_to_diffusers_solo_decodes(engines, kl_reference, precision, gen):
     engine = engines("kl", precision)
     dtype = DTYPES[precision]
     z = torch.randn(3, 4, 6, 5, generator=gen).to(dtype)
-    ref = reference_decode(copy.deepcopy(kl_vae).to(dtype), z)
+    ref = reference_decode(at_precision(kl_reference, dtype), z)
     # one request with 3 items, plus the same latents split over a 3-request batch
     single = run(engine, latents=z, latents_scaled=True, output="float")
     reqs = [engine.prepare(DecodeRequest(latents=z[i : i + 1], latents_scaled=True, output="float")) for i in range(3)]
@@ -56,32 +55,34 @@ def test_lossless_batch_is_bit_identical_to_diffusers_solo_decodes(engines, kl_v
     assert torch.equal(batched, ref)
 
 
-def test_wan_lossless_bit_identical_to_diffusers(engines, wan_vae, gen):
+def test_wan_lossless_bit_identical_to_diffusers(engines, wan_reference, gen):
     z = torch.randn(2, 4, 2, 4, 6, generator=gen)
     out = run(engines("wan"), latents=z, latents_scaled=True, output="float")
     assert out.shape == (2, 3, 5, 32, 48)  # 1 + 4 * (2 - 1) frames
-    assert torch.equal(out, reference_decode(wan_vae, z))
+    assert torch.equal(out, reference_decode(wan_reference, z))
 
 
-def test_model_default_scaling_matches_the_pipelines(engines, kl_vae, flux_vae, wan_vae, gen):
+def test_model_default_scaling_matches_the_pipelines(engines, kl_reference, flux_reference, wan_reference, gen):
     z = torch.randn(1, 4, 4, 4, generator=gen)
-    assert torch.equal(run(engines("kl"), latents=z, output="float"), reference_decode(kl_vae, z / 0.18215))
+    assert torch.equal(run(engines("kl"), latents=z, output="float"), reference_decode(kl_reference, z / 0.18215))
 
     zf = torch.randn(1, 8, 4, 4, generator=gen)
-    expected = reference_decode(flux_vae, zf / 0.3611 + 0.1159)
+    expected = reference_decode(flux_reference, zf / 0.3611 + 0.1159)
     assert torch.equal(run(engines("flux"), latents=zf, output="float"), expected)
 
     zw = torch.randn(1, 4, 1, 4, 4, generator=gen)
     view = (1, 4, 1, 1, 1)
-    mean = torch.tensor(wan_vae.config.latents_mean).view(view)
-    inv_std = 1.0 / torch.tensor(wan_vae.config.latents_std).view(view)
-    assert torch.equal(run(engines("wan"), latents=zw, output="float"), reference_decode(wan_vae, zw / inv_std + mean))
+    mean = torch.tensor(wan_reference.config.latents_mean).view(view)
+    inv_std = 1.0 / torch.tensor(wan_reference.config.latents_std).view(view)
+    assert torch.equal(
+        run(engines("wan"), latents=zw, output="float"), reference_decode(wan_reference, zw / inv_std + mean)
+    )
 
 
-def test_explicit_factors_override_model_defaults(engines, kl_vae, gen):
+def test_explicit_factors_override_model_defaults(engines, kl_reference, gen):
     z = torch.randn(1, 4, 4, 4, generator=gen)
     out = run(engines("kl"), latents=z, scaling_factor=0.5, shift_factor=0.25, output="float")
-    assert torch.equal(out, reference_decode(kl_vae, z / 0.5 + 0.25))
+    assert torch.equal(out, reference_decode(kl_reference, z / 0.5 + 0.25))
 
 
 def test_packed_flux_latents_equal_unpacked(engines, gen):
@@ -93,10 +94,10 @@ def test_packed_flux_latents_equal_unpacked(engines, gen):
     assert torch.equal(a, b)
 
 
-def test_uint8_png_jpeg_follow_diffusers_postprocessing(engines, kl_vae, gen):
+def test_uint8_png_jpeg_follow_diffusers_postprocessing(engines, kl_reference, gen):
     z = torch.randn(2, 4, 4, 5, generator=gen)
     engine = engines("kl")
-    ref = VaeImageProcessor().postprocess(reference_decode(kl_vae, z / 0.18215), output_type="np")
+    ref = VaeImageProcessor().postprocess(reference_decode(kl_reference, z / 0.18215), output_type="np")
     expected = (ref * 255).round().astype("uint8")
     pixels = run(engine, latents=z)
     assert pixels.dtype == torch.uint8 and pixels.shape == (2, 32, 40, 3)
@@ -114,14 +115,14 @@ def luma(rgb: np.ndarray) -> np.ndarray:
     return rgb.astype(float) @ np.array([0.299, 0.587, 0.114])
 
 
-def test_video_outputs(engines, wan_vae, gen):
+def test_video_outputs(engines, wan_reference, gen):
     import av
 
     z = torch.randn(2, 4, 2, 4, 4, generator=gen)
     engine = engines("wan")
     frames = run(engine, latents=z, latents_scaled=True)
     assert frames.shape == (2, 5, 32, 32, 3) and frames.dtype == torch.uint8
-    video = reference_decode(wan_vae, z)  # [B, 3, T, H, W] in [-1, 1]
+    video = reference_decode(wan_reference, z)  # [B, 3, T, H, W] in [-1, 1]
     expected = ((video / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8).permute(0, 2, 3, 4, 1)
     assert torch.equal(frames, expected)
     mp4s = run(engine, latents=z, output="mp4", latents_scaled=True)
@@ -259,7 +260,7 @@ def _count_decoder_calls(engine, monkeypatch) -> list[int]:
     return calls
 
 
-def test_high_tier_decodes_a_batch_in_one_call(engines, kl_vae, gen, monkeypatch):
+def test_high_tier_decodes_a_batch_in_one_call(engines, kl_reference, gen, monkeypatch):
     z = torch.randn(3, 4, 4, 4, generator=gen)
     engine = engines("kl")
     calls = _count_decoder_calls(engine, monkeypatch)
@@ -270,7 +271,7 @@ def test_high_tier_decodes_a_batch_in_one_call(engines, kl_vae, gen, monkeypatch
     results = engine.decode([engine.prepare(r) for r in requests])
     assert calls == [3]  # one decoder call for the whole batch
     assert [r.timing.batch_size for r in results] == [3, 3]
-    ref = reference_decode(kl_vae, z / 0.18215)
+    ref = reference_decode(kl_reference, z / 0.18215)
     assert torch.allclose(torch.cat([r.output for r in results]), ref, atol=1e-5)
 
 
@@ -288,7 +289,7 @@ def test_results_name_the_model_and_precision_that_decoded_them(engines, gen):
     assert (result.model, result.precision, result.quality, result.request_id) == ("kl", "bf16", "lossless", "x")
 
 
-def test_decoder_nan_fails_only_its_own_request(engines, kl_vae, gen, monkeypatch):
+def test_decoder_nan_fails_only_its_own_request(engines, kl_reference, gen, monkeypatch):
     """NaN/Inf out of the decoder (e.g. fp16 overflow) fails that request alone, in a shared call."""
     engine = engines("kl")
     decode = engine.vae.decode
@@ -309,7 +310,7 @@ def test_decoder_nan_fails_only_its_own_request(engines, kl_vae, gen, monkeypatc
         ]
         first, failed, last = engine.decode([engine.prepare(r) for r in requests])
         assert isinstance(failed, DecodeFailed) and failed.field == "latents" and "NaN/Inf" in failed.message
-        ref = reference_decode(kl_vae, good)
+        ref = reference_decode(kl_reference, good)
         tolerance = 0 if quality == "lossless" else 1e-3
         assert (torch.cat([first.output, last.output]) - ref).abs().max() <= tolerance
 

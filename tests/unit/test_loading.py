@@ -201,5 +201,6 @@ def test_a_class_whose_decode_reads_its_encoder_keeps_it(tmp_path, monkeypatch, 
     assert loaded.vae.encoder is not None and loaded.spec.skipped_params == 0
     assert loaded.spec.path == "generic"
     z = torch.randn(1, 4, 3, 5)
+    kl_vae = EncoderCountingKL.from_pretrained(tmp_path)  # the reference: diffusers' load of the folder
     with torch.inference_mode():
         assert torch.equal(loaded.vae.decode(z).sample, kl_vae.decode(z).sample)

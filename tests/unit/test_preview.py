@@ -102,7 +102,7 @@ def tiny_dir(tmp_path_factory):
     tiny = AutoencoderTiny(**TINY_DECODER).eval()
     folder = tmp_path_factory.mktemp("taesd")
     tiny.save_pretrained(folder)
-    return folder, tiny
+    return folder, AutoencoderTiny.from_pretrained(folder).eval()  # as loaded: tests/models.py load_reference
 
 
 def test_a_tiny_decoder_preview_is_its_own_decode(tiny_dir, kl_vae):

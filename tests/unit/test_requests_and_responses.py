@@ -90,12 +90,12 @@ def flux_engine(flux_dir):
         ({"scaling_factor": None, "shift_factor": 0.25}, lambda z, vae: z + 0.25),  # scaled, then shifted
     ],
 )
-def test_what_the_engine_makes_of_each_state(flux_engine, flux_vae, sent, latents_in):
+def test_what_the_engine_makes_of_each_state(flux_engine, flux_reference, sent, latents_in):
     """FLUX has both factors, so each state decodes differently."""
     z = torch.randn(1, 8, 2, 3, generator=torch.Generator().manual_seed(7))
     request = request_from_call(z, output="float", **sent)
     (result,) = flux_engine.decode([flux_engine.prepare(request)])
-    assert torch.equal(result.output, reference_decode(flux_vae, latents_in(z, flux_vae)))
+    assert torch.equal(result.output, reference_decode(flux_reference, latents_in(z, flux_reference)))
 
 
 # ---- responses ---------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests import zoo
-from tests.models import build_full_vae, save_vae, torch_threads
+from tests.models import load_reference, save_vae, torch_threads
 from vae_service.config import Limits, ServiceConfig
 from vae_service.engine import DecodeEngine, DecodeRequest, LimitExceeded
 from vae_service.engine.memory import LiveBytes
@@ -152,7 +152,9 @@ def decoded_just_above_the_bound(engine, request):
 
 @pytest.mark.parametrize("kind", ["kl", "flux"])
 @pytest.mark.parametrize("h, w, batch, output", [(24, 20, 1, "float"), (17, 31, 2, "float"), (9, 40, 1, "uint8")])
-def test_lossless_over_the_bound_is_diffusers_tiled_decode_bit_for_bit(engines, kind, h, w, batch, output):
+def test_lossless_over_the_bound_is_diffusers_tiled_decode_bit_for_bit(
+    engines, kl_dir, flux_dir, kind, h, w, batch, output
+):
     """Above the bound `lossless` answers what `vae.enable_tiling(); vae.decode(z)` gives, item by
     item, marked tiled; its estimate is within 10% of the real decode's live peak, within the bound."""
     engine = engines[kind]
@@ -160,7 +162,7 @@ def test_lossless_over_the_bound_is_diffusers_tiled_decode_bit_for_bit(engines, 
     prepared, peak, result, whole = decoded_just_above_the_bound(engine, request)
     estimate = engine.peak_bytes(prepared)
     assert estimate < whole and 0.9 * peak <= estimate <= 1.1 * peak
-    reference = build_full_vae(kind)  # the saved model's weights, without another test's fast path
+    reference = load_reference({"kl": kl_dir, "flux": flux_dir}[kind])  # the saved model, as loaded
     with torch.inference_mode(), torch_threads(1):
         untiled = torch.cat([reference.decode(item).sample for item in request.latents.split(1)])
         reference.enable_tiling()
@@ -188,12 +190,12 @@ VIDEO_CASES = {  # diffusers' default tiles: 256 output px per side (Wan2.2: 16 
 @pytest.fixture(scope="module")
 def video_engines(wan_dir, tmp_path_factory):
     built = {"wan": (DecodeEngine(ServiceConfig(model=str(wan_dir), model_name="wan", device="cpu", cpu_threads=1)),
-                     lambda: build_full_vae("wan"))}  # fmt: skip
+                     lambda: load_reference(wan_dir))}  # fmt: skip
     for name in ("wan2.2", "qwen-image", "hunyuan-video"):
         case = zoo.BY_NAME[name]
         folder = save_vae(zoo.build(case), tmp_path_factory.mktemp(name))
         engine = DecodeEngine(ServiceConfig(model=str(folder), model_name=name, device="cpu", cpu_threads=1))
-        built[name] = (engine, lambda case=case: zoo.build(case))
+        built[name] = (engine, lambda folder=folder: load_reference(folder))
     return built
 
 
