@@ -44,7 +44,7 @@ from vae_service.engine.errors import DecodeFailed
 from vae_service.engine.latents import LatentScaling, PreparedRequest, prepare
 from vae_service.engine.memory import TierMemory
 from vae_service.engine.memory_budget import memory_budget
-from vae_service.engine.memory_plan import decode_bound, peak_bytes, plan_memory
+from vae_service.engine.memory_plan import decode_bound, peak_bytes, plan_memory, plan_tiling
 from vae_service.engine.plan import TILE_PARTS, BatchPlan, DecodeCall, Run, TileSpreader, checkpoint_hook, plan_batch
 from vae_service.engine.postprocess import postprocess
 from vae_service.engine.precision import PRECISION_NAMES, resolve_device, resolve_dtype
@@ -266,8 +266,8 @@ class DecodeEngine:
         prepared = prepare(request, self.spec, limits, self.flops_per_pixel)
         tier = prepared.request.quality
         bound = decode_bound(limits, self.budget)
-        grid = plan_memory(prepared, self.memory[tier], bound, diffusers_tiled=self.memory.get("lossless_tiled"))
-        if grid is None and tier == "high":  # within the bound: spread if it is large
+        grid = plan_tiling(prepared, self.memory[tier], bound, self.memory.get("lossless_tiled"))
+        if grid is None and tier == "high" and request.tiling == "auto":  # within the bound: spread if large
             grid = spread_grid(*prepared.latents.shape[-2:], self.spec.spatial_scale, self.spread_from_pixels)
         return prepared if grid is None else replace(prepared, tile=grid)
 

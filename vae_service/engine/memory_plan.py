@@ -1,11 +1,11 @@
 """Per request, before it is queued: its estimated peak decode memory (engine/memory.py) against
-the bound, and what follows: decode whole, decode `high` in tiles (engine/tiling.py), or refuse
-(`lossless` never tiles)."""
+the bound, and what follows: decode whole, decode `high` in tiles (engine/tiling.py), `lossless`
+by the model class's own tiled decode, or refuse; and the request's own `tiling` (plan_tiling)."""
 
 from __future__ import annotations
 
 from vae_service.config import Limits
-from vae_service.engine.errors import LimitExceeded
+from vae_service.engine.errors import InvalidInput, LimitExceeded
 from vae_service.engine.latents import PreparedRequest
 from vae_service.engine.memory import TierMemory
 from vae_service.engine.memory_budget import MemoryBudget
@@ -102,3 +102,38 @@ def plan_memory(
     if grid is None:
         raise LimitExceeded("latents", f"decoding these latents needs {gib}, and even tiled it does not fit")
     return grid
+
+
+def plan_tiling(
+    prepared: PreparedRequest, model: TierMemory, bound: int, diffusers_tiled: TierMemory | None = None
+) -> TileGrid | DiffusersTiles | None:
+    """plan_memory, as the request's `tiling` asks (engine/request.py's TILINGS): "auto" as the
+    bound decides; "model" the class's own tiled decode whatever the bound (`vae.enable_tiling();
+    vae.decode`: what a caller whose local VAE has tiling on gets), 400 where the class has none;
+    "none" never tiled, 413 where the whole decode is over the bound (a caller without tiling
+    would otherwise get tiled bits it did not ask for)."""
+    tiling = prepared.request.tiling
+    if tiling == "auto":
+        return plan_memory(prepared, model, bound, diffusers_tiled=diffusers_tiled)
+    if tiling == "model":
+        if diffusers_tiled is None:
+            raise InvalidInput(
+                "tiling", "'model': this model's class has no tiled decode of its own; send 'auto' or 'none'"
+            )
+        need = peak_bytes(prepared, diffusers_tiled)
+        if need > bound:
+            raise LimitExceeded(
+                "tiling",
+                f"'model': even the class's tiled decode needs about {need / 2**30:.3g} GiB, over "
+                f"max_decode_bytes ({bound / 2**30:.3g} GiB): send fewer items",
+            )
+        return DIFFUSERS_TILES
+    need = peak_bytes(prepared, model)
+    if need > bound:
+        raise LimitExceeded(
+            "tiling",
+            f"'none': decoding these latents whole needs about {need / 2**30:.3g} GiB, over max_decode_bytes "
+            f"({bound / 2**30:.3g} GiB): send tiling 'auto' (or 'model' for the class's own tiled decode) or "
+            "fewer items",
+        )
+    return None
