@@ -213,20 +213,31 @@ def _warn_about_exposure(config: ServiceConfig, host: str) -> bool:
 def _quiet_ray() -> dict:
     """The terminal shows warnings and errors of Ray's own components, not their INFO chatter:
     "New http_options ... will not be applied" (serve.run's own serve.start; ours was applied), the
-    proxy's routing tables on one line of hundreds of characters. Replicas log at INFO (their
-    start-up line, requests). Returns serve.start's logging_config."""
+    proxy's routing tables on one line of hundreds of characters, "Token authentication is enabled"
+    (Ray's default for the local cluster it starts: nothing to do; with RAY_AUTH_MODE=disabled its
+    warning that the cluster is open stays). Replicas log at INFO (their start-up line, requests).
+    Returns serve.start's logging_config."""
     logging.getLogger("ray.serve").setLevel(logging.WARNING)  # this process's Serve client
+    if "RAY_AUTH_MODE" not in os.environ:  # Ray turns token auth on for its local cluster and says so
+        logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
     return {"log_level": "WARNING"}  # Serve's controller and proxies
 
 
 def _start_failure(exc: Exception) -> str:
     """serve.run's exception as one line: the model's own error when the replica's constructor
-    raised one (the replica's log holds its one traceback), else the last line Serve gave."""
-    text = str(exc)
-    found = re.findall(r"ModelLoadError: (.+)", text)
+    raised one (Serve keeps it in the deployment's status message; the replica's log holds its one
+    traceback), else the last line Serve gave."""
+    from ray import serve
+
+    try:
+        status = serve.status().applications["vae"]
+        texts = [status.message, *(d.message for d in status.deployments.values())]
+    except Exception:  # Serve itself went away
+        texts = []
+    found = re.findall(r"ModelLoadError: (.+)", "\n".join([*texts, str(exc)]))
     if found:
         return found[-1].strip()
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
     return f"the application failed to start: {lines[-1] if lines else type(exc).__name__}"
 
 
@@ -481,9 +492,19 @@ class _Help(argparse.HelpFormatter):
         return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
 
 
-def main(argv: list[str] | None = None) -> None:
+def _preset_names(argv: list[str]) -> str:
+    """The presets for --model's help, of the commands that load a model (importing them loads
+    diffusers: seconds that `decode` and `guard-env` are spared)."""
+    command = next((a for a in argv if not a.startswith("-")), None)
+    if command not in ("serve", "batch-decode", "bench"):
+        return "see vae-service serve --help"
     from vae_service.models.presets import PRESETS
 
+    return ", ".join(PRESETS)
+
+
+def main(argv: list[str] | None = None) -> None:
+    presets = _preset_names(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request of `decode`
     parser = argparse.ArgumentParser(prog="vae-service", description=__doc__, formatter_class=_Help)
@@ -498,7 +519,7 @@ def main(argv: list[str] | None = None) -> None:
         )
         p.add_argument(
             "--model",
-            help=f"a preset ({', '.join(PRESETS)}: seeded random weights, they decode noise), a local diffusers "
+            help=f"a preset ({presets}: seeded random weights, they decode noise), a local diffusers "
             f"folder, or a hub id (default: {ServiceConfig.model_fields['model'].default})",
         )
         p.add_argument("--precision", help="auto | fp32 | fp16 | bf16 (default: auto)")
