@@ -85,9 +85,25 @@ def make(*args: str, **env) -> subprocess.Popen:
 
 
 def finished(proc: subprocess.Popen, timeout_s: float) -> tuple[int, str, float]:
+    """Its exit status, output and run time; a process still running after `timeout_s` (a second
+    service that started after all) is stopped, with the process group this file started for it."""
     start = time.monotonic()
-    out, _ = proc.communicate(timeout=timeout_s)
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        stop(proc)
+        raise AssertionError(f"still running after {timeout_s} s: {proc.args}") from None
     return proc.returncode, out, time.monotonic() - start
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """Ctrl-C for the process group `make` started (start_new_session), then a kill if it lingers."""
+    os.killpg(proc.pid, signal.SIGINT)
+    try:
+        proc.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def readme_python(section: str) -> str:
@@ -107,12 +123,7 @@ def served(tmp_path_factory):
         command = output.until(lambda line: "decode --url" in line, timeout_s=60)
         yield {"port": port, "grpc_port": grpc_port, "output": output, "command": command}
     finally:
-        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C: the process group this fixture started
-        try:
-            proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop(proc)
 
 
 def test_start_up_is_a_short_true_banner_ending_with_the_command_to_try(served):

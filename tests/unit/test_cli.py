@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from tests.ports import free_port
-from vae_service.cli import _config_from, banner, main
+from vae_service.cli import _config_from, main
 from vae_service.config import ServiceConfig
 from vae_service.models.presets import PRESETS
 from vae_service.serving.proxy_guard import proxy_guard_env
@@ -130,6 +130,8 @@ def test_help_lists_every_preset(capsys):
 
 
 def test_the_banner_is_short_true_and_ends_with_the_command_to_try():
+    from vae_service.cli import banner
+
     health = {
         "class": "AutoencoderKL", "weights": "random (decodes noise)", "precision": "fp32", "device": "cpu",
         "tiers": ["lossless", "high", "preview"],
