@@ -1,4 +1,4 @@
-"""`vae-service serve | decode | batch-decode | bench`: the only place that parses argv."""
+"""`vae-service serve | decode | batch-decode | bench | guard-env`: the only place that parses argv."""
 
 from __future__ import annotations
 
@@ -368,6 +368,8 @@ def _write_streamed_frames(stream, out: Path, start: float) -> None:
 
     written = 0
     for chunk in stream:
+        if not written:
+            print(f"first frames after {time.perf_counter() - start:.2f} s", flush=True)
         items, frames = chunk.pixels.shape[0], chunk.pixels.shape[chunk.frame_axis]
         for i, item in enumerate(chunk.pixels):
             for t, frame in enumerate(item):

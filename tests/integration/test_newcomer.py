@@ -185,19 +185,12 @@ def test_the_services_ports_are_its_own(served):
                 sock.bind((host, port))
 
 
-@pytest.mark.parametrize(
-    "args, text",
-    [
-        (["MODEL=tiny-k1"], "model: 'tiny-k1' is neither a preset, a local folder nor a hub id (org/name); "
-                            "did you mean 'tiny-kl'"),
-        (["MODEL=./no/such/vae"], "model: './no/such/vae' is neither a preset"),
-    ],
-)  # fmt: skip
-def test_a_mistyped_model_is_one_line_with_close_matches_in_seconds(args, text):
+def test_a_mistyped_model_is_one_line_with_close_matches_in_seconds():
     """Before: 40 s and 223 log lines (Ray started, three replicas failed, each with a second
-    unrelated traceback), the useful line being line 62."""
-    code, out, seconds = finished(make("serve", *args, f"PORT={free_port()}"), 120)
+    unrelated traceback: tests/unit/test_replica_lifecycle.py), the useful line being line 62."""
+    code, out, seconds = finished(make("serve", "MODEL=tiny-k1", f"PORT={free_port()}"), 120)
     ours = [line for line in out.splitlines() if line.startswith("vae-service:")]
+    text = "model: 'tiny-k1' is neither a preset, a local folder nor a hub id (org/name); did you mean 'tiny-kl'"
     assert code != 0 and len(ours) == 1 and text in ours[0], out
     assert "Traceback" not in out and "starting Ray" not in out and seconds < 60
 
@@ -215,13 +208,13 @@ def test_a_model_that_fails_in_its_replica_is_one_line_and_one_traceback_per_att
     assert "has no attribute 'service'" not in out
 
 
-def test_decode_casts_a_float64_npy_and_refuses_what_it_cannot_send_in_one_line(served, tmp_path):
+def test_decode_casts_a_float64_npy_and_the_servers_refusal_is_one_line(served, tmp_path):
+    """Before: a float64 .npy (NumPy's default dtype) crashed `vae-service decode` with a traceback.
+    (What the client refuses before sending, and unreadable files: tests/unit/test_cli.py.)"""
     url = f"http://127.0.0.1:{served['port']}"
     rng = np.random.default_rng(0)
-    np.save(tmp_path / "f64.npy", rng.standard_normal((1, 4, 8, 8)))  # NumPy's default dtype
-    np.save(tmp_path / "ints.npy", np.zeros((1, 4, 8, 8), np.int64))
+    np.save(tmp_path / "f64.npy", rng.standard_normal((1, 4, 8, 8)))
     np.save(tmp_path / "one.npy", rng.standard_normal((4, 8, 8)).astype(np.float32))  # no batch dimension
-    (tmp_path / "broken.npy").write_bytes(b"not numpy at all")
     cli = [str(VENV_BIN / "vae-service"), "decode", "--url", url, "--out", str(tmp_path / "out")]
 
     def run(name):
@@ -232,17 +225,11 @@ def test_decode_casts_a_float64_npy_and_refuses_what_it_cannot_send_in_one_line(
     code, said = run("f64.npy")
     assert code == 0 and said == ["vae-service: f64.npy holds float64 latents: sending them as float32"]
     assert Image.open(tmp_path / "out" / "000.png").size == (64, 64)
-    code, said = run("ints.npy")
-    assert code == 1 and len(said) == 1
-    assert "invalid_request (client-side, nothing sent): latents.dtype: int64 is not a latents dtype" in said[0]
-    assert "uint8" not in said[0]
     code, said = run("one.npy")  # the server's 400, naming the missing batch dimension
     assert code == 1 and said == [
         "vae-service: HTTP 400 invalid_request: latents: shape [4, 8, 8] has no batch dimension: send [1, 4, 8, 8] "
         "(or, for packed latents [B, L, 16], give height and width)"
     ]
-    code, said = run("broken.npy")
-    assert code == 1 and said == ["vae-service: broken.npy: not a .npy file (no NumPy array header)"]
 
 
 def test_errors_name_the_right_field_over_http_and_grpc(served):
@@ -271,6 +258,7 @@ def test_the_streaming_cli_shows_each_chunk_as_it_arrives(wan_url, tmp_path):
     cli = [str(VENV_BIN / "vae-service"), "decode", "--url", wan_url, "--random-latents", "1x4x3x4x4", "--stream"]
     done = subprocess.run([*cli, "--out", str(tmp_path)], env=new_shell_env(), capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("first frames after ")
     chunks = [line.split(" after ")[0] for line in done.stdout.splitlines() if line.startswith("item ")]
     assert chunks == ["item 0: frames 0-0", "item 0: frames 1-4", "item 0: frames 5-8"]  # Wan: 1, then 4 per latent
     assert len(list(tmp_path.glob("item00_frame*.png"))) == 9

@@ -7,6 +7,7 @@ import json
 import shlex
 import socket
 
+import numpy as np
 import pytest
 import yaml
 
@@ -155,3 +156,23 @@ def test_guard_env_prints_the_environment_of_a_yamls_applications(tmp_path, caps
     main(["guard-env", str(path)])
     exports = dict(shlex.split(line)[1].split("=", 1) for line in capsys.readouterr().out.splitlines())
     assert exports == proxy_guard_env([ServiceConfig(**m) for m in models])
+
+
+@pytest.mark.parametrize(
+    "content, text",
+    [
+        (lambda path: np.save(path, np.zeros((1, 4, 8, 8), np.int64)),
+         "invalid_request (client-side, nothing sent): latents.dtype: int64 is not a latents dtype; send float32, "
+         "float16, bfloat16"),
+        (lambda path: path.write_bytes(b"not numpy at all"), "broken.npy: not a .npy file (no NumPy array header)"),
+    ],
+)  # fmt: skip
+def test_decode_refuses_what_it_cannot_send_in_one_line_before_any_request(tmp_path, capsys, content, text):
+    """Nothing listens at the URL: these are refused before a request would go out."""
+    path = tmp_path / "broken.npy"
+    content(path)
+    with pytest.raises(SystemExit) as exc:
+        main(["decode", str(path), "--url", f"http://127.0.0.1:{free_port()}", "--out", str(tmp_path / "out")])
+    assert exc.value.code == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("vae-service: ") and text in err[0] and "uint8" not in err[0]
