@@ -1,30 +1,44 @@
-# The README's two set-up commands: `make serve` and `make test`.
-# Both create .venv, install the package with the local CPU torch build, then run.
+# The README's two set-up commands: `make serve` and `make test`. Both create .venv and install
+# torch and the package into it; `make serve` only what serving needs, `make test` the test tools
+# on top. torch is TORCH_SPEC from pip's own index: what that index serves for this machine (PyPI's
+# Linux wheels of torch are CUDA builds of several GB); TORCH_INDEX picks another build, e.g.
+# https://download.pytorch.org/whl/cpu (CPU only) or https://download.pytorch.org/whl/cu128.
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX ?=
 MODEL ?= sd
 HOST ?= 127.0.0.1
 PORT ?= 8000
+# 0: no gRPC. Serve's gRPC proxy listens on every interface whatever HOST says: on a shared host,
+# turn it on with a token (VAE_SERVICE_AUTH_TOKEN) or behind a firewall
+GRPC_PORT ?= 0
 PYTEST_ARGS ?=
 # pytest-xdist workers for the unit suite (tests/conftest.py splits torch's threads among them)
 UNIT_WORKERS ?= 2
 
+SERVING := $(VENV)/.installed-serving
 INSTALLED := $(VENV)/.installed
 
-$(INSTALLED): pyproject.toml clients/pyproject.toml
+$(SERVING): pyproject.toml clients/pyproject.toml
+	@echo "Installing into $(VENV): $(TORCH_SPEC), then vae-service with Ray Serve, Ray Data and diffusers (pip lists each package as it goes; a few minutes on a fresh machine)"
 	$(PYTHON) -m venv $(VENV)
-	# torch first and pinned: an unpinned torch would pull a multi-GB CUDA build
-	$(VENV)/bin/python -m pip install -q "$(TORCH_SPEC)"
+	$(VENV)/bin/python -m pip install "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	# the client distribution first: the server depends on it for the wire format
+	$(VENV)/bin/python -m pip install -e ./clients -e .
+	@$(VENV)/bin/python -c "import torch; print('Installed torch', torch.__version__, '(CUDA ' + torch.version.cuda + ')' if torch.version.cuda else '(CPU only)')"
+	@echo "$(VENV) now takes $$(du -sh $(VENV) | cut -f1) on disk"
+	touch $@
+
+$(INSTALLED): $(SERVING)
 	$(VENV)/bin/python -m pip install -q -e ./clients -e ".[test]"
 	touch $@
 
 .PHONY: install serve test test-unit lint bench
 install: $(INSTALLED)
 
-serve: $(INSTALLED)
-	$(VENV)/bin/vae-service serve --model $(MODEL) --host $(HOST) --port $(PORT)
+serve: $(SERVING)
+	$(VENV)/bin/vae-service serve --model $(MODEL) --host $(HOST) --port $(PORT) --grpc-port $(GRPC_PORT)
 
 # the unit suite in parallel workers, then the Ray suites (one shared local cluster) in order
 test: lint

@@ -1,24 +1,40 @@
-"""`vae-service serve | decode | batch-decode | bench`: the only place that parses argv."""
+"""`vae-service serve | decode | batch-decode | bench | guard-env`: the only place that parses argv."""
 
 from __future__ import annotations
 
 import argparse
+import functools
 import ipaddress
 import logging
 import os
+import re
 import shlex
 import signal
 import socket
 import sys
+import textwrap
 import threading
 import time
 from pathlib import Path
+from typing import NoReturn
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from vae_service.config import ServiceConfig
+from vae_service_client.errors import did_you_mean
 
 log = logging.getLogger("vae_service")
+
+
+# Exit statuses of `serve` and `batch-decode` refusing to start: 2 for what the user wrote (a
+# configuration field, a model, argparse's own usage errors), 1 for the machine (a port in use).
+EXIT_CONFIG, EXIT_ENVIRONMENT = 2, 1
+
+
+def refuse(message: str, status: int = EXIT_CONFIG) -> NoReturn:
+    """One line on stderr, then exit: what is wrong and how to fix it, never a traceback."""
+    print(f"vae-service: {message}", file=sys.stderr, flush=True)
+    sys.exit(status)
 
 
 def _read_config_file(path: str) -> dict:
@@ -28,10 +44,39 @@ def _read_config_file(path: str) -> dict:
     try:
         data = yaml.safe_load(Path(path).read_text())
     except (OSError, yaml.YAMLError) as exc:
-        sys.exit(f"--config {path}: {exc}")
+        refuse(f"--config {path}: {' '.join(str(exc).split())}")
     if not isinstance(data, dict):
-        sys.exit(f"--config {path}: must hold a map of ServiceConfig fields")
+        refuse(f"--config {path}: must hold a map of ServiceConfig fields")
     return data
+
+
+def _fields_at(loc: tuple) -> list[str]:
+    """The field names of the config section at `loc` (for close matches to an unknown one)."""
+    model = ServiceConfig
+    for part in loc:
+        field = model.model_fields.get(str(part))
+        if field is None or not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
+            return []
+        model = field.annotation
+    return list(model.model_fields)
+
+
+def config_errors(exc: ValidationError) -> str:
+    """pydantic's errors as one line: each field's dotted name, what is wrong, and close matches
+    for an unknown field or value ("did you mean")."""
+    parts = []
+    for err in exc.errors():
+        loc = tuple(err["loc"])
+        name = ".".join(map(str, loc)) or "config"
+        if err["type"] == "extra_forbidden":
+            parts.append(f"{name}: unknown field{did_you_mean(loc[-1], _fields_at(loc[:-1]))}")
+        elif err["type"] == "literal_error":
+            choices = re.findall(r"'([^']*)'", str((err.get("ctx") or {}).get("expected", "")))
+            got = err.get("input")
+            parts.append(f"{name}: {got!r} is not one of {', '.join(choices)}{did_you_mean(got, choices)}")
+        else:
+            parts.append(f"{name}: {err['msg']} (got {err.get('input')!r})")
+    return "invalid configuration: " + "; ".join(parts)
 
 
 def _config_from(args: argparse.Namespace) -> ServiceConfig:
@@ -47,14 +92,68 @@ def _config_from(args: argparse.Namespace) -> ServiceConfig:
     try:
         return ServiceConfig.model_validate(data)
     except ValidationError as exc:
-        sys.exit(f"invalid configuration:\n{exc}")
+        refuse(config_errors(exc))
+
+
+def check_model(config: ServiceConfig) -> None:
+    """The model source, checked as far as it can be without loading it (before Ray starts)."""
+    from vae_service.models import ModelLoadError
+    from vae_service.models.loading import check_source
+
+    for field, source in (("model", config.model), ("preview_decoder", config.preview_decoder)):
+        if source is None:
+            continue
+        try:
+            check_source(source)
+        except ModelLoadError as exc:
+            refuse(str(exc) if field == "model" else f"preview_decoder: {str(exc).removeprefix('model: ')}")
+
+
+def port_in_use(host: str, port: int) -> str | None:
+    """Why `port` cannot be listened on at `host` (another process holds it, or the address is not
+    this machine's), or None. SO_REUSEADDR as Serve's proxy binds: connections a previous run left
+    in TIME_WAIT are no conflict; without SO_REUSEPORT: a listener that shares its port (another
+    Serve) is one."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        sock = socket.socket(family, socket.SOCK_STREAM)
+    except OSError:
+        return None if family == socket.AF_INET6 else "no IPv4"  # no IPv6 on this host: gRPC uses IPv4
+    with sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)  # as gRPC's [::]: IPv4 too
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            return exc.strerror or str(exc)
+    return None
+
+
+def check_ports(host: str, port: int, grpc_port: int) -> None:
+    """Both ports free before Ray starts (Serve's proxy binds them exclusively too: proxy_guard.py)."""
+    if grpc_port and grpc_port == port:
+        refuse(f"--port and --grpc-port are both {port}: give gRPC another port (or 0 to turn it off)")
+    checks = [(host, port, "HTTP", "--port", "PORT")]
+    if grpc_port:  # Serve's gRPC proxy listens on every interface ([::]), whatever --host says
+        checks.append(("::", grpc_port, "gRPC", "--grpc-port", "GRPC_PORT"))
+    for address, number, what, flag, make_var in checks:
+        why = port_in_use(address, number)
+        if why is not None:
+            where = "on all interfaces" if address == "::" else f"on {address}"
+            refuse(
+                f"port {number} ({what}) {where} is not free ({why}): another service holds it; choose "
+                f"another with {flag} N (make serve {make_var}=N)",
+                EXIT_ENVIRONMENT,
+            )
 
 
 def example_command(url: str, latent_shape: str) -> str:
-    """A decode call a user can paste into a new shell: this interpreter by its absolute path (the
-    `vae-service` script is only on the PATH inside the virtual environment)."""
-    python = shlex.quote(sys.executable)
-    return f"{python} -m vae_service.cli decode --url {url} --random-latents {latent_shape} --out out"
+    """A decode call a user can paste into a new shell: the `vae-service` script beside this
+    interpreter, by its absolute path (it is on the PATH only inside the virtual environment)."""
+    script = Path(sys.executable).with_name("vae-service")
+    command = shlex.quote(str(script)) if script.is_file() else f"{shlex.quote(sys.executable)} -m vae_service.cli"
+    return f"{command} decode --url {url} --random-latents {latent_shape} --out out"
 
 
 def _example_shape(health: dict) -> str:
@@ -66,34 +165,87 @@ def _example_shape(health: dict) -> str:
     return "x".join(map(str, [1, geometry["latent_channels"], *([frames] if frames > 1 else []), side, side]))
 
 
-def _warn_about_exposure(config: ServiceConfig, host: str, grpc_port: int) -> None:
+def banner(name: str, health: dict, url: str, grpc_port: int, token: bool) -> str:
+    """What `serve` prints once the service answers: short, true, ending with the command to try."""
+    weights = "SEEDED RANDOM WEIGHTS: it decodes noise" if "random" in health["weights"] else "weights loaded"
+    exposed = "" if token else "; no token: anyone who reaches this host can call it"
+    grpc = (
+        f"port {grpc_port}, metadata application=vae (all interfaces: Serve has no gRPC host{exposed})"
+        if grpc_port
+        else "off (--grpc-port N, make serve GRPC_PORT=N)"
+    )
+    return "\n".join(
+        [
+            "",
+            f"vae-service is serving '{name}' ({health['class']}, {weights}; {health['precision']} on "
+            f"{health['device']}, tiers {', '.join(health['tiers'])})",
+            f"  HTTP  {url}  POST /decode, POST /remote-decode, GET /health" + ("  (bearer token)" if token else ""),
+            f"  gRPC  {grpc}",
+            "Ctrl-C stops it. Try it from another shell (random latents -> PNGs in ./out):",
+            f"  {example_command(url, _example_shape(health))}",
+            "",
+        ]
+    )
+
+
+def _warn_about_exposure(config: ServiceConfig, host: str) -> bool:
+    """Whether a token is configured; one line on stderr when HTTP is reachable from elsewhere
+    without one (gRPC's exposure is in the banner)."""
     from vae_service.serving.admission import load_token
 
-    if load_token(config.auth_token_file):
-        return
-    banner = "!" * 78
-    if not ipaddress.ip_address(socket.gethostbyname(host)).is_loopback:
-        log.warning(
-            "\n%s\n!! No bearer token configured and HTTP listens on %s: anyone who reaches this host "
-            "can decode.\n!! Set VAE_SERVICE_AUTH_TOKEN or --auth-token-file, and put TLS in front.\n%s",
-            banner,
-            host,
-            banner,
+    try:
+        token = load_token(config.auth_token_file)
+    except (OSError, ValueError) as exc:
+        refuse(f"auth_token_file: {exc}")
+    try:
+        loopback = ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except (OSError, ValueError) as exc:
+        refuse(f"--host {host}: {exc}")
+    if not token and not loopback:
+        print(
+            f"vae-service: warning: no bearer token and HTTP listens on {host}: anyone who reaches this host can "
+            "decode; set VAE_SERVICE_AUTH_TOKEN or --auth-token-file, and put TLS in front",
+            file=sys.stderr,
         )
-    if grpc_port:
-        log.warning(
-            "\n%s\n!! Ray Serve 2.60's gRPC proxy listens on ALL interfaces (port %d) whatever --host "
-            "says, and no bearer token is configured.\n!! Set a token, or --grpc-port 0 to turn gRPC "
-            "off.\n%s",
-            banner,
-            grpc_port,
-            banner,
-        )
+    return bool(token)
+
+
+def _quiet_ray() -> dict:
+    """The terminal shows warnings and errors of Ray's own components, not their INFO chatter:
+    "New http_options ... will not be applied" (serve.run's own serve.start; ours was applied), the
+    proxy's routing tables on one line of hundreds of characters, "Token authentication is enabled"
+    (Ray's default for the local cluster it starts: nothing to do; with RAY_AUTH_MODE=disabled its
+    warning that the cluster is open stays). Replicas log at INFO (their start-up line, requests).
+    Returns serve.start's logging_config."""
+    logging.getLogger("ray.serve").setLevel(logging.WARNING)  # this process's Serve client
+    if "RAY_AUTH_MODE" not in os.environ:  # Ray turns token auth on for its local cluster and says so
+        logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
+    return {"log_level": "WARNING"}  # Serve's controller and proxies
+
+
+def _start_failure(exc: Exception) -> str:
+    """serve.run's exception as one line: the model's own error when the replica's constructor
+    raised one (Serve keeps it in the deployment's status message; the replica's log holds its one
+    traceback), else the last line Serve gave."""
+    from ray import serve
+
+    try:
+        status = serve.status().applications["vae"]
+        texts = [status.message, *(d.message for d in status.deployments.values())]
+    except Exception:  # Serve itself went away
+        texts = []
+    found = re.findall(r"ModelLoadError: (.+)", "\n".join([*texts, str(exc)]))
+    if found:
+        return found[-1].strip()
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    return f"the application failed to start: {lines[-1] if lines else type(exc).__name__}"
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
     config = _config_from(args)
-    _warn_about_exposure(config, args.host, args.grpc_port)
+    check_model(config)
+    token = _warn_about_exposure(config, args.host)
+    check_ports(args.host, args.port, args.grpc_port)
     import ray
     from ray import serve
     from ray.serve.config import gRPCOptions
@@ -103,57 +255,90 @@ def cmd_serve(args: argparse.Namespace) -> None:
     from vae_service.serving.proxy_guard import proxy_guard_env
 
     # a local Ray started below inherits it: Serve's proxy then installs the guard, admitting
-    # requests by this config (token, body size and deadline) before a replica holds them
+    # requests by this config (token, body size and deadline) before a replica holds them, on
+    # ports of its own (bind_exclusively)
     os.environ.update(proxy_guard_env(config))
     try:  # what the proxy will read, read here first: a bad setting stops us, not the proxy
         Admission.from_env()
     except (OSError, ValueError) as exc:
-        sys.exit(f"proxy guard: {exc}")
+        refuse(f"proxy guard: {exc}")
 
+    print(f"vae-service: starting Ray and loading '{config.served_name}' ...", flush=True)
+    logging_config = _quiet_ray()
     ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, logging_level=logging.WARNING)
-    grpc = gRPCOptions(port=args.grpc_port, grpc_servicer_functions=[GRPC_SERVICER]) if args.grpc_port else None
-    serve.start(http_options={"host": args.host, "port": args.port}, grpc_options=grpc)
-    serve.run(decoder_app(config.model_dump()), name="vae", route_prefix="/")
-    url = f"http://{args.host}:{args.port}"
-    print(f"\nvae-service is serving '{config.served_name}' at {url}  (POST /decode, POST /remote-decode, GET /health)")
-    if args.grpc_port:
-        print(f"gRPC vae_service.v1.VaeDecoder at {args.host}:{args.grpc_port} (metadata application=vae)")
-    print("Try it (random latents -> PNGs in ./out):")
-    example = _example_shape(serve.get_app_handle("vae").describe.remote().result())
-    print(f"  {example_command(url, example)}\n")
-    print("Ctrl-C to stop.", flush=True)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:
-        while not stop.wait(1.0):
+        grpc = gRPCOptions(port=args.grpc_port, grpc_servicer_functions=[GRPC_SERVICER]) if args.grpc_port else None
+        http = {"host": args.host, "port": args.port}
+        try:  # waits for the proxy, which binds its ports exclusively (proxy_guard.bind_exclusively)
+            serve.start(http_options=http, grpc_options=grpc, logging_config=logging_config)
+        except RuntimeError as exc:  # another service took a port since check_ports
+            bound = re.search(r"Failed to bind to address '([^']+)'", str(exc))
+            where = (
+                f"{bound[1]}" if bound else f"port {args.port}" + (f" or {args.grpc_port}" if args.grpc_port else "")
+            )
+            refuse(f"Serve's proxy could not listen on {where}: another service took it; choose another", 1)
+        try:
+            serve.run(decoder_app(config.model_dump()), name="vae", route_prefix="/")
+        except RuntimeError as exc:
+            refuse(f"{_start_failure(exc)} (logs: {_logs_dir()})")
+        health = serve.get_app_handle("vae").describe.remote().result()
+        url = f"http://{args.host}:{args.port}"
+        print(banner(config.served_name, health, url, args.grpc_port, token), flush=True)
+        stop = threading.Event()
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        try:
+            while not stop.wait(1.0):
+                pass
+        except KeyboardInterrupt:
             pass
-    except KeyboardInterrupt:
-        pass
+        # Ray then reports its Serve controller's tasks as failed: that is the controller stopping
+        print("shutting down (Ray's lines about ServeController tasks failing are it stopping)...", flush=True)
     finally:
-        print("shutting down...", flush=True)
         serve.shutdown()
         ray.shutdown()
 
 
+def _logs_dir() -> str:
+    import ray
+
+    try:
+        return str(Path(ray._private.worker._global_node.get_session_dir_path()) / "logs" / "serve")
+    except Exception:  # a joined cluster: its own node's session
+        return "the Ray session's logs/serve/"
+
+
 def _load_latents(args: argparse.Namespace):
+    """The latents to send. float64 (NumPy's default) is cast to float32, and said so: the service
+    decodes float32, float16 and bfloat16, and a float64 latent's extra bits are lost in any of
+    them. Any other dtype the wire does not carry is refused by the client, naming it."""
+    import numpy as np
     import torch
 
     from vae_service.batch.latent_files import LatentFileError, load_latents
 
     if args.random_latents:
-        shape = [int(d) for d in args.random_latents.lower().split("x")]
+        try:
+            shape = [int(d) for d in args.random_latents.lower().split("x")]
+        except ValueError:
+            refuse(f"--random-latents {args.random_latents!r}: give a shape like 1x4x32x32", 2)
         return torch.randn(shape, generator=torch.Generator().manual_seed(args.seed))
     try:
-        return load_latents(args.latents, args.key)
+        latents = load_latents(args.latents, args.key)
     except LatentFileError as exc:
-        sys.exit(str(exc))
+        refuse(str(exc), 1)
+    if str(latents.dtype) in ("float64", "torch.float64"):
+        print(f"vae-service: {Path(args.latents).name} holds float64 latents: sending them as float32", file=sys.stderr)
+        latents = latents.astype(np.float32) if isinstance(latents, np.ndarray) else latents.float()
+    return latents
 
 
 def cmd_decode(args: argparse.Namespace) -> None:
+    import httpx
+
     from vae_service_client import VaeClient, VaeServiceError
 
     if not args.latents and not args.random_latents:
-        sys.exit("give a latents file (.npy/.safetensors) or --random-latents SHAPE")
+        refuse("give a latents file (.npy/.safetensors) or --random-latents SHAPE")
     latents = _load_latents(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -165,7 +350,9 @@ def cmd_decode(args: argparse.Namespace) -> None:
                 return _write_streamed_frames(client.decode_frames(latents, args.quality), out, start)
             resp = client.decode(latents, args.quality, fmt, height=args.height, width=args.width)
         except VaeServiceError as exc:
-            sys.exit(str(exc))
+            refuse(str(exc), 1)
+        except httpx.TransportError as exc:
+            refuse(f"cannot reach {args.url} ({exc or type(exc).__name__}): is the service running there?", 1)
     for i, blob in enumerate(resp.output):
         (out / f"{i:03d}.{fmt}").write_bytes(blob)
     print(
@@ -175,17 +362,25 @@ def cmd_decode(args: argparse.Namespace) -> None:
 
 
 def _write_streamed_frames(stream, out: Path, start: float) -> None:
-    """Each frame as a PNG the moment its chunk arrives: item{i}_frame{f}.png."""
+    """Each frame as a PNG the moment its chunk arrives (item{i}_frame{f}.png), and a line per
+    chunk: a long clip's frames arrive over minutes."""
     from PIL import Image
 
     written = 0
     for chunk in stream:
         if not written:
             print(f"first frames after {time.perf_counter() - start:.2f} s", flush=True)
+        items, frames = chunk.pixels.shape[0], chunk.pixels.shape[chunk.frame_axis]
         for i, item in enumerate(chunk.pixels):
             for t, frame in enumerate(item):
                 Image.fromarray(frame).save(out / f"item{chunk.item + i:02d}_frame{chunk.frame + t:04d}.png")
                 written += 1
+        which = f"item {chunk.item}" if items == 1 else f"items {chunk.item}-{chunk.item + items - 1}"
+        print(
+            f"{which}: frames {chunk.frame}-{chunk.frame + frames - 1} after {time.perf_counter() - start:.2f} s "
+            f"({written} frame(s) written)",
+            flush=True,
+        )
     summary = stream.summary
     print(
         f"wrote {written} streamed frame(s) to {out}/ in {time.perf_counter() - start:.2f} s "
@@ -195,9 +390,16 @@ def _write_streamed_frames(stream, out: Path, start: float) -> None:
 
 def cmd_batch_decode(args: argparse.Namespace) -> None:
     config = _config_from(args)
+    check_model(config)
+    from vae_service.batch import BatchInputError, list_inputs
+
+    try:  # every output path, before Ray starts: two inputs that would write one file stop the job here
+        inputs = list_inputs(args.input, args.output)
+    except BatchInputError as exc:
+        refuse(str(exc))
     import ray
 
-    from vae_service.batch import BatchInputError, run_batch_decode
+    from vae_service.batch import run_batch_decode
 
     started = not ray.is_initialized()
     if started:
@@ -208,10 +410,14 @@ def cmd_batch_decode(args: argparse.Namespace) -> None:
     gpus = ray.cluster_resources().get("GPU", 0)
     num_gpus = args.num_gpus if args.num_gpus is not None else (1 if gpus else 0)
     concurrency = args.concurrency or (max(1, int(gpus // num_gpus)) if num_gpus else 1)
-    print(f"decoding {args.input} -> {args.output_dir}: {concurrency} engine(s), {num_gpus} GPU(s) each", flush=True)
+    print(
+        f"decoding {args.input} -> {args.output_dir}: {inputs.count} inputs ({inputs.total_items} latent items), "
+        f"{concurrency} engine(s), {num_gpus} GPU(s) each",
+        flush=True,
+    )
     try:
         summary = run_batch_decode(
-            args.input,
+            inputs,
             args.output_dir,
             config,
             quality=args.quality,
@@ -221,13 +427,38 @@ def cmd_batch_decode(args: argparse.Namespace) -> None:
             progress=sys.stderr,
         )
     except (BatchInputError, ValueError) as exc:
-        sys.exit(str(exc))
+        refuse(str(exc))
     finally:
         if started:
             ray.shutdown()
     print(summary.report(), flush=True)
     if summary.failures:
         sys.exit(1)
+
+
+def cmd_guard_env(args: argparse.Namespace) -> None:
+    """`export` lines for the environment a Serve YAML's cluster needs so that Serve's proxy runs
+    the proxy guard with the admission of the YAML's applications (eval them before `serve run`)."""
+    import yaml
+
+    from vae_service.serving.proxy_guard import proxy_guard_env
+
+    try:
+        raw = yaml.safe_load(Path(args.yaml).read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        refuse(f"{args.yaml}: {' '.join(str(exc).split())}")
+    configs = []
+    for app in (raw or {}).get("applications") or []:
+        args_ = app.get("args") or {}
+        for one in args_.get("models", [args_]) if str(app.get("import_path", "")).endswith("multi_app") else [args_]:
+            try:
+                configs.append(ServiceConfig.model_validate(one))
+            except ValidationError as exc:
+                refuse(f"{args.yaml}: application {app.get('name')!r}: {config_errors(exc)}")
+    if not configs:
+        refuse(f"{args.yaml}: no vae-service applications (applications[].args)")
+    for name, value in proxy_guard_env(configs).items():
+        print(f"export {name}={shlex.quote(value)}")
 
 
 def cmd_bench(args: argparse.Namespace) -> None:
@@ -256,10 +487,31 @@ def cmd_bench(args: argparse.Namespace) -> None:
     )
 
 
+class _Help(argparse.HelpFormatter):
+    """argparse's, without breaking names at their hyphens (`tiny-` / `flux2` in the preset list)."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
+
+
+def _preset_names(argv: list[str]) -> str:
+    """The presets for --model's help, of the commands that load a model (importing them loads
+    diffusers: seconds that `decode` and `guard-env` are spared)."""
+    command = next((a for a in argv if not a.startswith("-")), None)
+    if command not in ("serve", "batch-decode", "bench"):
+        return "see vae-service serve --help"
+    from vae_service.models.presets import PRESETS
+
+    return ", ".join(PRESETS)
+
+
 def main(argv: list[str] | None = None) -> None:
+    presets = _preset_names(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    parser = argparse.ArgumentParser(prog="vae-service", description=__doc__)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request of `decode`
+    parser = argparse.ArgumentParser(prog="vae-service", description=__doc__, formatter_class=_Help)
     sub = parser.add_subparsers(dest="command", required=True)
+    command = functools.partial(sub.add_parser, formatter_class=_Help)
 
     def model_args(p: argparse.ArgumentParser) -> None:
         p.add_argument(
@@ -269,17 +521,23 @@ def main(argv: list[str] | None = None) -> None:
         )
         p.add_argument(
             "--model",
-            help="preset (sd, sdxl, flux, wan2.1, tiny-kl, tiny-wan), local diffusers folder, "
-            f"or hub id (default: {ServiceConfig.model_fields['model'].default})",
+            help=f"a preset ({presets}: seeded random weights, they decode noise), a local diffusers "
+            f"folder, or a hub id (default: {ServiceConfig.model_fields['model'].default})",
         )
         p.add_argument("--precision", help="auto | fp32 | fp16 | bf16 (default: auto)")
         p.add_argument("--device", help="auto | cpu | cuda | cuda:N (default: auto)")
 
-    serve_p = sub.add_parser("serve", help="start a local Ray (or join RAY_ADDRESS) and serve POST /decode")
+    serve_p = command(
+        "serve",
+        help="start a local Ray (or join RAY_ADDRESS) and serve POST /decode",
+        description="Exit status 2: a configuration field or the model is wrong; 1: a port is not free.",
+    )
     model_args(serve_p)
     serve_p.add_argument("--host", default="127.0.0.1")
     serve_p.add_argument("--port", type=int, default=8000)
-    serve_p.add_argument("--grpc-port", type=int, default=9000, help="0 disables gRPC")
+    serve_p.add_argument(
+        "--grpc-port", type=int, default=9000, help="0 disables gRPC (Serve's gRPC proxy listens on all interfaces)"
+    )
     serve_p.add_argument(
         "--auth-token-file",
         help="file with the bearer token callers must send (default: "
@@ -287,7 +545,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     serve_p.set_defaults(func=cmd_serve)
 
-    dec = sub.add_parser("decode", help="send a latents file to a running service and write images")
+    dec = command(
+        "decode",
+        help="send a latents file to a running service and write images",
+        description="float64 latents (NumPy's default) are sent as float32; other dtypes but float32, float16 "
+        "and bfloat16 are refused.",
+    )
     dec.add_argument("latents", nargs="?", help=".npy or .safetensors file")
     dec.add_argument("--key", help="tensor name inside a .safetensors file")
     dec.add_argument("--random-latents", metavar="SHAPE", help="e.g. 1x4x32x32: send seeded random latents")
@@ -306,13 +569,15 @@ def main(argv: list[str] | None = None) -> None:
     dec.add_argument("--out", default="out")
     dec.set_defaults(func=cmd_decode)
 
-    batch_p = sub.add_parser(
+    batch_p = command(
         "batch-decode",
         help="decode a folder of latents files or a Parquet dataset on Ray Data (resumable)",
         description="Each .npy/.safetensors file in INPUT is one request's latents (batch dimension first); "
         "a Parquet INPUT has columns `name` and `latents` (one latent per row, no batch dimension). Outputs are "
-        "named after their inputs; a rerun skips inputs whose outputs exist. Joins RAY_ADDRESS or starts a "
-        "local Ray. Exit status 1 when any input failed (each is listed with its reason).",
+        "named after their inputs (NAME.png, or NAME-0.png, NAME-1.png, ... for several items); two inputs that "
+        "would write one file are refused before anything is decoded; a rerun skips inputs whose outputs exist. "
+        "Joins RAY_ADDRESS or starts a local Ray. Exit status 1 when any input failed (each is listed with its "
+        "reason), 2 when the job cannot start.",
     )
     model_args(batch_p)
     batch_p.add_argument("input", help="folder of .npy/.safetensors latents, or a .parquet file or folder")
@@ -329,7 +594,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     batch_p.set_defaults(func=cmd_batch_decode)
 
-    bench_p = sub.add_parser("bench", help="time in-process decodes of one model")
+    bench_p = command("bench", help="time in-process decodes of one model")
     model_args(bench_p)
     bench_p.add_argument("--size", type=int, default=256, help="output pixels per side")
     bench_p.add_argument("--batch", type=int, default=1)
@@ -337,6 +602,16 @@ def main(argv: list[str] | None = None) -> None:
     bench_p.add_argument("--quality", default="lossless", choices=["lossless", "high", "preview"])
     bench_p.add_argument("--repeat", type=int, default=3)
     bench_p.set_defaults(func=cmd_bench)
+
+    guard_p = command(
+        "guard-env",
+        help="print the environment that installs the proxy guard for a Serve YAML's applications",
+        description='Before `serve run FILE.yaml` (or `ray start` on every node): eval "$(vae-service guard-env '
+        "FILE.yaml)\". Serve's proxy then checks the token, body size and body deadline of the YAML's "
+        "applications before a replica holds a request, and keeps its ports to itself.",
+    )
+    guard_p.add_argument("yaml", metavar="FILE.yaml", help="a Serve config whose applications run vae-service")
+    guard_p.set_defaults(func=cmd_guard_env)
 
     args = parser.parse_args(argv)
     args.func(args)

@@ -144,7 +144,8 @@ class ServiceConfig(BaseModel):
 
     model: str = Field(
         "sd",
-        description="preset name (sd, sdxl, flux, wan2.1, tiny-kl, tiny-wan), a local diffusers folder, or a hub id",
+        description="a preset's name (Models: the list; `vae-service serve --help`), a local diffusers folder, "
+        "or a hub id",
     )
     model_name: str | None = Field(None, description="name reported to clients; default: `model`")
     decode_precision: Precision = Field(

@@ -7,7 +7,9 @@ statistics some read as tensors (FLUX.2's `bn.running_mean`/`running_var`, LTX's
 `latents_mean`/`latents_std`), `dtype` (the deployment's decode precision) and `device`.
 `decode(z)` sends the latents as the pipeline hands them to `vae.decode` (already normalised, so
 `scaling_factor: nil`) and returns the float output on the caller's device: `lossless` by default,
-bit-identical to the served model's own `vae.decode`.
+bit-identical to the served model's own `vae.decode`, and after `enable_tiling()` to its
+`vae.enable_tiling(); vae.decode` (the request's `tiling`: "model", else "none", so a decode too
+large for the server's memory bound raises PayloadTooLarge instead of answering tiled bits).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import types
 from typing import Any
 
+import numpy as np
 import torch
 from diffusers.configuration_utils import FrozenDict
 from diffusers.models.autoencoders.vae import DecoderOutput
@@ -47,6 +50,7 @@ class RemoteVae:
                 raise ValueError(f"model: {model!r} is not served at {url}; served: {sorted(health['models'])}")
             health = health["models"][model]
         self.model, self.quality = model, quality
+        self.use_tiling = False  # diffusers' attribute: enable_tiling() / disable_tiling()
         self.served_model = health["model"]
         self.config = FrozenDict(health["config"])
         self.dtype: torch.dtype = _DTYPES[health["precision"]]
@@ -98,10 +102,17 @@ class RemoteVae:
                 out = torch.cat(parts)
                 return DecoderOutput(sample=out) if return_dict else (out,)
             options["decode_timestep"] = values[0]
+        options["tiling"] = self._tiling()
         answer = self._client.decode(
             z.detach().cpu(), self.quality, "float", scaling_factor=None, shift_factor=None, **options
         )
-        out = torch.from_numpy(answer.output).to(self.device, self.dtype)
+        if answer.tiled and not self.use_tiling:  # a server that ignored `tiling`
+            raise RuntimeError(
+                "the service answered a tiled decode, but tiling is off on this RemoteVae "
+                "(enable_tiling() to accept it)"
+            )
+        # the wire's arrays are read-only views of the answer's bytes: torch wants memory it may write
+        out = torch.from_numpy(np.require(answer.output, requirements="W")).to(self.device, self.dtype)
         if z.dim() == 5 and out.dim() == 4:  # an image model with a video decoder (Qwen-Image): one frame
             out = out.unsqueeze(2)
         return DecoderOutput(sample=out) if return_dict else (out,)
@@ -112,8 +123,26 @@ class RemoteVae:
             "with a local VAE (e.g. AutoencoderKL.from_pretrained(repo, subfolder='vae')) and pass the latents."
         )
 
-    def enable_tiling(self, *args, **kwargs) -> None:
-        """The service tiles by its own memory bound (`limits.max_decode_bytes`)."""
+    def _tiling(self) -> str:
+        """The request's `tiling`: with tiling on, `lossless` is the class's own tiled decode (as the
+        local `vae.enable_tiling(); vae.decode`) and other tiers tile as the server's bound says;
+        off, nothing is tiled (413 where the whole decode is over the server's bound)."""
+        if not self.use_tiling:
+            return "none"
+        return "model" if self.quality == "lossless" else "auto"
+
+    def enable_tiling(self, use_tiling: bool = True, **tile_sizes) -> None:
+        """Decode as the local VAE's `enable_tiling()` would: its class's own tiled decode, with the
+        tile sizes of the served model's config (others cannot be asked for: they raise)."""
+        if tile_sizes:
+            raise ValueError(
+                f"{sorted(tile_sizes)}: the service tiles with the served model's own tile sizes; "
+                "call enable_tiling() without them"
+            )
+        self.use_tiling = bool(use_tiling)
+
+    def disable_tiling(self) -> None:
+        self.use_tiling = False
 
     def enable_slicing(self, *args, **kwargs) -> None:
         """The service decodes `lossless` items one by one already."""

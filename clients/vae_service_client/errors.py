@@ -42,17 +42,44 @@ TYPE_TRAILER, FIELD_TRAILER, RETRY_TRAILER = "error-type", "error-field", "retry
 
 
 class VaeServiceError(Exception):
-    """A non-200 answer: the server's error `type`, the request `field` at fault and its message.
-    `status` is the HTTP status (gRPC answers carry the same type, hence the same status)."""
+    """An error answer: the server's error `type`, the request `field` at fault and its message.
+    `status` is the HTTP status of that type (gRPC answers carry the same type, hence the same
+    status); `via` says where it came from, and the text says it the same way:
+
+    - "http": an HTTP answer (`HTTP 400 invalid_request: ...`);
+    - "grpc": a gRPC status, `grpc_code` (`gRPC INVALID_ARGUMENT invalid_request: ...`);
+    - "client": refused by the client before anything was sent (`invalid_request (client-side,
+      nothing sent): ...`), e.g. an unknown keyword argument or a dtype the wire does not carry;
+    - "answer": carried by a frame stream's last message, or raised by a Serve handle or Ray
+      actor call (`invalid_request (400): ...`)."""
 
     def __init__(
-        self, status: int, type_: str, message: str, field: str | None = None, retry_after: float | None = None
+        self,
+        status: int,
+        type_: str,
+        message: str,
+        field: str | None = None,
+        retry_after: float | None = None,
+        via: str = "http",
+        grpc_code: str | None = None,
     ):
-        super().__init__(f"HTTP {status} {type_}: {message}")
+        kind = ERROR_KINDS.get(type_)
         self.status, self.type, self.message, self.field, self.retry_after = status, type_, message, field, retry_after
+        self.via, self.grpc_code = via, grpc_code or (kind.grpc_code if kind else None)
+        super().__init__(self._text())
+
+    def _text(self) -> str:
+        if self.via == "grpc":
+            return f"gRPC {self.grpc_code} {self.type}: {self.message}"
+        if self.via == "client":
+            return f"{self.type} (client-side, nothing sent): {self.message}"
+        if self.via == "answer":
+            return f"{self.type} ({self.status}): {self.message}"
+        return f"HTTP {self.status} {self.type}: {self.message}"
 
     def __reduce__(self):  # crosses Ray handles intact
-        return type(self), (self.status, self.type, self.message, self.field, self.retry_after)
+        args = (self.status, self.type, self.message, self.field, self.retry_after, self.via, self.grpc_code)
+        return type(self), args
 
 
 class InvalidRequest(VaeServiceError):
@@ -93,10 +120,27 @@ def error_class(status: int) -> type[VaeServiceError]:
     return ServerError
 
 
-def make_error(type_: str, field: str | None, message: str, retry_after: float | None = None) -> VaeServiceError:
-    """The typed exception for a server-side error of `type_` (the handle API raises these too)."""
+def make_error(
+    type_: str, field: str | None, message: str, retry_after: float | None = None, via: str = "answer"
+) -> VaeServiceError:
+    """The typed exception for a server-side error of `type_` (the handle API and frame streams
+    raise these; `via` as VaeServiceError's)."""
     status = ERROR_KINDS[type_].http_status
-    return error_class(status)(status, type_, message, field, retry_after)
+    return error_class(status)(status, type_, message, field, retry_after, via)
+
+
+def did_you_mean(name: object, choices) -> str:
+    """ "; did you mean 'quality'?" for a name close to one of `choices`, else "" (for messages
+    about unknown keys, arguments and values, client- and server-side)."""
+    from difflib import get_close_matches
+
+    close = get_close_matches(str(name), [str(c) for c in choices], n=3, cutoff=0.6)
+    return f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+
+
+def refused_here(field: str, message: str) -> InvalidRequest:
+    """A request the client refuses before sending anything (typed like the server's answer)."""
+    return InvalidRequest(400, "invalid_request", f"{field}: {message}", field, via="client")
 
 
 def error_json(type_: str, field: str | None, message: str) -> bytes:
@@ -128,7 +172,13 @@ def error_from_grpc(code_name: str, details: str | None, trailers) -> VaeService
     type_ = meta.get(TYPE_TRAILER)
     status = ERROR_KINDS[type_].http_status if type_ in ERROR_KINDS else _GRPC_FALLBACK_STATUS.get(code_name, 500)
     return error_class(status)(
-        status, type_ or code_name.lower(), details or "", meta.get(FIELD_TRAILER), _seconds(meta.get(RETRY_TRAILER))
+        status,
+        type_ or code_name.lower(),
+        details or "",
+        meta.get(FIELD_TRAILER),
+        _seconds(meta.get(RETRY_TRAILER)),
+        via="grpc",
+        grpc_code=code_name,
     )
 
 

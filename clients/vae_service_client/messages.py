@@ -13,6 +13,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from vae_service_client.errors import did_you_mean, refused_here
 from vae_service_client.tensors import LATENT_DTYPES, WireError, WireTensor, decode_tensor, encode_tensor
 
 MSGPACK = "application/msgpack"
@@ -29,7 +30,13 @@ REQUEST_KEYS = (
     "model",
     "stream",
     "decode_timestep",
+    "tiling",
 )
+# `tiling`: "auto" (the server tiles above its memory bound), "model" (`lossless` through the
+# model class's own tiled decode, as `vae.enable_tiling(); vae.decode`), "none" (never tiled)
+TILINGS = ("auto", "model", "none")
+# the keyword arguments request_map (and every client's decode) takes beside latents, quality, output
+OPTIONS = tuple(k for k in REQUEST_KEYS if k not in ("latents", "quality", "output"))
 TIMING_KEYS = ("queue_ms", "decode_ms", "encode_ms", "batch_size", "replicas")
 
 
@@ -65,43 +72,48 @@ def tensor_map_of_proto(t) -> dict:
 
 
 # ---- requests ---------------------------------------------------------------------------------
-def request_map(
-    latents,
-    quality: str = "lossless",
-    output: str = "uint8",
-    *,
-    scaling_factor=UNSET,
-    shift_factor=UNSET,
-    height: int | None = None,
-    width: int | None = None,
-    request_id: str | None = None,
-    model: str | None = None,
-    stream: bool = False,
-    decode_timestep: float | None = None,
-) -> dict:
-    """The /decode body as a map. Factors: UNSET (key absent) = the model's own; None (nil) for either
-    = the latents are already scaled (only a factor given as a number applies).
-    `stream`: video frames as they are decoded (vae_service_client.frames). `decode_timestep`:
-    timestep-conditioned decoders (LTX); None: the pipeline's default."""
-    body = {"latents": encode_tensor(latents), "quality": quality, "output": output}
-    if stream:
+def latents_map(latents) -> dict:
+    """The latents as a tensor map; a dtype the server does not decode is refused here, typed like
+    the server's answer (nothing is sent)."""
+    try:
+        encoded = encode_tensor(latents)
+    except TypeError:
+        encoded = None
+    if encoded is None or encoded["dtype"] not in LATENT_DTYPES:
+        dtype = str(getattr(latents, "dtype", type(latents).__name__)).removeprefix("torch.")
+        raise refused_here(
+            "latents.dtype",
+            f"{dtype} is not a latents dtype; send {', '.join(LATENT_DTYPES)} (cast first, e.g. z.astype(np.float32))",
+        )
+    return encoded
+
+
+def check_options(options: dict) -> None:
+    """Refuse an unknown keyword argument here, naming it (and a close match), before any I/O."""
+    for name in options:
+        if name not in OPTIONS:
+            hint = did_you_mean(name, ("quality", "output", *OPTIONS))
+            raise refused_here(name, f"unknown argument{hint} (allowed: quality, output, {', '.join(OPTIONS)})")
+
+
+def request_map(latents, quality: str = "lossless", output: str = "uint8", **options) -> dict:
+    """The /decode body as a map. `options` by their wire names (OPTIONS): factors UNSET (key
+    absent) = the model's own, None (nil) for either = the latents are already scaled (only a factor
+    given as a number applies); `height`/`width` for packed latents; `request_id`; `model` (routing);
+    `stream`: video frames as they are decoded (vae_service_client.frames); `decode_timestep`:
+    timestep-conditioned decoders (LTX; None: the pipeline's default); `tiling` (TILINGS).
+    An unknown option or a latents dtype the wire does not carry raises InvalidRequest (via
+    "client") naming it."""
+    check_options(options)
+    body = {"latents": latents_map(latents), "quality": quality, "output": output}
+    if options.get("stream"):
         body["stream"] = True
-    body.update(
-        {k: v for k, v in (("scaling_factor", scaling_factor), ("shift_factor", shift_factor)) if v is not UNSET}
-    )
-    body.update(
-        {
-            k: v
-            for k, v in (
-                ("height", height),
-                ("width", width),
-                ("request_id", request_id),
-                ("model", model),
-                ("decode_timestep", decode_timestep),
-            )
-            if v is not None
-        }
-    )
+    for key in ("scaling_factor", "shift_factor"):
+        if options.get(key, UNSET) is not UNSET:
+            body[key] = options[key]
+    for key in ("height", "width", "request_id", "model", "decode_timestep", "tiling"):
+        if options.get(key) is not None:
+            body[key] = options[key]
     return body
 
 
@@ -112,7 +124,8 @@ def request_fields(obj: object) -> dict:
         raise WireError("body", f"must be a msgpack map, got {type(obj).__name__}")
     unknown = sorted(repr(k) if not isinstance(k, str) else k for k in obj if k not in REQUEST_KEYS)
     if unknown:
-        raise WireError(unknown[0], f"unknown key; allowed keys: {sorted(REQUEST_KEYS)}")
+        hint = did_you_mean(unknown[0], REQUEST_KEYS)
+        raise WireError(unknown[0], f"unknown key{hint} (allowed keys: {sorted(REQUEST_KEYS)})")
     if "latents" not in obj:
         raise WireError("latents", "is required")
     return {**obj, "latents": decode_tensor(obj["latents"], "latents", LATENT_DTYPES)}
@@ -145,7 +158,7 @@ def request_fields_from_proto(msg) -> dict:
     for key in ("scaling_factor", "shift_factor", "decode_timestep"):
         if msg.HasField(key):
             fields[key] = getattr(msg, key)
-    for key in ("quality", "output", "height", "width", "request_id", "model"):
+    for key in ("quality", "output", "height", "width", "request_id", "model", "tiling"):
         if getattr(msg, key):
             fields[key] = getattr(msg, key)
     return fields
@@ -248,8 +261,15 @@ class DecodeResponse:
         )
 
     def images(self) -> list:
-        """PIL images (needs pillow) for png/jpeg outputs and for uint8 image outputs."""
-        from PIL import Image
+        """PIL images for png/jpeg outputs and for uint8 image outputs; needs Pillow (`pip install
+        "./clients[images]"`). Without it, `output` holds the png/jpeg files' bytes as they are."""
+        try:
+            from PIL import Image
+        except ImportError:
+            raise ImportError(
+                'images() needs Pillow: pip install "./clients[images]" (or pillow); the encoded files '
+                "are in `output` as bytes without it"
+            ) from None
 
         if isinstance(self.output, list):
             return [Image.open(io.BytesIO(b)) for b in self.output]
@@ -261,7 +281,9 @@ class DecodeResponse:
 __all__ = [
     "MSGPACK",
     "MSGPACK_TYPES",
+    "OPTIONS",
     "REQUEST_KEYS",
+    "TILINGS",
     "TIMING_KEYS",
     "UNSET",
     "DecodeResponse",

@@ -3,6 +3,7 @@ answers for the same latents (folder and Parquet inputs, both tiers, images and 
 after an interrupted run that decodes only the rest, and the CLI's progress and summary."""
 
 import os
+import re
 
 import numpy as np
 import pyarrow as pa
@@ -105,24 +106,53 @@ def test_a_rerun_after_an_interrupted_run_decodes_only_the_rest(ray_cluster, kl_
     assert all((out / f"z{i}.png").read_bytes() == whole[i] for i in range(8))
 
 
-def test_cli_shows_progress_and_a_summary_and_reports_bad_inputs(ray_cluster, kl_dir, tmp_path, capsys):
+def test_cli_shows_progress_and_a_summary_and_reports_bad_inputs(ray_cluster, kl_dir, tmp_path, capfd):
+    """Progress and rates in latent items; a damaged file's reason in a latents file's terms; no
+    ERROR line of Ray's on a run whose only failure is an input's (before: one about the engines'
+    constructor arguments on every run)."""
     inputs = tmp_path / "in"
     inputs.mkdir()
     rng = np.random.default_rng(0)
-    for i in range(64):
+    for i in range(63):
         np.save(inputs / f"z{i:02d}.npy", rng.standard_normal((1, 4, 2, 2)).astype(np.float32))
+    np.save(inputs / "pair.npy", rng.standard_normal((2, 4, 2, 2)).astype(np.float32))  # two items, one input
     (inputs / "broken.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{broken}")
     argv = ["batch-decode", str(inputs), str(tmp_path / "out"), "--model", str(kl_dir), "--concurrency", "2"]
     with pytest.raises(SystemExit) as exited:
         cli(argv)
     assert exited.value.code == 1  # done, with a failure to report
-    printed = capsys.readouterr()
-    assert "[65/65] 64 decoded, 0 skipped, 1 failed" in printed.err
-    assert "65 of 65 inputs in" in printed.out and "64 decoded, 0 skipped (already done), 1 failed" in printed.out
-    assert "failed broken: broken.safetensors: not a readable .safetensors latents file" in printed.out
-    assert len(list((tmp_path / "out").glob("*.png"))) == 64
+    printed = capfd.readouterr()
+    assert "65 inputs (66 latent items)" in printed.out
+    assert "[65/65 inputs] 64 decoded, 0 skipped, 1 failed" in printed.err and "items/s" in printed.err
+    assert "65 of 65 inputs in" in printed.out
+    assert "64 decoded (65 items, " in printed.out and "0 skipped (already done), 1 failed" in printed.out
+    assert "failed broken: broken.safetensors: not a .safetensors file (its header is not valid)" in printed.out
+    assert len(list((tmp_path / "out").glob("*.png"))) == 65
+    assert not [line for line in (printed.out + printed.err).splitlines() if re.match(r"\[.* E \d+ \d+\]", line)]
+    assert "ERROR" not in printed.out + printed.err
 
     (inputs / "broken.safetensors").unlink()
     cli(argv)  # everything is done already: no failure, exit status 0
-    again = capsys.readouterr().out
-    assert "64 of 64 inputs in" in again and "0 decoded, 64 skipped (already done), 0 failed" in again
+    again = capfd.readouterr().out
+    assert "64 of 64 inputs in" in again and "0 decoded (0 items, 0.00 items/s), 64 skipped (already done)" in again
+
+
+def test_cli_refuses_inputs_that_would_write_one_file_before_anything_is_decoded(kl_dir, tmp_path, capsys):
+    """Before: x.npy of two items and x-1.npy both wrote x-1.png (the check compared stems only),
+    and Parquet names were not checked at all."""
+    inputs, out = tmp_path / "in", tmp_path / "out"
+    inputs.mkdir()
+    np.save(inputs / "x.npy", np.zeros((2, 4, 2, 2), np.float32))
+    np.save(inputs / "x-1.npy", np.zeros((1, 4, 2, 2), np.float32))
+    rows = tmp_path / "rows.parquet"
+    pq.write_table(pa.table({"name": ["a", "b", "a"], "latents": [[0.0] * 16] * 3}), rows)
+    for source, text in (
+        (inputs, "x-1.npy and x.npy would both write x-1.png: rename one"),
+        (rows, "rows 0 and 2 are both named 'a'"),
+    ):
+        with pytest.raises(SystemExit) as exited:
+            cli(["batch-decode", str(source), str(out), "--model", str(kl_dir)])
+        assert exited.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and text in err[0]
+    assert not out.exists()

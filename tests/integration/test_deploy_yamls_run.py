@@ -1,10 +1,14 @@
 """Every CPU YAML in deploy/ starts the way a user starts it (`serve run FILE`, which brings up its
 own local Ray with the default resources: this machine's 2 CPUs), answers /health, decodes one
-request through every model it serves, and shuts down on Ctrl-C. GPU YAMLs are checked
+request through every model it serves, and shuts down on Ctrl-C. Started as its comments say
+(`eval "$(vae-service guard-env FILE)"` first) its proxy keeps its ports to itself; started
+without, a replica says the guard is missing (before: nothing did). GPU YAMLs are checked
 structurally in test_deploy_configs.py."""
 
 import os
+import shlex
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -16,6 +20,8 @@ import pytest
 import yaml
 
 from tests.integration.conftest import free_port
+from vae_service.serving.admission import ADMISSION_ENV
+from vae_service.serving.proxy_guard import CALLBACK_ENV
 from vae_service_client import VaeClient
 
 pytestmark = pytest.mark.integration
@@ -60,11 +66,39 @@ def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 300) -> d
     raise AssertionError(f"{url}/health never answered")
 
 
+def _guard_env(path: Path) -> dict:
+    """What `eval "$(vae-service guard-env FILE)"` exports, as the YAMLs' comments say to run it."""
+    vae_service = Path(sys.executable).with_name("vae-service")
+    printed = subprocess.run([str(vae_service), "guard-env", str(path)], capture_output=True, text=True, check=True)
+    exports = [shlex.split(line) for line in printed.stdout.splitlines()]
+    assert all(words[0] == "export" for words in exports)
+    return dict(words[1].split("=", 1) for words in exports)
+
+
+def _shares_a_port(*ports: int) -> bool:
+    """Whether a listener of another Serve (SO_REUSEPORT) can bind one of these ports beside it."""
+    for family, host, port in zip((socket.AF_INET, socket.AF_INET6), ("127.0.0.1", "::"), ports, strict=True):
+        with socket.socket(family) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            try:
+                sock.bind((host, port))
+                return True
+            except OSError:
+                pass
+    return False
+
+
+# serve-cpu.yaml started as its comments say; serve-multi.yaml as `serve run` alone
+GUARDED = {"serve-cpu.yaml": True}
+
+
 @pytest.mark.parametrize("name", CPU_YAMLS)
 def test_cpu_yaml_starts_answers_and_stops_on_two_cpus(name, tmp_path):
     path, port = _on_free_ports(name, tmp_path)
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
-    env.pop("RAY_ADDRESS", None)  # a new local cluster with Ray's default resources, as for a user
+    guarded = GUARDED.get(name, False)
+    assert f'eval "$(vae-service guard-env deploy/{name})"' in (DEPLOY / name).read_text()
+    env = {k: v for k, v in os.environ.items() if k not in (CALLBACK_ENV, ADMISSION_ENV, "RAY_ADDRESS")}
+    env.update(_guard_env(path) if guarded else {}, RAY_AUTH_MODE="disabled")  # a new local cluster, as a user's
     serve = Path(sys.executable).with_name("serve")
     log = (tmp_path / "serve.log").open("w")
     proc = subprocess.Popen(
@@ -74,6 +108,8 @@ def test_cpu_yaml_starts_answers_and_stops_on_two_cpus(name, tmp_path):
         url = f"http://127.0.0.1:{port}"
         models = _models(_wait_healthy(url, proc))
         assert models
+        grpc_port = yaml.safe_load(path.read_text())["grpc_options"]["port"]
+        assert _shares_a_port(port, grpc_port) is not guarded
         with VaeClient(url, timeout=300) as client:
             for model, info in models.items():
                 shape = (1, info["latent_channels"]) + ((1,) if info["family"] == "video" else ()) + (4, 6)
@@ -92,6 +128,8 @@ def test_cpu_yaml_starts_answers_and_stops_on_two_cpus(name, tmp_path):
             proc.wait()
         log.close()
     assert stopped_on_ctrl_c, "serve run was still running 120 s after Ctrl-C"
+    warned = "no proxy guard (token, body limits, own ports) in Serve's proxy" in (tmp_path / "serve.log").read_text()
+    assert warned is not guarded
     deadline = time.monotonic() + 30  # and the HTTP proxy goes with it
     while True:
         try:

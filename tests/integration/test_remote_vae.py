@@ -1,6 +1,14 @@
 """`vae_service_client.diffusers.RemoteVae` as a diffusers pipeline's `vae=`: real pipeline classes
 built from tiny components run end to end against the running service and give the images and
-frames the local VAE gives, bit for bit."""
+frames the local VAE gives, bit for bit; tiling follows the local VAE's `enable_tiling()`; the
+docs' weight-free example runs as written."""
+
+import copy
+import re
+import subprocess
+import sys
+import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,11 +20,16 @@ from diffusers import (
     WanPipeline,
     WanTransformer3DModel,
 )
+from PIL import Image
 
 from tests.models import torch_threads
+from vae_service.config import ServiceConfig
+from vae_service.engine import DecodeEngine, DecodeRequest
+from vae_service_client import PayloadTooLarge, VaeClient
 from vae_service_client.diffusers import RemoteVae
 
 pytestmark = pytest.mark.integration
+REPO = Path(__file__).resolve().parents[2]
 
 
 def sd_pipeline(vae):
@@ -87,3 +100,57 @@ def test_a_routing_ingress_needs_the_model_and_encode_says_what_to_do(multi_url,
         remote.encode(torch.zeros(1, 3, 8, 8))
     with pytest.raises(ValueError, match=r"dtype: the service decodes in torch\.float32"):
         remote.to(torch.bfloat16)
+
+
+def _local_decode(vae, z, tiling: bool):
+    vae = copy.deepcopy(vae)  # the session's model stays as the other tests use it
+    if tiling:
+        vae.enable_tiling()
+    with torch.inference_mode(), torch_threads(1):
+        return torch.cat([vae.decode(item).sample for item in z.split(1)])
+
+
+def test_tiled_answers_follow_enable_tiling_bit_for_bit_and_no_warning(kl_url, kl_vae):
+    """Before: enable_tiling() did nothing, and the server chose by its own bound. Now the local
+    VAE's switch decides: off, the plain decode; on, `vae.enable_tiling(); vae.decode`."""
+    z = torch.randn(2, 4, 24, 20, generator=torch.Generator().manual_seed(9))
+    untiled, tiled = _local_decode(kl_vae, z, False), _local_decode(kl_vae, z, True)
+    assert not torch.equal(untiled, tiled)
+    remote = RemoteVae(kl_url)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # before: torch's "The given NumPy array is not writable"
+        assert torch.equal(remote.decode(z).sample, untiled)
+        remote.enable_tiling()
+        assert remote.use_tiling and torch.equal(remote.decode(z).sample, tiled)
+        remote.disable_tiling()
+        assert torch.equal(remote.decode(z).sample, untiled)
+    with pytest.raises(ValueError, match="the served model's own tile sizes"):
+        remote.enable_tiling(tile_sample_min_size=256)
+
+
+def test_without_tiling_a_decode_over_the_servers_bound_raises_instead_of_answering_tiled(app, kl_dir, kl_vae):
+    z = torch.randn(1, 4, 24, 20, generator=torch.Generator().manual_seed(10))
+    engine = DecodeEngine(ServiceConfig(model=str(kl_dir), device="cpu", cpu_threads=1))
+    whole = engine.peak_bytes(engine.prepare(DecodeRequest(z, output="float", latents_scaled=True)))
+    url = app("kl-bound", limits={"max_decode_bytes": whole - 1})
+    with VaeClient(url) as client:  # a plain client (`tiling: auto`): the server tiles it, and says so
+        assert client.decode(z, output="float", scaling_factor=None).tiled
+    remote = RemoteVae(url)
+    with pytest.raises(PayloadTooLarge) as err:
+        remote.decode(z)
+    assert err.value.field == "tiling" and "'none': decoding these latents whole needs" in err.value.message
+    remote.enable_tiling()
+    assert torch.equal(remote.decode(z).sample, _local_decode(kl_vae, z, True))
+
+
+def test_the_docs_weight_free_example_runs_as_written(kl_url, tmp_path):
+    docs = (REPO / "docs" / "interfaces.md").read_text()
+    example = re.search(r"<!-- remote-vae-example -->\n```python\n(.*?)```", docs, re.S)[1]
+    code = example.replace('RemoteVae("http://127.0.0.1:8000")', f'RemoteVae("{kl_url}")')
+    assert code != example
+    run = subprocess.run(
+        [sys.executable, "-W", "error::UserWarning", "-c", code], cwd=tmp_path, capture_output=True, text=True,
+        timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert Image.open(tmp_path / "remote.png").size == (512, 512)

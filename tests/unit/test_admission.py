@@ -126,10 +126,21 @@ async def test_the_right_token_passes_and_the_body_reaches_the_replica_whole(tok
     assert (client.status, client.body) == (200, b"abcd")
 
 
-@pytest.mark.parametrize("path", ["/-/healthz", "/-/routes", "/docs", "/kl/openapi.json"])
+@pytest.mark.parametrize("path", ["/-/healthz", "/-/routes"])
 async def test_serves_own_routes_stay_open_with_a_token_configured(token_file, path):
     client = await through(guard(auth_token_file=token_file), Client(), path=path, method="GET")
     assert client.status == 200
+
+
+@pytest.mark.parametrize("path", ["/docs", "/redoc", "/kl/openapi.json", "/kl/docs/oauth2-redirect"])
+async def test_the_api_docs_need_the_token_when_one_is_configured(token_file, path):
+    """The schema lists every route and limit: it is the service's, behind its token (or open with none)."""
+    refused = await through(guard(never_called, auth_token_file=token_file), Client(), path=path, method="GET")
+    assert refused.status == 401
+    headers = [("authorization", f"Bearer {TOKEN}")]
+    passed = await through(guard(auth_token_file=token_file), Client(), path=path, method="GET", headers=headers)
+    assert passed.status == 200
+    assert (await through(guard(), Client(), path=path, method="GET")).status == 200
 
 
 @pytest.mark.parametrize("path", ["/docs", "/kl/openapi.json", "/no/such/route", "/"])

@@ -90,9 +90,11 @@ def test_every_bad_input_fails_alone_with_its_reason(stage, tmp_path):
     files = [next(tmp_path.glob(f"{n}.*")) for n in names]
     result = as_dict(stage()(rows(*files)))
     assert [result[n][0] for n in names] == ["failed", "failed", "decoded", "failed", "failed", "failed"]
-    assert "garbage.npy: not a readable .npy latents file" in result["garbage"][2]
-    assert "pickled.npy: not a readable .npy latents file" in result["pickled"][2]
+    assert result["garbage"][2] == "garbage.npy: not a .npy file (no NumPy array header)"
+    assert result["pickled"][2] == "pickled.npy: holds Python objects (dtype object), not a numeric array of latents"
     assert not marker.exists()
+    # NumPy's own words for these suggest loading the file "unsafely" (running what it carries): never passed on
+    assert not any("allow_pickle" in r[2] or "unsafe" in r[2] for r in result.values())
     assert result["channels"][2].startswith("latents: model") and "takes [B, 4, H, W]" in result["channels"][2]
     assert result["ints"][2].startswith("latents.dtype: unknown dtype int64")
     assert "two_tensors.safetensors holds ['a', 'b']" in result["two_tensors"][2]
@@ -172,17 +174,19 @@ class _Tty(io.StringIO):
 
 
 def test_progress_and_summary_say_what_happened():
-    summary = BatchSummary(total=3)
+    """Rates count latent items decoded (an input holds one or more), not input files."""
+    summary = BatchSummary(total=4)
     for row in (
-        {"name": "a", "status": "decoded", "error": ""},
-        {"name": "b", "status": "skipped", "error": ""},
-        {"name": "c", "status": "failed", "error": "latents: bad"},
+        {"name": "a", "status": "decoded", "items": 2, "error": ""},
+        {"name": "b", "status": "skipped", "items": 5, "error": ""},
+        {"name": "c", "status": "failed", "items": 0, "error": "latents: bad"},
+        {"name": "d", "status": "decoded", "items": 4, "error": ""},
     ):
         summary.add(row)
     summary.seconds = 1.5
-    assert summary.progress_line() == "[3/3] 1 decoded, 1 skipped, 1 failed, 2.00 items/s"
+    assert summary.progress_line() == "[4/4 inputs] 2 decoded, 1 skipped, 1 failed, 4.00 items/s"
     assert summary.report().splitlines() == [
-        "3 of 3 inputs in 1.5 s (2.00 items/s): 1 decoded, 1 skipped (already done), 1 failed",
+        "4 of 4 inputs in 1.5 s: 2 decoded (6 items, 4.00 items/s), 1 skipped (already done), 1 failed",
         "  failed c: latents: bad",
     ]
     tty, log = _Tty(), io.StringIO()
@@ -214,3 +218,32 @@ def test_video_models_write_an_mp4_of_every_decoded_frame_by_default(wan_dir, wa
     with av.open(str(tmp_path / "out" / "clip.mp4")) as container:
         frames = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
     assert len(frames) == 5 and frames[0].shape == (24, 32, 3)  # Wan: 4T-3 frames, 8x per side
+
+
+def test_every_output_path_is_planned_up_front_and_a_clash_refused_naming_both_inputs(tmp_path):
+    from vae_service.batch import BatchInputError, list_inputs
+
+    np.save(tmp_path / "x.npy", np.zeros((2, 4, 2, 2), np.float32))  # writes x-0.png and x-1.png
+    np.save(tmp_path / "x-1.npy", np.zeros((1, 4, 2, 2), np.float32))  # writes x-1.png
+    with pytest.raises(BatchInputError, match=r"x-1\.npy and x\.npy would both write x-1\.png: rename one"):
+        list_inputs(tmp_path)
+    planned = list_inputs(tmp_path, "npy")  # one x.npy and one x-1.npy: no clash
+    assert (planned.items, planned.total_items) == ({"x-1": 1, "x": 2}, 3)
+    save_file({"z": torch.zeros(1, 4, 2, 2)}, tmp_path / "x.safetensors")
+    with pytest.raises(BatchInputError, match=r"x\.npy and x\.safetensors are both input 'x'"):
+        list_inputs(tmp_path, "npy")
+    assert not (tmp_path / "out").exists()
+
+
+def test_parquet_rows_of_one_name_are_refused_before_anything_is_decoded(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from vae_service.batch import BatchInputError, list_inputs
+
+    rows = [[0.0] * 4] * 3
+    pq.write_table(pa.table({"name": ["a", "b", "a"], "latents": rows}), tmp_path / "rows.parquet")
+    with pytest.raises(BatchInputError, match=r"rows 0 and 2 are both named 'a'"):
+        list_inputs(tmp_path / "rows.parquet")
+    pq.write_table(pa.table({"name": ["x-1", "x"], "latents": rows[:2]}), tmp_path / "fine.parquet")
+    assert list_inputs(tmp_path / "fine.parquet").items == {"x-1": 1, "x": 1}

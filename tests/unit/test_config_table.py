@@ -10,6 +10,7 @@ from pydantic import BaseModel, Field
 
 from vae_service.config import ServiceConfig
 from vae_service.config_table import CONFIG_TABLE_END, CONFIG_TABLE_START, config_rows, config_table, replace_table
+from vae_service.models.presets import PRESETS
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 
@@ -22,6 +23,17 @@ def readme_table() -> str:
 def test_the_readme_table_is_the_models():
     assert readme_table() == config_table()
     assert replace_table(README.read_text()) == README.read_text()
+
+
+def test_the_readme_lists_every_preset_generated_from_presets():
+    from vae_service.config_table import PRESET_LIST_END, PRESET_LIST_START, preset_list
+
+    text = README.read_text()
+    listed = text[text.index(PRESET_LIST_START) + len(PRESET_LIST_START) : text.index(PRESET_LIST_END)].strip()
+    assert listed == preset_list()
+    assert re.findall(r"`([^`]+)`", listed) == list(PRESETS)  # all of them, in order (22 today)
+    grown = text.replace("`sd`, ", "", 1)  # a preset missing from the list: stale, and regenerated
+    assert replace_table(grown) == text
 
 
 def test_every_leaf_field_has_its_row():

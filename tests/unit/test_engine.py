@@ -180,12 +180,24 @@ def one_inf(*shape):
     "kind, kw, field, error, text",
     [
         ("kl", dict(latents=torch.zeros(1, 3, 4, 4)), "latents", InvalidInput, "takes [B, 4, H, W]"),
-        ("kl", dict(latents=torch.zeros(1, 4, 2, 4, 4)), "latents", InvalidInput, "got shape [1, 4, 2, 4, 4]"),
+        ("kl", dict(latents=torch.zeros(1, 4, 2, 4, 4)), "latents", InvalidInput,
+         "model 'kl' takes [B, 4, H, W] or packed [B, L, 16] with height/width (4 or 3 dims); got 5 dims"),
+        # one latent without its batch dimension: said so, for every form (packed models too)
+        ("kl", dict(latents=torch.zeros(4, 6, 6)), "latents", InvalidInput,
+         "shape [4, 6, 6] has no batch dimension: send [1, 4, 6, 6]"),
+        ("flux", dict(latents=torch.zeros(8, 6, 6)), "latents", InvalidInput,
+         "shape [8, 6, 6] has no batch dimension: send [1, 8, 6, 6] (or, for packed latents [B, L, 32]"),
+        ("wan", dict(latents=torch.zeros(4, 2, 4, 4)), "latents", InvalidInput,
+         "[B, 4, H, W] (5 or 4 dims); got 4 dims [4, 2, 4, 4]: the batch dimension is missing?"),
+        # height/width promise an output size only packed latents need: with others, refused
+        ("kl", dict(latents=torch.zeros(1, 4, 4, 4), height=32), "height", InvalidInput,
+         "is only for packed latents [B, L, C]; these latents [1, 4, 4, 4] fix the output size (32 x 32 pixels)"),
+        ("flux", dict(latents=torch.zeros(1, 8, 4, 6), width=48), "width", InvalidInput, "only for packed latents"),
         ("kl", dict(latents=torch.zeros(1, 4, 4, 4), model="sdxl"), "model", InvalidInput, "served: ['kl']"),
         ("kl", dict(latents=torch.zeros(1, 4, 4, 4), output="mp4"), "output", InvalidInput, "video models"),
         ("kl", dict(latents=torch.full((1, 4, 2, 2), float("nan"))), "latents", InvalidInput, "16 NaN or Inf"),
         ("kl", dict(latents=one_inf(1, 4, 2, 3)), "latents", InvalidInput, "1 NaN or Inf"),
-        ("flux", dict(latents=torch.zeros(1, 6, 32)), "height", InvalidInput, "required for packed"),
+        ("flux", dict(latents=torch.zeros(1, 6, 32)), "height", InvalidInput, "required for packed latents [B, L, 32]"),
         ("flux", dict(latents=torch.zeros(1, 6, 32), height=64, width=64), "latents", InvalidInput, "do not match"),
         ("flux", dict(latents=torch.zeros(1, 6, 16), height=32, width=48), "latents", InvalidInput, "last dim 32"),
         ("wan", dict(latents=torch.zeros(1, 4, 2, 4, 4), output="png"), "output", InvalidInput, "5 frames"),
@@ -195,7 +207,7 @@ def one_inf(*shape):
         ("wan", dict(latents=torch.zeros(1, 4, 66, 1, 1)), "latents", LimitExceeded, "261 frames per item"),
         ("kl", dict(latents=torch.zeros(1, 4, 1, 8200), output="jpeg"), "output", InvalidInput, "65500 px per side"),
     ],
-)
+)  # fmt: skip
 def test_model_checks_name_the_field(engines, kind, kw, field, error, text):
     with pytest.raises(error) as err:
         engines(kind).prepare(DecodeRequest(**kw))

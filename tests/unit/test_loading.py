@@ -84,7 +84,7 @@ def test_hub_id_without_network_is_a_clear_error(monkeypatch):
 def test_presets_are_seeded_and_loudly_random(name, caplog):
     with caplog.at_level(logging.WARNING):
         a, b = load_vae(name, seed=3), load_vae(name, seed=3)
-    assert "RANDOM WEIGHTS" in caplog.text and "NOISE" in caplog.text
+    assert "SEEDED RANDOM WEIGHTS: it decodes noise" in caplog.text
     assert a.spec.random_weights
     sa, sb, sc = a.vae.state_dict(), b.vae.state_dict(), load_vae(name, seed=4).vae.state_dict()
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
@@ -204,3 +204,41 @@ def test_a_class_whose_decode_reads_its_encoder_keeps_it(tmp_path, monkeypatch, 
     kl_vae = EncoderCountingKL.from_pretrained(tmp_path)  # the reference: diffusers' load of the folder
     with torch.inference_mode():
         assert torch.equal(loaded.vae.decode(z).sample, kl_vae.decode(z).sample)
+
+
+# ---- what a hub id fetches (no network here: the selection, as huggingface_hub applies it) --------
+PIPELINE_REPO = [
+    "model_index.json", "README.md", "v1-5-pruned-emaonly.safetensors",  # a whole checkpoint at the root
+    "unet/config.json", "unet/diffusion_pytorch_model.safetensors", "unet/diffusion_pytorch_model.fp16.safetensors",
+    "text_encoder/config.json", "text_encoder/model.safetensors", "safety_checker/model.safetensors",
+    "transformer/diffusion_pytorch_model.safetensors.index.json",
+    "transformer/diffusion_pytorch_model-00001-of-00002.safetensors",
+    "vae/config.json", "vae/diffusion_pytorch_model.safetensors", "vae/diffusion_pytorch_model.fp16.safetensors",
+    "vae/diffusion_pytorch_model.bin", "scheduler/scheduler_config.json",
+]  # fmt: skip
+
+
+def fetched(files: list[str], variant: str = "fp32") -> list[str]:
+    from huggingface_hub.utils import filter_repo_objects
+
+    from vae_service.models.loading import hub_patterns
+
+    return sorted(filter_repo_objects(files, allow_patterns=hub_patterns(variant)))
+
+
+def test_a_pipeline_repo_fetches_only_its_vae():
+    assert fetched(PIPELINE_REPO) == ["vae/config.json", "vae/diffusion_pytorch_model.safetensors"]
+    fp16_only = [f for f in PIPELINE_REPO if f != "vae/diffusion_pytorch_model.safetensors"]
+    assert fetched(fp16_only) == ["vae/config.json"]  # then the second pass, fp16 weights alone
+    assert fetched(fp16_only, "fp16") == ["vae/config.json", "vae/diffusion_pytorch_model.fp16.safetensors"]
+
+
+def test_a_vae_repo_fetches_its_config_and_weights_sharded_or_not():
+    single = ["config.json", "diffusion_pytorch_model.safetensors", "diffusion_pytorch_model.bin", "README.md"]
+    assert fetched(single) == ["config.json", "diffusion_pytorch_model.safetensors"]
+    sharded = [
+        "config.json", "diffusion_pytorch_model.safetensors.index.json",
+        "diffusion_pytorch_model-00001-of-00002.safetensors", "diffusion_pytorch_model-00002-of-00002.safetensors",
+        "extra/diffusion_pytorch_model-00001-of-00002.safetensors",
+    ]  # fmt: skip
+    assert fetched(sharded) == sorted(sharded[:4])

@@ -10,7 +10,7 @@ import torch
 from tests import zoo
 from tests.models import load_reference, save_vae, torch_threads
 from vae_service.config import Limits, ServiceConfig
-from vae_service.engine import DecodeEngine, DecodeRequest, LimitExceeded
+from vae_service.engine import DecodeEngine, DecodeRequest, InvalidInput, LimitExceeded
 from vae_service.engine.memory import LiveBytes
 from vae_service.engine.planner import ClassTiles
 from vae_service.engine.postprocess import to_uint8
@@ -501,3 +501,53 @@ def test_every_tiles_run_is_closed_however_the_tiled_decode_ends(lockstep, how):
         with pytest.raises(RuntimeError):
             list(chunks)
     assert len(runs) == 4 and [r.closed for r in runs] == [1] * 4
+
+
+# ---- the request's `tiling` (planner.plan_request) -------------------------------------------------
+def test_tiling_model_is_the_classs_own_tiled_decode_whatever_the_bound(engines, kl_dir):
+    """What a caller whose local VAE has tiling on gets: `vae.enable_tiling(); vae.decode`, bit for
+    bit, though the whole decode fits (RemoteVae after enable_tiling())."""
+    engine = engines["kl"]
+    request = DecodeRequest(latents_for(engine, 24, 20, batch=2), output="float", latents_scaled=True, tiling="model")
+    prepared, result = decode(engine, request)
+    assert engine.peak_bytes(engine.prepare(replace(request, tiling="auto"))) <= engine.cost.bound(engine.limits)
+    reference = load_reference(kl_dir)
+    with torch.inference_mode(), torch_threads(1):
+        untiled = torch.cat([reference.decode(item).sample for item in request.latents.split(1)])
+        reference.enable_tiling()
+        tiled = torch.cat([reference.decode(item).sample for item in request.latents.split(1)])
+    assert not torch.equal(tiled, untiled)
+    assert isinstance(prepared.tiling, ClassTiles) and result.tiled and torch.equal(result.output, tiled)
+
+
+def test_tiling_none_is_never_tiled_and_413_naming_tiling_over_the_bound(engines):
+    engine = engines["kl"]
+    for quality in ("lossless", "high"):
+        request = DecodeRequest(latents_for(engine, 24, 20), quality=quality, latents_scaled=True, tiling="none")
+        whole = engine.peak_bytes(engine.prepare(request))
+        with pytest.raises(LimitExceeded) as err:
+            decode(engine, request, bound=whole - 1)  # `auto` would tile it
+        assert err.value.field == "tiling" and err.value.message.startswith("tiling: 'none': decoding these")
+        prepared, result = decode(engine, request, bound=whole)
+        assert prepared.tiling is None and not result.tiled
+    spread_from, engine.spread_from_pixels = engine.spread_from_pixels, 64  # `high` spread in tiles within the bound
+    try:
+        request = DecodeRequest(latents_for(engine, 24, 20), quality="high", latents_scaled=True)
+        assert decode(engine, request)[0].tiling is not None
+        assert decode(engine, replace(request, tiling="none"))[0].tiling is None
+    finally:
+        engine.spread_from_pixels = spread_from
+
+
+def test_tiling_model_is_refused_naming_tiling_for_another_tier_or_a_class_without_one():
+    for quality in ("high", "preview"):
+        with pytest.raises(InvalidInput) as err:
+            DecodeRequest(torch.zeros(1, 4, 2, 2), quality=quality, tiling="model")
+        assert err.value.field == "tiling" and "'lossless' decode" in err.value.message
+    with pytest.raises(InvalidInput, match=r"tiling: unknown value 'off'.* \(allowed: \['auto', 'model', 'none'\]\)"):
+        DecodeRequest(torch.zeros(1, 4, 2, 2), tiling="off")
+    case = zoo.BY_NAME["cosmos"]  # AutoencoderKLCosmos: enable_tiling, but no tiled decode behind it
+    engine = DecodeEngine(ServiceConfig(model="x", device="cpu", cpu_threads=1), LoadedVae.of(zoo.build(case)))
+    with pytest.raises(InvalidInput) as err:
+        engine.prepare(DecodeRequest(zoo.latents(case, batch=1), tiling="model"))
+    assert err.value.field == "tiling" and "no tiled decode of its own" in err.value.message

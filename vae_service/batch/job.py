@@ -1,18 +1,21 @@
 """Offline decode of whole datasets on Ray Data: inputs listed (a folder of latents files, or a
-Parquet dataset with one latent per row), decoded by an actor pool of engines, files written
-under the output folder, progress shown while it runs and a summary at the end. Finished inputs
-are found by their files, so a rerun after an interruption decodes only the rest."""
+Parquet dataset with one latent per row) with every output path computed before anything is
+decoded (two inputs that would write one file are refused, naming both), decoded by an actor pool
+of engines, files written under the output folder, progress shown while it runs and a summary at
+the end. Finished inputs are found by their files, so a rerun after an interruption decodes only
+the rest."""
 
 from __future__ import annotations
 
 import time
+import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
-from vae_service.batch.latent_files import LATENT_SUFFIXES
-from vae_service.batch.outputs import BATCH_OUTPUTS
+from vae_service.batch.latent_files import LATENT_SUFFIXES, LatentFileError, latents_shape
+from vae_service.batch.outputs import BATCH_OUTPUTS, OutputFolder
 from vae_service.batch.stage import DecodeStage
 from vae_service.config import ServiceConfig
 from vae_service.engine import QUALITIES
@@ -21,43 +24,116 @@ PARQUET_COLUMNS = ("name", "latents")
 
 
 class BatchInputError(ValueError):
-    """The job's input cannot be listed; raised before anything is decoded."""
+    """The job's input cannot be listed, or two inputs would write one file; raised before
+    anything is decoded."""
 
 
-def read_inputs(path: str | Path):
-    """A Ray Dataset of inputs: rows {name, path} for a folder of .npy/.safetensors files (each
-    file one request's latents, batch dimension first), or {name, latents} from Parquet (each
-    row one latent item, no batch dimension; `name` names its output files)."""
-    import ray.data
+@dataclass(frozen=True)
+class Inputs:
+    """A job's inputs, listed without Ray: a folder's latents files (`files`) or Parquet files
+    (`parquet`, under `root`), with the number of latent items of each input (`items`)."""
 
+    root: Path
+    files: tuple[Path, ...] = ()
+    parquet: tuple[Path, ...] = ()
+    items: dict[str, int] = field(default_factory=dict)  # input name -> latent items
+
+    @property
+    def count(self) -> int:
+        return len(self.items)
+
+    @property
+    def total_items(self) -> int:
+        return sum(self.items.values())
+
+    def dataset(self):
+        """A Ray Dataset of rows {name, path} (a folder) or {name, latents} (Parquet)."""
+        import ray.data
+
+        if self.parquet:
+            return ray.data.read_parquet(str(self.root)).select_columns(list(PARQUET_COLUMNS))
+        # a block per file: the pool's actors share the work evenly and progress moves file by file
+        rows = [{"name": p.stem, "path": str(p)} for p in self.files]
+        return ray.data.from_items(rows, override_num_blocks=len(rows))
+
+
+def list_inputs(path: str | Path, output: str | None = None) -> Inputs:
+    """The inputs under `path`, every output path computed (`output`: the output kind, unset for
+    the default; the names are the same for png, jpeg and mp4). Raises BatchInputError."""
     path = Path(path)
     if path.is_file() and path.suffix == ".parquet":
-        return _read_parquet(path, [path])
+        return _parquet_inputs(path, [path], output)
     if not path.is_dir():
         raise BatchInputError(f"{path}: not a folder of latents files nor a .parquet file")
     files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix in LATENT_SUFFIXES)
     if not files:
         parquet = sorted(path.rglob("*.parquet"))
         if parquet:
-            return _read_parquet(path, parquet)
+            return _parquet_inputs(path, parquet, output)
         raise BatchInputError(f"{path}: holds no {', '.join(LATENT_SUFFIXES)} or .parquet files")
-    clashes = sorted(name for name, n in Counter(p.stem for p in files).items() if n > 1)
-    if clashes:
-        raise BatchInputError(f"{path}: several files would write the outputs of {clashes}; rename them")
-    # a block per file: the pool's actors share the work evenly and progress moves file by file
-    items = [{"name": p.stem, "path": str(p)} for p in files]
-    return ray.data.from_items(items, override_num_blocks=len(items))
+    names = [p.stem for p in files]
+    if len(set(names)) != len(names):  # x.npy and x.safetensors: one name for two inputs
+        twice = next(n for n in names if names.count(n) > 1)
+        both = [p.name for p in files if p.stem == twice]
+        raise BatchInputError(f"{path}: {both[0]} and {both[1]} are both input {twice!r}: rename one")
+    items = {p.stem: _items_of(p) for p in files}
+    _refuse_clashes(path, {p.stem: p.name for p in files}, items, output)
+    return Inputs(path, files=tuple(files), items=items)
 
 
-def _read_parquet(path: Path, files: list[Path]):
+def _items_of(path: Path) -> int:
+    """Its latents' batch dimension from the file's header; an unreadable file fails when it is
+    decoded (and writes nothing): one item here."""
+    try:
+        shape = latents_shape(path)
+    except LatentFileError:
+        return 1
+    return shape[0] if shape else 1
+
+
+def _parquet_inputs(root: Path, files: list[Path], output: str | None) -> Inputs:
     import pyarrow.parquet as pq
-    import ray.data
 
     columns = pq.read_schema(files[0]).names
     missing = [c for c in PARQUET_COLUMNS if c not in columns]
     if missing:
         raise BatchInputError(f"{files[0]}: needs columns {list(PARQUET_COLUMNS)}, lacks {missing}")
-    return ray.data.read_parquet(str(path)).select_columns(list(PARQUET_COLUMNS))
+    names = [str(n) for f in files for n in pq.read_table(f, columns=["name"]).column("name").to_pylist()]
+    seen: dict[str, int] = {}
+    for row, name in enumerate(names):
+        if name in seen:
+            raise BatchInputError(
+                f"{root}: rows {seen[name]} and {row} are both named {name!r}, so both would write its files: "
+                "give every row its own name"
+            )
+        seen[name] = row
+    items = dict.fromkeys(names, 1)  # one latent per row
+    _refuse_clashes(root, {name: f"row {row} ({name!r})" for name, row in seen.items()}, items, output)
+    return Inputs(root, parquet=tuple(files), items=items)
+
+
+def _refuse_clashes(root: Path, described: dict[str, str], items: dict[str, int], output: str | None) -> None:
+    """Two inputs whose outputs share a path (x.npy of two items writes x-1.png, as x-1.npy does)."""
+    folder = OutputFolder(root, output or "png")
+    writer: dict[str, str] = {}
+    for name, n in items.items():
+        try:
+            paths = folder.paths(name, n)
+        except ValueError:
+            continue  # a name that is no plain file name fails alone when it is decoded
+        for out in paths:
+            if out.name in writer:
+                raise BatchInputError(
+                    f"{root}: {writer[out.name]} and {described[name]} would both write {out.name}: rename one"
+                )
+            writer[out.name] = described[name]
+
+
+def read_inputs(path: str | Path):
+    """A Ray Dataset of inputs: rows {name, path} for a folder of .npy/.safetensors files (each
+    file one request's latents, batch dimension first), or {name, latents} from Parquet (each
+    row one latent item, no batch dimension; `name` names its output files)."""
+    return list_inputs(path).dataset()
 
 
 def decode_dataset(
@@ -72,11 +148,17 @@ def decode_dataset(
     num_cpus: float = 1,
     batch_size: int = 1,
     options: dict | None = None,
+    max_restarts: int = 0,
 ):
     """Decode every row of `ds` ({name, path} or {name, latents} rows, as read_inputs makes them)
     into files under `output_dir`. Returns the lazy Dataset of per-input results (name, status:
-    decoded | skipped | failed, files, error, decode_ms); consuming it runs the job. `options`
-    are further /decode keys (scaling_factor, height, width, decode_timestep, ...)."""
+    decoded | skipped | failed, files, items, error, decode_ms); consuming it runs the job.
+    `options` are further /decode keys (scaling_factor, height, width, decode_timestep, ...).
+
+    `max_restarts`: an engine that dies is not restarted by default, so the job stops with the
+    error and a rerun resumes it. Ray Data would restart it (its default, -1), but with that Ray
+    2.60 logs an ERROR on every run, healthy or not, about the engines' constructor arguments being
+    in the object store (ray-project/ray#57733); give -1 to have the restarts and the line."""
     config = ServiceConfig.model_validate(config)
     if quality not in QUALITIES:
         raise ValueError(f"quality {quality!r}: one of {list(QUALITIES)}")
@@ -84,29 +166,35 @@ def decode_dataset(
         raise ValueError(f"output {output!r}: one of {list(BATCH_OUTPUTS)}")
     from ray.data import ActorPoolStrategy
 
-    return ds.map_batches(
-        DecodeStage,
-        fn_constructor_kwargs={
-            "config": config.model_dump(),
-            "output_dir": str(output_dir),
-            "output": output,
-            "quality": quality,
-            "options": options,
-        },
-        batch_size=batch_size,
-        batch_format="numpy",
-        compute=ActorPoolStrategy(size=concurrency),
-        num_cpus=num_cpus,
-        num_gpus=num_gpus or None,
-    )
+    with warnings.catch_warnings():
+        # Ray 2.60 has no named parameter for max_restarts and calls every extra one deprecated
+        # (removed in 2.64), while its own code names `map_batches(..., max_restarts=0)` as the way
+        warnings.filterwarnings("ignore", message="`ray_remote_args` is deprecated")
+        return ds.map_batches(
+            DecodeStage,
+            fn_constructor_kwargs={
+                "config": config.model_dump(),
+                "output_dir": str(output_dir),
+                "output": output,
+                "quality": quality,
+                "options": options,
+            },
+            batch_size=batch_size,
+            batch_format="numpy",
+            compute=ActorPoolStrategy(size=concurrency),
+            num_cpus=num_cpus,
+            num_gpus=num_gpus or None,
+            max_restarts=max_restarts,
+        )
 
 
 @dataclass
 class BatchSummary:
-    total: int
-    counts: Counter = field(default_factory=Counter)  # by status
+    total: int  # inputs
+    counts: Counter = field(default_factory=Counter)  # inputs by status
     failures: list[tuple[str, str]] = field(default_factory=list)  # (name, reason)
     seconds: float = 0.0
+    decoded_items: int = 0  # latent items of the decoded inputs (an input holds one or more)
 
     @property
     def done(self) -> int:
@@ -114,25 +202,28 @@ class BatchSummary:
 
     @property
     def items_per_s(self) -> float:
-        return self.done / self.seconds if self.seconds > 0 else 0.0
+        """Latent items decoded per second (skipped inputs cost nothing, and are not counted)."""
+        return self.decoded_items / self.seconds if self.seconds > 0 else 0.0
 
     def add(self, row: dict) -> None:
         self.counts[row["status"]] += 1
+        if row["status"] == "decoded":
+            self.decoded_items += int(row.get("items", 1))
         if row["status"] == "failed":
             self.failures.append((row["name"], row["error"]))
 
     def progress_line(self) -> str:
         width = len(str(self.total))
         return (
-            f"[{self.done:>{width}}/{self.total}] {self.counts['decoded']} decoded, {self.counts['skipped']} "
+            f"[{self.done:>{width}}/{self.total} inputs] {self.counts['decoded']} decoded, {self.counts['skipped']} "
             f"skipped, {self.counts['failed']} failed, {self.items_per_s:.2f} items/s"
         )
 
     def report(self) -> str:
         lines = [
-            f"{self.done} of {self.total} inputs in {self.seconds:.1f} s ({self.items_per_s:.2f} items/s): "
-            f"{self.counts['decoded']} decoded, {self.counts['skipped']} skipped (already done), "
-            f"{self.counts['failed']} failed"
+            f"{self.done} of {self.total} inputs in {self.seconds:.1f} s: {self.counts['decoded']} decoded "
+            f"({self.decoded_items} items, {self.items_per_s:.2f} items/s), {self.counts['skipped']} skipped "
+            f"(already done), {self.counts['failed']} failed"
         ]
         lines += [f"  failed {name}: {reason}" for name, reason in self.failures]
         return "\n".join(lines)
@@ -159,19 +250,19 @@ class Progress:
 
 
 def run_batch_decode(
-    input_path: str | Path,
+    input_path: str | Path | Inputs,
     output_dir: str | Path,
     config: dict | ServiceConfig,
     progress: TextIO | None = None,
     **options,
 ) -> BatchSummary:
-    """read_inputs + decode_dataset, consumed here, with a progress display on `progress` (e.g.
-    sys.stderr) while it runs; the summary at the end."""
-    ds = read_inputs(input_path)
-    summary = BatchSummary(total=ds.count())
+    """list_inputs (or `input_path` already listed) + decode_dataset, consumed here, with a
+    progress display on `progress` (e.g. sys.stderr) while it runs; the summary at the end."""
+    inputs = input_path if isinstance(input_path, Inputs) else list_inputs(input_path, options.get("output"))
+    summary = BatchSummary(total=inputs.count)
     shown = Progress(progress) if progress is not None else None
     start = time.monotonic()
-    for row in decode_dataset(ds, config, output_dir, **options).iter_rows():
+    for row in decode_dataset(inputs.dataset(), config, output_dir, **options).iter_rows():
         summary.add(row)
         summary.seconds = time.monotonic() - start
         if shown is not None:

@@ -21,7 +21,7 @@ from vae_service.protocol.requests import request_from_call
 
 log = logging.getLogger(__name__)
 
-RESULT_COLUMNS = ("name", "status", "files", "error", "decode_ms")
+RESULT_COLUMNS = ("name", "status", "files", "items", "error", "decode_ms")
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,7 @@ class ItemResult:
     name: str
     status: str  # decoded | skipped (its files were there) | failed
     files: int = 0
+    items: int = 0  # latent items (batch dimension) of the input
     error: str = ""
     decode_ms: float = 0.0
 
@@ -68,13 +69,15 @@ class DecodeStage:
         )
         paths = self.folder.paths(name, request.items)
         if self.folder.finished(paths):
-            return ItemResult(name, "skipped", files=len(paths))
+            return ItemResult(name, "skipped", files=len(paths), items=request.items)
         (result,) = self.engine.decode([self.engine.prepare(request)])
         if isinstance(result, DecodeError):
             raise result
         result = self.engine.encode(result)
         self.folder.write(paths, result.output if self.folder.output != "npy" else result.output.numpy())
-        return ItemResult(name, "decoded", files=len(paths), decode_ms=round(result.timing.decode_ms, 1))
+        return ItemResult(
+            name, "decoded", files=len(paths), items=request.items, decode_ms=round(result.timing.decode_ms, 1)
+        )
 
 
 def _row_latents(batch: dict[str, np.ndarray], i: int):

@@ -237,8 +237,10 @@ class CostModel:
             return False
         if tier.needs_shape_work(items if quality == "high" else 1, h, w):
             return True
-        if quality != "lossless" or not self.has_class_tiled or self.peak(prepared) <= self.bound(limits):
-            return False  # only above the bound is the class's tiled decode priced
+        if quality != "lossless" or not self.has_class_tiled:
+            return False
+        if prepared.request.tiling != "model" and self.peak(prepared) <= self.bound(limits):
+            return False  # only above the bound (or asked for) is the class's tiled decode priced
         fitted = self.class_tiled_fitted
         return fitted is None or fitted.needs_shape_work(h, w, prepared.latent_frames)
 

@@ -26,7 +26,16 @@ Form = Literal["decoder", "packed", "patchified"]
 def _unpack(z: torch.Tensor, request: DecodeRequest, spec: ModelSpec) -> torch.Tensor:
     p, c = spec.entry.packed_patch, spec.latent_channels
     if request.height is None or request.width is None:
-        raise InvalidInput("height" if request.height is None else "width", "is required for packed latents [B, L, C]")
+        if z.shape[0] == c and request.height is None and request.width is None:  # [C, H, W]: no batch dim
+            raise InvalidInput(
+                "latents",
+                f"shape {list(z.shape)} has no batch dimension: send {[1, *z.shape]} (or, for packed latents "
+                f"[B, L, {c * p * p}], give height and width)",
+            )
+        raise InvalidInput(
+            "height" if request.height is None else "width",
+            f"is required for packed latents [B, L, {c * p * p}] (the output size in pixels)",
+        )
     b, length, packed_c = z.shape
     if packed_c != c * p * p:
         raise InvalidInput(
@@ -52,13 +61,31 @@ def _unpatchify(z: torch.Tensor) -> torch.Tensor:
 
 
 def _expected(spec: ModelSpec) -> str:
+    """The forms the model takes, then their ranks: "[B, 4, H, W] or packed [B, L, 16] with
+    height/width (4 or 3 dims)"."""
     c = spec.latent_channels
-    forms = [f"[B, {c}, T, H, W] or [B, {c}, H, W]" if spec.geometry.video_latents else f"[B, {c}, H, W]"]
+    forms, ranks = [f"[B, {c}, T, H, W] or [B, {c}, H, W]" if spec.geometry.video_latents else f"[B, {c}, H, W]"], [4]
+    if spec.geometry.video_latents:
+        ranks.insert(0, 5)
     if spec.entry.patchified:
         forms.append(f"patchified [B, {4 * c}, h, w]")
     if spec.entry.packed_patch:
         forms.append(f"packed [B, L, {c * spec.entry.packed_patch**2}] with height/width")
-    return " or ".join(forms)
+        ranks.append(3)
+    return f"{' or '.join(forms)} ({' or '.join(map(str, ranks))} dims)"
+
+
+def _wrong_shape(shape: list[int], spec: ModelSpec) -> InvalidInput:
+    """Which ranks and channels the model takes; a shape that is an accepted one without its batch
+    dimension says so (NumPy and torch users often drop it for one latent)."""
+    message = f"model '{spec.name}' takes {_expected(spec)}; got {len(shape)} dims {shape}"
+    lacks_batch = len(shape) in ((3, 4) if spec.geometry.video_latents else (3,)) and shape[0] in (
+        spec.latent_channels,
+        4 * spec.latent_channels if spec.entry.patchified else -1,
+    )
+    if lacks_batch:
+        message += f": the batch dimension is missing? send {[1, *shape]}"
+    return InvalidInput("latents", message)
 
 
 def to_decoder_layout(request: DecodeRequest, spec: ModelSpec) -> tuple[torch.Tensor, Form]:
@@ -72,7 +99,14 @@ def to_decoder_layout(request: DecodeRequest, spec: ModelSpec) -> tuple[torch.Te
     if spec.geometry.video_latents and z.dim() == 4:  # one frame, given as an image latent
         z = z.unsqueeze(2)
     if z.dim() != (5 if spec.geometry.video_latents else 4) or z.shape[1] != c:
-        raise InvalidInput(
-            "latents", f"model '{spec.name}' takes {_expected(spec)}, got shape {list(request.latents.shape)}"
-        )
+        raise _wrong_shape(list(request.latents.shape), spec)
+    if form != "packed":  # sent but unused, they would silently promise an output size
+        for key in ("height", "width"):
+            if getattr(request, key) is not None:
+                raise InvalidInput(
+                    key,
+                    f"is only for packed latents [B, L, C]; these latents {list(request.latents.shape)} fix the "
+                    f"output size ({z.shape[-2] * spec.spatial_scale} x {z.shape[-1] * spec.spatial_scale} pixels): "
+                    "leave height and width out",
+                )
     return z, form

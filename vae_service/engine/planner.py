@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from vae_service.engine.cost_model import CostModel
-from vae_service.engine.errors import LimitExceeded
+from vae_service.engine.errors import InvalidInput, LimitExceeded
 from vae_service.engine.latents import PreparedRequest
 from vae_service.engine.tiling import TileGrid, spread_grid, tile_for
 
@@ -31,18 +31,29 @@ Tiling = TileGrid | ClassTiles | None  # None: decoded whole
 
 
 def plan_request(prepared: PreparedRequest, cost: CostModel, bound: int, spread_pixels: int | None) -> Tiling:
-    """How `prepared` decodes within `bound`: whole, tiled, or refused (LimitExceeded). A `high`
-    request that fits whole is tiled anyway when it is large (`spread_pixels`: tiles of about that
-    many output pixels, for other replicas to decode)."""
-    quality = prepared.request.quality
+    """How `prepared` decodes within `bound`: whole, tiled, or refused (LimitExceeded), as its
+    `tiling` asks (engine/request.py's TILINGS). "auto": as the bound decides, and a `high` request
+    that fits whole is tiled anyway when it is large (`spread_pixels`: tiles of about that many
+    output pixels, for other replicas to decode). "model": the class's own tiled decode whatever the
+    bound (what a caller whose local VAE has tiling on gets). "none": never tiled (a caller without
+    tiling would otherwise get tiled bits it did not ask for)."""
+    quality, tiling = prepared.request.quality, prepared.request.tiling
     if quality == "preview":
         return None
+    if tiling == "model":
+        return _class_tiles(prepared, cost, bound, "tiling", "'model': ", "send fewer items")
     need = cost.peak(prepared)
     if need <= bound:
-        if quality == "high":
+        if quality == "high" and tiling == "auto":
             return spread_grid(*prepared.latent_hw, cost.facts.scale, spread_pixels)
         return None
     gib = f"about {need / 2**30:.3g} GiB, over max_decode_bytes ({bound / 2**30:.3g} GiB)"
+    if tiling == "none":
+        raise LimitExceeded(
+            "tiling",
+            f"'none': decoding these latents whole needs {gib}: send tiling 'auto' (or 'model' for the "
+            "class's own tiled decode) or fewer items",
+        )
     if quality == "lossless":
         if not cost.has_class_tiled:
             raise LimitExceeded(
@@ -51,18 +62,32 @@ def plan_request(prepared: PreparedRequest, cost: CostModel, bound: int, spread_
                 "for 'lossless' above the bound: send quality 'high' (decoded in spatial tiles within the "
                 "bound) or fewer items",
             )
-        tiled_need = cost.class_tiled_peak(prepared)
-        if tiled_need > bound:
-            raise LimitExceeded(
-                "latents",
-                f"decoding these latents needs {gib}; even diffusers' tiled decode needs about "
-                f"{tiled_need / 2**30:.3g} GiB: send quality 'high' or fewer items",
-            )
-        return ClassTiles()
+        return _class_tiles(
+            prepared,
+            cost,
+            bound,
+            "latents",
+            f"decoding these latents needs {gib}; ",
+            "send quality 'high' or fewer items",
+        )
     grid = tiles_within(prepared, cost, bound)
     if grid is None:
         raise LimitExceeded("latents", f"decoding these latents needs {gib}, and even tiled it does not fit")
     return grid
+
+
+def _class_tiles(prepared: PreparedRequest, cost: CostModel, bound: int, field: str, why: str, instead: str):
+    """The class's own tiled decode, if it has one and it fits `bound`; else refused naming `field`."""
+    if not cost.has_class_tiled:
+        raise InvalidInput(field, f"{why}this model's class has no tiled decode of its own; send 'auto' or 'none'")
+    tiled_need = cost.class_tiled_peak(prepared)
+    if tiled_need > bound:
+        raise LimitExceeded(
+            field,
+            f"{why}even diffusers' tiled decode needs about {tiled_need / 2**30:.3g} GiB, over max_decode_bytes "
+            f"({bound / 2**30:.3g} GiB): {instead}",
+        )
+    return ClassTiles()
 
 
 def tiles_within(prepared: PreparedRequest, cost: CostModel, bound: int) -> TileGrid | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from difflib import get_close_matches
 
 import torch
 
@@ -13,6 +14,11 @@ from vae_service.engine.errors import InvalidInput
 
 QUALITIES = ("lossless", "high", "preview")
 OUTPUTS = ("uint8", "float", "png", "jpeg", "mp4")
+# "auto": tiled above the memory bound (`high` in spatial tiles, `lossless` by the class's own tiled
+# decode); "model": `lossless` through the class's own tiled decode whatever the bound, as
+# `vae.enable_tiling(); vae.decode` (a caller mirroring a local VAE with tiling on); "none": never
+# tiled, refused (413) where the whole decode does not fit (a caller mirroring one without)
+TILINGS = ("auto", "model", "none")
 LATENT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_LATENT_DIMS = 6
 _MAX_ID_CHARS = 256
@@ -35,11 +41,18 @@ class DecodeRequest:
     model: str | None = None  # when given, must name the served model
     stream: bool = False  # video: frames handed over chunk by chunk as they are decoded
     decode_timestep: float | None = None  # timestep-conditioned decoders (LTX); None: the pipeline's default
+    tiling: str = "auto"  # TILINGS; honoured by engine/planner.py's plan_request
 
     def __post_init__(self) -> None:
         _check_latents(self.latents)
         _check_choice("quality", self.quality, QUALITIES)
         _check_choice("output", self.output, OUTPUTS)
+        _check_choice("tiling", self.tiling, TILINGS)
+        if self.tiling == "model" and self.quality != "lossless":
+            raise InvalidInput(
+                "tiling",
+                f"'model' (the model class's own tiled decode) is a 'lossless' decode; quality is {self.quality!r}",
+            )
         for key, nonzero in (("scaling_factor", True), ("shift_factor", False)):
             object.__setattr__(self, key, _factor(key, getattr(self, key), nonzero))
         if self.decode_timestep is not None:
@@ -73,7 +86,9 @@ def _check_latents(z: object) -> None:
 
 def _check_choice(key: str, value: object, allowed: tuple[str, ...]) -> None:
     if not isinstance(value, str) or value not in allowed:
-        raise InvalidInput(key, f"unknown value {value!r}; allowed: {list(allowed)}")
+        close = get_close_matches(value, allowed, n=1, cutoff=0.6) if isinstance(value, str) else []
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise InvalidInput(key, f"unknown value {value!r}{hint} (allowed: {list(allowed)})")
 
 
 def _factor(key: str, value: object, nonzero: bool) -> float | None:

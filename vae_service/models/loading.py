@@ -14,6 +14,7 @@ import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from difflib import get_close_matches
 from pathlib import Path
 
 import diffusers
@@ -50,11 +51,7 @@ def load_vae(source: str, *, name: str | None = None, seed: int = 0) -> LoadedVa
         _materialise(vae)
         _init_random(vae, seed)
         log.warning(
-            "\n%s\n!! Model '%s' uses SEEDED RANDOM WEIGHTS: it decodes NOISE, not images.\n"
-            "!! Pass a local diffusers VAE folder (--model PATH) for real outputs.\n%s",
-            "!" * 78,
-            source,
-            "!" * 78,
+            "model '%s' has SEEDED RANDOM WEIGHTS: it decodes noise; give a diffusers VAE folder for images", source
         )
         config, class_name, random_weights = preset.config, preset.class_name, True
     else:
@@ -161,14 +158,53 @@ def _init_random(vae: nn.Module, seed: int) -> None:
                 p.copy_(torch.rand(p.shape, generator=gen) * (2 * bound) - bound)
 
 
+def check_source(source: str) -> None:
+    """What can be told about `source` without loading it (milliseconds; the CLI asks before Ray
+    starts): a preset, a local diffusers folder whose config names a served class and which holds
+    safetensors weights, or a name shaped like a hub id. Raises ModelLoadError naming `model`, with
+    close matches for a mistyped preset or folder."""
+    if source in PRESETS:
+        return
+    path = Path(source).expanduser()
+    if not path.exists():
+        if _hub_shaped(source):
+            return  # fetched where it is loaded (the replica)
+        siblings = [p.name for p in path.parent.iterdir()] if path.parent.is_dir() and path.parent != Path() else []
+        hint = did_you_mean(source, PRESETS) or did_you_mean(path.name, siblings)
+        raise ModelLoadError(
+            f"model: {source!r} is neither a preset, a local folder nor a hub id (org/name){hint} "
+            "(the presets: vae-service serve --help)"
+        )
+    folder = _vae_folder(path)
+    try:
+        class_name = json.loads((folder / "config.json").read_text()).get("_class_name", "")
+    except (OSError, ValueError, AttributeError) as exc:
+        raise ModelLoadError(f"model: {folder / 'config.json'} is not a diffusers config ({exc})") from None
+    _autoencoder_class(class_name)
+    _weight_files(folder)
+
+
+def did_you_mean(name: str, choices) -> str:
+    close = get_close_matches(name, list(choices), n=3, cutoff=0.6)
+    return f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+
+
+def _hub_shaped(source: str) -> bool:
+    return source.count("/") == 1 and not source.startswith((".", "/", "~"))
+
+
+def _vae_folder(path: Path) -> Path:
+    for candidate in (path, path / "vae"):
+        if (candidate / "config.json").is_file():
+            return candidate
+    raise ModelLoadError(f"model: no config.json in '{path}' or '{path / 'vae'}'")
+
+
 def _resolve_folder(source: str) -> Path:
     path = Path(source).expanduser()
     if path.exists():
-        for candidate in (path, path / "vae"):
-            if (candidate / "config.json").is_file():
-                return candidate
-        raise ModelLoadError(f"model: no config.json in '{path}' or '{path / 'vae'}'")
-    if source.count("/") == 1 and not source.startswith((".", "/")):
+        return _vae_folder(path)
+    if _hub_shaped(source):
         return _download_from_hub(source)
     raise ModelLoadError(
         f"model: '{source}' is neither a preset ({', '.join(PRESETS)}), a local diffusers folder, "
@@ -176,29 +212,47 @@ def _resolve_folder(source: str) -> Path:
     )
 
 
+# What a hub repo's VAE is: its config and weights at the root (a VAE repo) or under vae/ (a
+# pipeline repo), nothing else. huggingface_hub matches these with fnmatch, whose `*` also matches
+# `/`: "*.safetensors" pulled a pipeline's UNet and text encoders (tens of GB) to load its VAE. No
+# pattern here has a `*`; shards are matched by their digits. fp16 copies only when there are no
+# fp32 weights (_download_from_hub's second pass).
+_WEIGHT_STEMS = {"fp32": "diffusion_pytorch_model", "fp16": "diffusion_pytorch_model.fp16"}
+_SHARD = "-[0-9][0-9][0-9][0-9][0-9]-of-[0-9][0-9][0-9][0-9][0-9]"
+
+
+def hub_patterns(variant: str = "fp32") -> list[str]:
+    """allow_patterns for snapshot_download: the config and `variant`'s weights, at the root and
+    under vae/ (what _resolve_folder and _weight_files read)."""
+    stem = _WEIGHT_STEMS[variant]
+    names = ["config.json", f"{stem}.safetensors", f"{stem}.safetensors.index.json", f"{stem}{_SHARD}.safetensors"]
+    return names + [f"vae/{name}" for name in names]
+
+
 def _download_from_hub(repo_id: str) -> Path:
     from huggingface_hub import snapshot_download
 
     try:
-        root = Path(
-            snapshot_download(
-                repo_id,
-                allow_patterns=[
-                    "config.json",
-                    "*.safetensors",
-                    "*.safetensors.index.json",
-                    "vae/config.json",
-                    "vae/*.safetensors",
-                    "vae/*.safetensors.index.json",
-                ],
-            )
-        )
+        root = Path(snapshot_download(repo_id, allow_patterns=hub_patterns("fp32")))
+        folder = _vae_folder(root)
+        if not _has_weights(folder):
+            root = Path(snapshot_download(repo_id, allow_patterns=hub_patterns("fp16")))
+    except ModelLoadError:
+        raise
     except Exception as exc:  # offline, unknown repo, gated, ...: all mean "cannot load"
         raise ModelLoadError(
             f"model: could not fetch '{repo_id}' from the Hugging Face hub ({type(exc).__name__}: {exc}). "
             "Without hub access, pass a local diffusers folder."
         ) from exc
-    return _resolve_folder(str(root))
+    return _vae_folder(root)
+
+
+def _has_weights(folder: Path) -> bool:
+    try:
+        _weight_files(folder)
+    except ModelLoadError:
+        return False
+    return True
 
 
 def _weight_files(folder: Path) -> list[Path]:

@@ -105,8 +105,10 @@ def parse_remote_decode(body: bytes, content_type: str | None, accept: str | Non
         scaling_factor=scaling,
         shift_factor=shift,
         latents_scaled=not own,
-        height=_number(query, "height", int),
-        width=_number(query, "width", int),
+        # diffusers' remote_decode sends height/width whenever its caller gives them, and the hub's
+        # endpoints ignore them for unpacked latents: only packed latents [B, L, C] carry them here
+        height=_number(query, "height", int) if latents.dim() == 3 else None,
+        width=_number(query, "width", int) if latents.dim() == 3 else None,
         model=_get(query, "model"),
     )
     return RemoteDecodePlan(request, reply)

@@ -53,7 +53,30 @@ def unpack_body(body: bytes, max_request_bytes: int) -> object:
     except InvalidInput:
         raise
     except Exception as exc:  # truncated, extra data, bad utf-8, over-deep nesting, over a bound: malformed
-        raise InvalidInput("body", f"is not valid msgpack ({type(exc).__name__}: {exc})") from None
+        raise InvalidInput("body", f"is not a msgpack /decode map: {_why(exc, body)}") from None
+
+
+def _why(exc: Exception, body: bytes) -> str:
+    """What was wrong, in the request's terms: msgpack's own messages name its internals
+    (`unpack(b) received extra data`, `StackError`, `max_array_len(12)`), which a caller cannot act on."""
+    if body.lstrip()[:1] in (b"{", b"["):
+        return "it looks like JSON; /decode reads msgpack (vae_service_client.messages.pack)"
+    if isinstance(exc, msgpack.ExtraData):
+        return "bytes follow the first msgpack object (send one map, Content-Type application/msgpack)"
+    if isinstance(exc, UnicodeDecodeError):
+        return "a string is not UTF-8 (binary data goes in msgpack bin, not str)"
+    if isinstance(exc, msgpack.StackError):
+        return "nested deeper than a /decode body ever is"
+    text = str(exc)
+    if "incomplete input" in text:
+        return "it ends early (truncated)"
+    if "exceeds max_" in text:
+        return (
+            f"a map, array or string is over the bounds of a /decode body (at most "
+            f"{_CONTAINER_BOUNDS['max_map_len']} map entries, {_CONTAINER_BOUNDS['max_array_len']} array items, "
+            f"{_CONTAINER_BOUNDS['max_str_len']}-char strings)"
+        )
+    return "not msgpack (an invalid first byte or type)"
 
 
 def peek_routing(body: bytes) -> tuple[str | None, bool]:

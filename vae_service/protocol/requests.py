@@ -15,6 +15,7 @@ from vae_service.engine.errors import InvalidInput
 from vae_service.engine.request import DecodeRequest
 from vae_service.protocol.msgpack_body import check_content_type, unpack_body
 from vae_service.protocol.tensors import from_numpy, to_torch
+from vae_service_client.errors import did_you_mean
 from vae_service_client.messages import REQUEST_KEYS, UNSET, request_fields, request_fields_from_proto
 
 FACTORS = ("scaling_factor", "shift_factor")
@@ -50,7 +51,8 @@ def request_from_call(latents, resident_device: torch.device | None = None, **op
     compiled graph hands latents over GPU to GPU, and they stay there."""
     unknown = sorted(set(options) - set(REQUEST_KEYS))
     if unknown:
-        raise InvalidInput(unknown[0], f"unknown argument; allowed: {sorted(set(REQUEST_KEYS) - {'latents'})}")
+        allowed = sorted(set(REQUEST_KEYS) - {"latents"})
+        raise InvalidInput(unknown[0], f"unknown argument{did_you_mean(unknown[0], allowed)} (allowed: {allowed})")
     if isinstance(latents, np.ndarray):
         latents = from_numpy(latents)
     if isinstance(latents, torch.Tensor):

@@ -16,12 +16,20 @@ from ray import serve
 
 from vae_service.protocol.errors import Unauthenticated
 from vae_service.serving import openapi
-from vae_service.serving.http_routes import decode_http, error_answer, health_fields, remote_decode_http
+from vae_service.serving.http_routes import api_docs, decode_http, error_answer, health_fields, remote_decode_http
 from vae_service.serving.replica import DecoderReplica
 from vae_service_client.errors import error_json
 
 log = logging.getLogger("ray.serve")
-http_app = FastAPI(title="vae-service", summary="VAE decoding for diffusion serving")
+# FastAPI's own /docs, /redoc and /openapi.json would answer without the token: the replica serves
+# them itself, behind it (http_routes.api_docs)
+http_app = FastAPI(
+    title="vae-service",
+    summary="VAE decoding for diffusion serving",
+    docs_url=None,
+    redoc_url=None,
+    openapi_url=None,
+)
 
 
 def internal_error(_: Request, exc: Exception) -> Response:
@@ -51,6 +59,18 @@ class VaeDecoderHttp(DecoderReplica):
     @http_app.post("/remote-decode", openapi_extra=openapi.REMOTE_DECODE)
     async def remote_decode_http(self, request: Request) -> Response:
         return (await remote_decode_http(self.service, self.admission, request)).response()
+
+    @http_app.get("/openapi.json", include_in_schema=False)
+    async def openapi_json(self, request: Request) -> Response:
+        return api_docs(self.service, self.admission, request, http_app, "openapi")
+
+    @http_app.get("/docs", include_in_schema=False)
+    async def docs(self, request: Request) -> Response:
+        return api_docs(self.service, self.admission, request, http_app, "swagger")
+
+    @http_app.get("/redoc", include_in_schema=False)
+    async def redoc(self, request: Request) -> Response:
+        return api_docs(self.service, self.admission, request, http_app, "redoc")
 
     @http_app.get("/health")
     async def health(self, request: Request):

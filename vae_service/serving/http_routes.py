@@ -6,11 +6,13 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from fastapi.responses import Response, StreamingResponse
+from fastapi import FastAPI
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import Request
 
 from vae_service.engine.result import DecodeResult
-from vae_service.protocol.errors import ANSWERABLE, internal_error, wire_error
+from vae_service.protocol.errors import ANSWERABLE, Unauthenticated, internal_error, wire_error
 from vae_service.protocol.hf_remote import parse_remote_decode, remote_decode_reply
 from vae_service.protocol.requests import parse_decode_body
 from vae_service.protocol.responses import CONTENT_TYPE, http_error_message, http_frame_message, msgpack_response
@@ -138,3 +140,18 @@ def query_lists(request: Request) -> dict[str, list[str]]:
     for key, value in request.query_params.multi_items():
         out.setdefault(key, []).append(value)
     return out
+
+
+def api_docs(service: DecodeService, admission: Admission, request: Request, app: FastAPI, page: str) -> Response:
+    """FastAPI's API documentation (`page`: "openapi", "swagger" or "redoc"), behind the same token
+    as the decode routes: the schema lists every route and limit of the service."""
+    try:
+        admission.check(request.headers.get("authorization"))
+    except Unauthenticated as exc:
+        return error_answer(service.rejected(exc)).response()
+    if page == "openapi":
+        return JSONResponse(app.openapi())
+    schema = request.scope.get("root_path", "").rstrip("/") + "/openapi.json"  # under the route prefix
+    if page == "redoc":
+        return get_redoc_html(openapi_url=schema, title=f"{app.title} - ReDoc")
+    return get_swagger_ui_html(openapi_url=schema, title=f"{app.title} - Swagger UI")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from vae_service.engine.request import QUALITIES
 from vae_service_client.frames import STREAM_MEDIA_TYPE
+from vae_service_client.messages import REQUEST_KEYS
 
 _ERRORS = {
     str(code): {"description": text, "content": {"application/json": {"schema": {"type": "object"}}}}
@@ -23,8 +24,7 @@ _ERRORS = {
 }
 
 DECODE = {
-    "summary": "Decode latents (msgpack map: latents, quality, output, scaling_factor, shift_factor, height, "
-    "width, request_id, model, stream, decode_timestep)",
+    "summary": f"Decode latents (msgpack map: {', '.join(REQUEST_KEYS)})",
     "requestBody": {
         "required": True,
         "content": {"application/msgpack": {"schema": {"type": "string", "format": "binary"}}},

@@ -8,6 +8,8 @@ service's `Admission` (admission.py) before a replica holds a request:
 - the body must arrive whole within the deadline (408) and no larger than the budget (413):
   Serve's proxy otherwise streams whatever trickles in to a replica, holding one of its request
   slots for as long as a slow client likes;
+- FastAPI's API docs (/docs, /redoc, /openapi.json, under any prefix) need the token too when one
+  is configured (the multi-model router's as well as the replicas');
 - a request that reaches no answer because its replica died (Serve's proxy then sends nothing and
   returns, and uvicorn would answer 500) gets 503 + Retry-After: decoding is idempotent, the retry
   succeeds on another replica. An exception out of the proxy is a bug, not a lost replica (Serve's
@@ -20,11 +22,19 @@ ServiceConfig, in VAE_SERVICE_ADMISSION. `proxy_guard_env(config)` gives both; t
 before it starts a local Ray; for `serve run`/`serve deploy` on a cluster of your own, or KubeRay,
 set them in the nodes' environment (deploy/rayservice.yaml does). One proxy serves every
 application of the cluster: its settings are the cluster's (the largest limits, one token).
+
+Installed, the guard also makes the proxy's HTTP and gRPC ports its own (`bind_exclusively`):
+Serve binds them with SO_REUSEPORT, and a second Serve on the same host and port then starts
+without an error while the kernel splits connections between the two (another model's pixels, no
+error). `vae-service guard-env FILE.yaml` prints the environment for a YAML's applications; a
+replica started without it warns (`missing_guard_warning`).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import uuid
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
@@ -47,12 +57,19 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("ray.serve")  # the proxy's own log file
 CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
+CALLBACK = f"{__name__}:middlewares"
+# FastAPI's API documentation, under any route prefix: behind the token where one is configured
+DOCS_ROUTES = ("/docs", "/docs/oauth2-redirect", "/redoc", "/openapi.json")
 
 
 class ProxyGuard:
     def __init__(self, app, admission: Admission | None = None):
         self.app = app
         self.admission = admission if admission is not None else Admission.from_env()
+
+    def protects(self, path: str, carries_body: bool) -> bool:
+        docs = self.admission.required and path.rstrip("/").endswith(DOCS_ROUTES)
+        return docs or self.admission.protects(path, carries_body)
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -61,7 +78,7 @@ class ProxyGuard:
         admission, request = self.admission, Request(scope, receive)
         carries_body = request.headers.get("content-length", "0") != "0" or "transfer-encoding" in request.headers
         try:
-            body = await admission.screen(request, authenticate=admission.protects(scope["path"], carries_body))
+            body = await admission.screen(request, authenticate=self.protects(scope["path"], carries_body))
         except Refused as exc:
             await _answer(send, exc.http_status, exc.http_body(), exc.http_headers())
             return
@@ -118,10 +135,54 @@ def proxy_guard_env(config: ServiceConfig | Iterable[ServiceConfig] | None = Non
     from vae_service.config import ServiceConfig  # not at the top: the proxy imports this module
 
     configs = [config or ServiceConfig()] if config is None or isinstance(config, ServiceConfig) else list(config)
-    return {CALLBACK_ENV: f"{__name__}:middlewares", ADMISSION_ENV: settings_env(admission_settings(configs))}
+    return {CALLBACK_ENV: CALLBACK, ADMISSION_ENV: settings_env(admission_settings(configs))}
+
+
+def missing_guard_warning() -> str | None:
+    """Why this process's cluster runs without the guard (its proxy and replicas share the
+    raylet's environment), or None: a replica logs it at start (`serve run FILE.yaml` in a shell
+    without the guard's environment)."""
+    if os.environ.get(CALLBACK_ENV) == CALLBACK:
+        return None
+    return (
+        "no proxy guard (token, body limits, own ports) in Serve's proxy: "
+        'eval "$(vae-service guard-env FILE.yaml)" before serve run FILE.yaml'
+    )
+
+
+def bind_exclusively() -> None:
+    """Make this proxy's ports its own: HTTP binds with SO_REUSEADDR but without SO_REUSEPORT (a
+    restart still binds over the last run's TIME_WAIT connections), gRPC with
+    grpc.so_reuseport 0 (gRPC sets SO_REUSEADDR itself). A port another process holds then fails
+    the proxy's bind instead of sharing it. Serve 2.60's one switch cannot do it:
+    SERVE_SOCKET_REUSE_PORT_ENABLED=0 drops SO_REUSEADDR too (a restart within a minute of closed
+    connections would fail), and gRPC keeps SO_REUSEPORT anyway (Serve passes the option as the
+    string "0", which gRPC ignores; it reads an int). Hence these two replacements of Serve's
+    binding helpers, made in the proxy process before it binds (its callback runs first)."""
+    from ray.serve._private import grpc_util, http_util
+
+    if getattr(grpc_util.gRPCGenericServer, "exclusive", False):
+        return
+
+    def reuse_address_only(sock: socket.socket) -> bool:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        return True
+
+    class ExclusiveGrpcServer(grpc_util.gRPCGenericServer):
+        exclusive = True
+
+        def __init__(self, service_handler_factory, *, extra_options=None):
+            kept = [(k, v) for k, v in extra_options or [] if k != "grpc.so_reuseport"]
+            super().__init__(service_handler_factory, extra_options=[*kept, ("grpc.so_reuseport", 0)])
+
+    http_util.set_socket_reuse_port = reuse_address_only
+    grpc_util.gRPCGenericServer = ExclusiveGrpcServer
 
 
 def middlewares() -> list[Middleware]:
     """What RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH points Serve's proxy at (called once, when
-    the proxy starts: an unreadable token file or a bad VAE_SERVICE_ADMISSION fails it loudly)."""
-    return [Middleware(ProxyGuard, admission=Admission.from_env())]
+    the proxy starts, before it binds its ports: an unreadable token file or a bad
+    VAE_SERVICE_ADMISSION fails it loudly)."""
+    admission = Admission.from_env()
+    bind_exclusively()
+    return [Middleware(ProxyGuard, admission=admission)]

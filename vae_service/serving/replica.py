@@ -33,6 +33,7 @@ from vae_service.serving.grpc_servicer import (
 )
 from vae_service.serving.handle_api import handle_decode, handle_decode_frames
 from vae_service.serving.http_routes import HttpAnswer, decode_answer, decode_events, remote_decode_answer
+from vae_service.serving.proxy_guard import missing_guard_warning
 from vae_service.serving.tile_spread import ReplicaTiles, TileAnswer, run_tile, stream_tile, sub_decode_context
 
 log = logging.getLogger("ray.serve")  # Serve writes it to the replica's own log file
@@ -117,7 +118,14 @@ class DecoderReplica:
         engine = self.service.engine
         self.tile_thread = ThreadPoolExecutor(1, thread_name_prefix="vae-tile", initializer=engine.bind_thread)
         self.model = engine.spec.name
-        log.info("serving %s", self.service.engine.describe())
+        d = engine.describe()  # one short line; the whole description is GET /health
+        log.info(
+            "serving %s (%s, %s weights) at %s on %s, tiers %s",
+            d["model"], d["class"], "random" if engine.spec.random_weights else "loaded", d["precision"],
+            d["device"], "/".join(d["tiers"]),
+        )  # fmt: skip
+        if (warning := missing_guard_warning()) is not None:
+            log.warning(warning)
         metrics.report_folded_bytes(self.service.engine)
 
     @property
@@ -126,7 +134,9 @@ class DecoderReplica:
 
     def reconfigure(self, user_config: dict) -> None:
         self.service.apply(parse_live(user_config, self.deployed, self.serve_options))
-        log.info("live settings now %s", self.service.live.model_dump())
+        # at start-up and on every change: the settings that differ from the defaults (all: /health)
+        changed = self.service.live.model_dump(exclude_defaults=True)
+        log.info("live settings: %s", changed or "the defaults")
 
     def _observe_batch(self, stats) -> None:
         metrics.report_batch(self.model, stats)
@@ -248,10 +258,15 @@ class DecoderReplica:
         return freed
 
     async def __del__(self) -> None:
-        # Serve calls this on scale-down, redeploy, delete and shutdown (not on a hard kill):
+        # Serve calls this on scale-down, redeploy, delete and shutdown (not on a hard kill), and
+        # also after an __init__ that raised: then there is nothing to drain, and touching the
+        # missing service would log a second, unrelated traceback after the real one
+        if "service" not in self.__dict__:
+            return
         # let queued and running batches finish, then give the folded buffers back.
         drained = await self.service.drain(drain_timeout_s(self.service.live, self.serve_options))
-        await asyncio.to_thread(self.tile_thread.shutdown, True)  # a tile in flight finishes first
+        if "tile_thread" in self.__dict__:
+            await asyncio.to_thread(self.tile_thread.shutdown, True)  # a tile in flight finishes first
         freed = self.release_folded()
         log.info(
             "replica %s shutting down: drained=%s, released %d bytes of folded buffers", replica_id(), drained, freed
