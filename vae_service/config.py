@@ -67,6 +67,12 @@ class Serving(BaseModel):
     max_queued_requests: int = Field(64, ge=-1, description="requests queued in Serve before rejection; -1: no limit")
     backpressure_status: Literal[429, 503] = Field(429, description="the status of an overload answer")
     retry_after_s: float = Field(1.0, ge=0, description="`Retry-After` of overload and lost-replica answers (s)")
+    fit_prices_at_start: bool = Field(
+        True,
+        description="fit the class tiled decode's price (`lossless` above the bound; seconds of CPU on the meta "
+        "twin, once per replica) on the pricing thread beside start-up; false: when the first request needs it, "
+        "which then waits for it within its deadline (many replicas starting at once on few CPUs)",
+    )
 
     @field_validator("max_queued_requests")
     @classmethod

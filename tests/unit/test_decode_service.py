@@ -129,6 +129,25 @@ async def test_batches_run_on_one_device_thread_with_the_engines_thread_count(kl
     assert service.describe()["cpu_threads"] == 1
 
 
+@pytest.mark.parametrize("at_start", [True, False])
+def test_the_class_tiled_price_is_fitted_beside_start_up_unless_configured_not_to(kl_dir, at_start):
+    from vae_service.engine import DecodeEngine
+    from vae_service.models.probe_cache import ProbeCache
+
+    config = ServiceConfig(
+        model=str(kl_dir), device="cpu", cpu_threads=1, serving={"fit_prices_at_start": at_start},
+        limits={"max_decode_bytes": 8 * 2**20},
+    )  # fmt: skip
+    engine = DecodeEngine(config, probes=ProbeCache())  # nothing fitted by another test
+    service = DecodeService(config, engine)
+    service.pricing.submit(lambda: None).result()  # after what start-up queued on the pricing thread
+    assert (engine.cost.class_tiled_fitted is not None) == at_start
+    request = DecodeRequest(torch.zeros(1, 4, 40, 40), latents_scaled=True)  # lossless above the bound
+    checked = engine.check(request)
+    assert engine.needs_shape_work(checked) != at_start  # without the fit, its price waits for it
+    assert engine.price(checked).tiling is not None and engine.cost.class_tiled_fitted is not None
+
+
 def kl_service(kl_dir, **config) -> DecodeService:
     return DecodeService(ServiceConfig(model=str(kl_dir), model_name="kl", device="cpu", cpu_threads=1, **config))
 

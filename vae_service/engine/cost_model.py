@@ -80,7 +80,7 @@ class RealChunks:
 class CostModel:
     def __init__(self, runtime: Runtime, disabled: tuple[str, ...], probes: ProbeCache | None = None):
         self.runtime, self.spec = runtime, runtime.spec
-        probes = probes or ProbeCache.process()
+        probes = ProbeCache.process() if probes is None else probes  # an empty cache is falsy
         self.facts = ModelFacts.of(self.spec, runtime.dtype)
         twin = torch.nn.Module.to(meta_twin(runtime.vae), dtype=runtime.dtype).eval()
         rewrites = tuple(sorted(runtime.fast_path.plan.active.items())) if runtime.fast_path.installed else ()

@@ -63,7 +63,8 @@ class DecodeService:
         self._pricing_waiting = 0
         # the class tiled decode's price is fitted here, beside start-up: the first request above the
         # bound then finds it made (else it waits for it on this thread, within its deadline)
-        self.pricing.submit(self.engine.cost.fit_lazy_prices)
+        if config.serving.fit_prices_at_start:
+            self.pricing.submit(self.engine.cost.fit_lazy_prices)
         self.batcher: KeyedBatcher[PreparedRequest] = KeyedBatcher(
             self._decode_batch, batcher_limits(config), self._observe, executor=self.device_thread
         )
