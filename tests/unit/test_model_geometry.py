@@ -10,7 +10,7 @@ import torch
 
 from tests.models import torch_threads
 from tests.zoo import BY_NAME, Case, build, decode_alone, latents
-from vae_service.config import ServiceConfig
+from vae_service.config import Limits, ServiceConfig
 from vae_service.engine import DecodeEngine, DecodeRequest, InvalidInput, LimitExceeded
 from vae_service.engine.video import IncompleteOutput
 from vae_service.models import PRESETS, ModelLoadError
@@ -120,6 +120,11 @@ def test_a_decoder_without_a_frame_law_is_traced_per_count_after_the_frame_limit
     assert traced == [9]  # refused without tracing 101 frames
     checked = engine.check(DecodeRequest(torch.randn(1, 4, 11, 2, 2)))
     assert engine.needs_shape_work(checked) and traced == [9]  # left to the price, off the event loop
+    at_least = 2 * counts.at_least(11) * (2 * engine.spec.spatial_scale) ** 2  # pixels of 2 items
+    engine.limits = Limits(max_frames=100, max_output_pixels=at_least - 1)
+    with pytest.raises(LimitExceeded, match="max_output_pixels"):  # on the frames' lower bound
+        engine.check(DecodeRequest(torch.randn(2, 4, 11, 2, 2)))
+    assert traced == [9]  # every limit before the trace
 
 
 def test_a_decoder_that_writes_fewer_frames_than_promised_fails_without_answering():

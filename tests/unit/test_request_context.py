@@ -365,3 +365,66 @@ def test_a_tile_call_carries_the_fingerprint_and_the_remaining_time(kl_engines):
         list(spread.images([latents(here, 8, 8)], "high", call, None))
     ((fingerprint, remaining),) = seen
     assert fingerprint == here.fingerprint and 0 < remaining <= 9
+
+
+def test_routing_a_tile_waits_in_slices_and_stops_when_the_caller_leaves():
+    """Every replica busy: Serve's routing of a tile waits; the device thread waits for it in
+    slices, and a caller that leaves ends the wait within one, not at the deadline."""
+    slices = []
+
+    class Unrouted(Response):
+        def _to_object_ref_sync(self, _timeout_s=None):
+            slices.append(_timeout_s)
+            time.sleep(_timeout_s)
+            raise TimeoutError
+
+    context = RequestContext.admit(120, Limits())
+    threading.Timer(0.3, context.abandon).start()
+    start = time.monotonic()
+    with pytest.raises(DecodeAbandoned):
+        ReplicaTiles.paced(Unrouted(), context)
+    assert time.monotonic() - start < 5 and len(slices) > 1 and max(slices) <= WAIT_SLICE_S
+
+
+async def test_an_image_tile_that_waited_past_its_deadline_on_the_tile_thread_is_not_decoded():
+    from concurrent.futures import ThreadPoolExecutor
+
+    from vae_service.serving.tile_spread import run_tile
+
+    decoded = []
+    with ThreadPoolExecutor(1) as tile_thread:
+        late = sub_decode_context("a" * 16, 0.01, "a" * 16)
+        time.sleep(0.02)
+        with pytest.raises(DecodeTimeout):
+            await run_tile(tile_thread, lambda: decoded.append(1) or torch.zeros(1), late)
+        on_time = sub_decode_context("a" * 16, 30.0, "a" * 16)
+        assert torch.equal(
+            await run_tile(tile_thread, lambda: decoded.append(1) or torch.zeros(1), on_time), torch.zeros(1)
+        )
+    assert decoded == [1]
+
+
+async def test_prices_waiting_for_the_pricing_thread_are_bounded_then_429_with_retry_after(kl_dir):
+    from vae_service.serving.decode_service import PRICING_QUEUE
+
+    config = ServiceConfig(model=str(kl_dir), device="cpu", cpu_threads=1, serving={"retry_after_s": 3})
+    service = DecodeService(config)
+    engine, release, started = service.engine, threading.Event(), threading.Event()
+    price = engine.price
+
+    def held(prepared):  # injected: a price that runs the twin for a long time
+        started.set()
+        release.wait(30)
+        return price(prepared)
+
+    engine.needs_shape_work, engine.price = (lambda prepared: True), held
+    z = torch.zeros(1, 4, 4, 4)
+    waiting = [asyncio.ensure_future(service.decode(DecodeRequest(z))) for _ in range(PRICING_QUEUE)]
+    try:
+        assert await asyncio.to_thread(started.wait, 30)
+        with pytest.raises(Overloaded, match="wait for a price") as refused:
+            await service.decode(DecodeRequest(z))
+    finally:
+        release.set()
+    assert refused.value.retry_after_s == 3
+    assert len(await asyncio.gather(*waiting)) == PRICING_QUEUE  # those admitted are answered

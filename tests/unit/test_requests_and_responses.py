@@ -72,6 +72,13 @@ def test_the_other_fields_arrive_alike(way_in):
     assert torch.equal(request.latents, Z)
 
 
+@pytest.mark.parametrize("way_in", [over_msgpack, over_grpc, over_handle], ids=["msgpack", "grpc", "handle"])
+@pytest.mark.parametrize("tiling", ["auto", "model", "none"])
+def test_the_requests_tiling_arrives_alike(way_in, tiling):
+    assert way_in(tiling=tiling).tiling == tiling
+    assert way_in().tiling == "auto"  # not sent: the bound decides
+
+
 def test_decode_frames_requests_stream():
     assert request_from_proto(request_proto(Z), stream=True).stream
 

@@ -34,7 +34,6 @@ class RequestContext:
     deadline: float  # time.monotonic() by which the answer must be ready
     limits: Limits
     fingerprint: str | None = None  # the admitting engine's (its sub-decodes carry it)
-    bounded: bool = True  # False: an in-process caller without a timeout
     abandoned: threading.Event = field(default_factory=threading.Event)
     _on_end: list[Callable[[], None]] = field(default_factory=list, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -47,7 +46,7 @@ class RequestContext:
     @classmethod
     def unbounded(cls, limits: Limits, fingerprint: str | None = None) -> RequestContext:
         """In-process callers without a timeout (batch-decode, tests): never expires by itself."""
-        return cls(time.monotonic() + UNBOUNDED_S, limits, fingerprint, bounded=False)
+        return cls(time.monotonic() + UNBOUNDED_S, limits, fingerprint)
 
     def remaining(self) -> float:
         return max(0.0, self.deadline - time.monotonic())

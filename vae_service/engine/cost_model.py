@@ -53,13 +53,14 @@ class TwinChunks:
 
 
 class TwinWhole:
-    """The class's own decode on the twin, the whole output at once (its tiled decode on a view)."""
+    """The class's own decode on the twin, the whole output at once (its tiled decode on a view).
+    Holds no runtime: the class tiled price it makes outlives the engine in the process's probes."""
 
-    def __init__(self, runtime: Runtime):
-        self.runtime = runtime
+    def __init__(self, timestep: float | None):
+        self.timestep = timestep
 
     def __call__(self, twin: torch.nn.Module, z: torch.Tensor):
-        return iter([self.runtime.pixels(twin, z, self.runtime.probe_timestep)])
+        return iter([Runtime.pixels(twin, z, self.timestep)])
 
 
 class RealChunks:
@@ -111,7 +112,7 @@ class CostModel:
         self.has_class_tiled = twin_tiled is not None
         self._fit_class_tiled = None
         if twin_tiled is not None:
-            tiled_run = TwinRun(twin_tiled, self.facts, TwinWhole(runtime), lock)
+            tiled_run = TwinRun(twin_tiled, self.facts, TwinWhole(runtime.probe_timestep), lock)
             self._fit_class_tiled = functools.partial(fit_class_tiled, twin_tiled, tiled_run, self.spec)
         if runtime.device.type == "cuda":
             for quality, tier in self.tiers.items():

@@ -141,11 +141,13 @@ class DecodeEngine:
             request = replace(request, quality=self.runtime.tier(request.quality))
         z, form, timestep = decoder_latents(request, self.spec)
         cost.bound_frames(z, limits)
-        frames = cost.output_frames(z, limits) if not cost.frames_need_trace(z) else None
-        if frames is not None:
-            cost.check_limits(z, limits, frames)
-            check_output(request, self.spec, frames, z)
-        return PreparedRequest(request, z, frames or 0, form, timestep, context)
+        if cost.frames_need_trace(z):  # every limit on the frames' lower bound now, exactly in `price`
+            cost.check_limits(z, limits, self.spec.geometry.frames.at_least(z.shape[2]))
+            return PreparedRequest(request, z, 0, form, timestep, context)
+        frames = cost.output_frames(z, limits)
+        cost.check_limits(z, limits, frames)
+        check_output(request, self.spec, frames, z)
+        return PreparedRequest(request, z, frames, form, timestep, context)
 
     def needs_shape_work(self, prepared: PreparedRequest) -> bool:
         """Whether `price` runs work that grows with the request (a trace, a per-shape price)."""
@@ -154,6 +156,7 @@ class DecodeEngine:
     def price(self, prepared: PreparedRequest) -> PreparedRequest:
         """The memory plan: whole, tiled, or refused (LimitExceeded); then the latents' NaN check."""
         limits, cost = prepared.context.limits, self.cost
+        prepared.context.check("pricing")  # it may have waited for the pricing thread
         if not prepared.frames:  # a frame count only a trace answers, bounded by check()
             frames = cost.output_frames(prepared.latents, limits)
             cost.check_limits(prepared.latents, limits, frames)
@@ -161,7 +164,7 @@ class DecodeEngine:
             prepared = replace(prepared, frames=frames)
         tiling = plan_request(prepared, cost, cost.bound(limits), self.spread_from_pixels)
         check_finite(prepared.latents)
-        return replace(prepared, tiling=tiling, priced=True)
+        return replace(prepared, tiling=tiling)
 
     def prepare(self, request: DecodeRequest, context: RequestContext | None = None) -> PreparedRequest:
         """check, then price: for in-process callers, who wait for either anyway."""

@@ -10,6 +10,7 @@ nodes with other core counts, replicas of one deployment can differ in any of th
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from dataclasses import asdict, dataclass
@@ -18,12 +19,14 @@ import diffusers
 import torch
 from torch import nn
 
+from vae_service.models.probe_cache import config_digest
+
 DIGEST_CHARS = 16
 
 
 def weights_digest(vae: nn.Module) -> str:
-    """Every parameter and buffer by name, dtype, shape and bytes (the weights as loaded, before any
-    cast: the precision is a part of its own). ~0.3 s per 200 MB here."""
+    """Every parameter and buffer by name, dtype, shape and bytes (the weights the engine decodes
+    with, after its precision's cast). ~0.3 s per 200 MB here."""
     digest = hashlib.blake2b(digest_size=DIGEST_CHARS // 2)
     for name, tensor in sorted(vae.state_dict().items()):
         digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)};".encode())
@@ -51,10 +54,9 @@ class Fingerprint:
         rewrites: dict[str, str],
         cpu_threads: int | None,
     ) -> Fingerprint:
-        config_digest = hashlib.blake2b(json.dumps(config, sort_keys=True, default=str).encode(), digest_size=8)
         kind = f"cuda:{torch.cuda.get_device_name(device)}" if device.type == "cuda" else device.type
         return cls(
-            f"{type(vae).__name__}:{config_digest.hexdigest()}",
+            f"{type(vae).__name__}:{config_digest(config)}",
             weights_digest(vae),
             precision,
             kind,
@@ -63,7 +65,7 @@ class Fingerprint:
             f"torch {torch.__version__}, diffusers {diffusers.__version__}",
         )
 
-    @property
+    @functools.cached_property  # read by every admission and every sub-decode
     def digest(self) -> str:
         text = json.dumps(asdict(self), sort_keys=True)
         return hashlib.blake2b(text.encode(), digest_size=DIGEST_CHARS // 2).hexdigest()

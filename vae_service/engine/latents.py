@@ -47,7 +47,6 @@ class PreparedRequest:
     context: RequestContext | None = None  # deadline, abandonment, live limits (engine/context.py)
     sink: Callable | None = None  # streaming: gets each chunk's frames (engine.video.FrameChunk) at once
     tiling: object = None  # the planner's: a TileGrid, ClassTiles, or None (whole)
-    priced: bool = False  # the memory plan is made (tiling decided)
 
     @property
     def items(self) -> int:

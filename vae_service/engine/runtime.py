@@ -71,7 +71,6 @@ class Runtime:
         self.bind_thread()
         self.dtype = resolve_dtype(config.decode_precision, self.device)
         loaded = loaded or load_vae(config.model, name=config.served_name, seed=config.seed)
-        self.source = loaded.vae  # as loaded (CPU, fp32): the meta twin and the fingerprint come from it
         self.spec = loaded.spec
         self.video = self.spec.family == "video"  # answers carry frames
         self.chunked = self.spec.geometry.video_latents  # decoded through engine/video.py

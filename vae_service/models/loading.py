@@ -14,7 +14,6 @@ import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from difflib import get_close_matches
 from pathlib import Path
 
 import diffusers
@@ -26,6 +25,7 @@ from vae_service.models.catalog import CLASSES, REFUSED, entry_for
 from vae_service.models.errors import ModelLoadError
 from vae_service.models.presets import PRESETS
 from vae_service.models.spec import ENCODER_SIDE, ModelSpec, geometry_of, inspect_vae
+from vae_service_client.errors import did_you_mean
 
 log = logging.getLogger(__name__)
 
@@ -182,11 +182,6 @@ def check_source(source: str) -> None:
         raise ModelLoadError(f"model: {folder / 'config.json'} is not a diffusers config ({exc})") from None
     _autoencoder_class(class_name)
     _weight_files(folder)
-
-
-def did_you_mean(name: str, choices) -> str:
-    close = get_close_matches(name, list(choices), n=3, cutoff=0.6)
-    return f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
 
 
 def _hub_shaped(source: str) -> bool:

@@ -132,19 +132,27 @@ class DecodeService:
     async def _prepare(self, parse: Callable[[], DecodeRequest], size: int, context: RequestContext) -> PreparedRequest:
         """Parse and check (constant work beside the body's size), then price: inline where that is
         constant work, else on the pricing thread within the request's deadline."""
-        engine = self.engine
+        engine, max_items = self.engine, self.config.batching.max_queued_items
 
-        def check() -> PreparedRequest:
-            return engine.check(parse(), context)
+        def check_and_price() -> tuple[PreparedRequest, bool]:
+            """Checked, and priced too where that is constant work (else left for the pricing thread)."""
+            checked = engine.check(parse(), context)
+            if checked.items > max_items:  # no queue of this replica can ever hold it: refused unpriced
+                raise LimitExceeded(
+                    "latents",
+                    f"{checked.items} items are more than this replica ever queues "
+                    f"({max_items}, batching.max_queued_items): send fewer per request",
+                )
+            if engine.needs_shape_work(checked):
+                return checked, False
+            return engine.price(checked), True
 
-        inline = size <= INLINE_BYTES
-        checked = check() if inline else await self._off_loop(self.parsers, check, context, "parsing")
-        if not engine.needs_shape_work(checked):
-            return (
-                engine.price(checked)
-                if inline
-                else await self._off_loop(self.parsers, engine.price, context, "", checked)
-            )
+        if size <= INLINE_BYTES:
+            checked, priced = check_and_price()
+        else:
+            checked, priced = await self._off_loop(self.parsers, check_and_price, context, "parsing")
+        if priced:
+            return checked
         if self._pricing_waiting >= PRICING_QUEUE:
             raise Overloaded(
                 "latents",
@@ -161,24 +169,15 @@ class DecodeService:
     async def _off_loop(pool: ThreadPoolExecutor, work: Callable, context: RequestContext, what: str, *args):
         future = asyncio.get_running_loop().run_in_executor(pool, work, *args)
         try:
-            return await asyncio.wait_for(future, _timeout(context))
+            return await asyncio.wait_for(future, context.remaining())
         except TimeoutError:
-            raise DecodeTimeout(
-                "body", f"not decoded within request_timeout_s (timed out {what or 'preparing'})"
-            ) from None
+            raise DecodeTimeout("body", f"not decoded within request_timeout_s (timed out {what})") from None
 
     async def _decode_prepared(self, prepared: PreparedRequest) -> DecodeResult:
         arrived, context = time.perf_counter(), prepared.context
-        batching = self.config.batching
-        if prepared.items > batching.max_queued_items:  # no queue of this replica can ever hold it
-            raise LimitExceeded(
-                "latents",
-                f"{prepared.items} items are more than this replica ever queues "
-                f"({batching.max_queued_items}, batching.max_queued_items): send fewer per request",
-            )
         finished = False
         try:
-            result = await self.batcher.submit(prepared, timeout_s=_timeout(context))
+            result = await self.batcher.submit(prepared, timeout_s=context.remaining())
             finished = True
         except QueueFull as exc:
             raise Overloaded("body", f"decode queue is full ({exc}); retry later", exc.retry_after_s) from None
@@ -200,8 +199,10 @@ class DecodeService:
             self.on_decoded(result)
         decoded_ms = (time.perf_counter() - arrived) * 1e3
         result = replace(result, timing=replace(result.timing, queue_ms=max(0.0, decoded_ms - result.timing.decode_ms)))
+        if result.encode_as is None:  # raw pixels: nothing to encode
+            return result
         try:
-            return await asyncio.wait_for(self.encoders.finish(result), _timeout(context))
+            return await asyncio.wait_for(self.encoders.finish(result), context.remaining())
         except TimeoutError:
             raise DecodeTimeout("output", "not encoded within request_timeout_s") from None
 
@@ -224,8 +225,3 @@ class DecodeService:
             pool.shutdown(wait=False)
         self.encoders.shutdown()
         return drained
-
-
-def _timeout(context: RequestContext) -> float | None:
-    """What is left of the request's time, for asyncio's timeouts (None: an unbounded context)."""
-    return context.remaining() if context.bounded else None

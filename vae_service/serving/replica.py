@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from ray import serve
 
 from vae_service.config import LIVE_FIELDS, SHUTDOWN_MARGIN_S, LiveConfig, ServiceConfig
+from vae_service.engine.errors import DecodeTimeout
 from vae_service.protocol.errors import Unauthenticated, wire_error
 from vae_service.serving import metrics
 from vae_service.serving.admission import Admission
@@ -234,7 +235,11 @@ class DecoderReplica:
         context = sub_decode_context(fingerprint, remaining_s, engine.fingerprint)
         if isinstance(context, str):
             return TileAnswer(None, replica_id(), context)
-        pixels = await run_tile(self.tile_thread, functools.partial(engine.decode_tile, latents, part, fingerprint))
+        decode = functools.partial(engine.decode_tile, latents, part, fingerprint)
+        try:
+            pixels = await run_tile(self.tile_thread, decode, context)
+        except DecodeTimeout as exc:  # nobody waits for it any more
+            return TileAnswer(None, replica_id(), exc.message)
         return TileAnswer(pixels, replica_id())
 
     async def decode_tile_chunks(

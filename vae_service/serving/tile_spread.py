@@ -32,7 +32,7 @@ from ray.exceptions import RayError
 
 from vae_service.engine.call import TileCall
 from vae_service.engine.context import RequestContext
-from vae_service.engine.errors import DecodeError
+from vae_service.engine.errors import DecodeError, DecodeTimeout
 from vae_service.protocol.errors import Unavailable
 
 log = logging.getLogger("ray.serve")
@@ -81,7 +81,7 @@ class ReplicaTiles:
         sent = []
         try:
             for tile in tiles:
-                sent.append(self._paced(self._send(functools.partial(self._image, tile, part, call)), context))
+                sent.append(self.paced(self._send(functools.partial(self._image, tile, part, call)), context))
             for tile, response in zip(tiles, list(sent), strict=True):
                 yield self._image_output(tile, part, call, response, sent, local)
         finally:
@@ -127,19 +127,27 @@ class ReplicaTiles:
             raise
         return siblings
 
-    def paced(self, response, context: RequestContext):
-        return self._paced(response, context)
-
     @staticmethod
-    def _paced(response, context: RequestContext):
+    def paced(response, context: RequestContext):
         """`response` once Serve's router gave it a replica: tiles sent all at once are routed on
         the same stale queue lengths (every tile of a Wan clip went to one replica); one after
-        another, each sees the ones before it. Serve's DeveloperAPI, used as a wait only."""
+        another, each sees the ones before it. Serve's DeveloperAPI, used as a wait only, in
+        slices that check the request (every replica busy: the routing itself waits)."""
         wait = getattr(response, "_to_object_ref_gen_sync", None) or response._to_object_ref_sync
+
+        def routed(slice_s: float) -> bool:
+            try:
+                wait(_timeout_s=slice_s)
+            except TimeoutError:
+                return False
+            return True
+
         try:
-            wait(_timeout_s=context.remaining())
-        except (TimeoutError, RayError):
+            context.wait_until(routed, "routing a tile to another replica")
+        except RayError:
             pass  # the read that follows fails alike, and is retried there
+        except DecodeTimeout:
+            raise  # past the deadline, or the caller left (DecodeAbandoned)
         except Exception as error:  # no object refs (Serve's gRPC transport): routed unpaced
             _warn_unpaced(error)
         return response
@@ -288,9 +296,15 @@ def sub_decode_context(fingerprint: str, remaining_s: float, own: str) -> Reques
     return RequestContext(time.monotonic() + remaining_s, None, fingerprint)
 
 
-def run_tile(executor: Executor, decode: Callable[[], torch.Tensor]) -> asyncio.Future:
-    """An image tile's decode on the replica's tile thread, its pixels on the host."""
-    return asyncio.get_running_loop().run_in_executor(executor, lambda: decode().cpu())
+def run_tile(executor: Executor, decode: Callable[[], torch.Tensor], context: RequestContext) -> asyncio.Future:
+    """An image tile's decode on the replica's tile thread, its pixels on the host; not started
+    once the request's deadline passed while the tile waited there (DecodeTimeout)."""
+
+    def job() -> torch.Tensor:
+        context.check("a tile waiting for another replica's tile thread")
+        return decode().cpu()
+
+    return asyncio.get_running_loop().run_in_executor(executor, job)
 
 
 async def stream_tile(
