@@ -107,18 +107,20 @@ class Parallel(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     tiles_across_replicas: bool = Field(
-        False,
-        description="a tiled request sends its tiles to replicas of its own deployment (Serve picks the least "
-        "loaded) and blends them, bit-identical to one replica's tiled decode: `high` images and video (frames "
-        "streamed as every tile's chunk arrives), `lossless` above the bound (the class's own tiled decode); a "
-        "replica that would decode other bits (another fingerprint) refuses its tiles, decoded here instead. "
-        "Opt-in: under saturation its tiles queue behind other requests (504 at the request's deadline)",
+        True,
+        description="a tiled request shares its tiles with the replicas of its own deployment while they are idle "
+        "(a replica takes one tile at a time, never beside a batch of its own, planned for its own bound) and "
+        "blends them, bit-identical to one replica's tiled decode: `high` images and video (lockstep, frames "
+        "streamed), `lossless` above the bound (the class's own tiled decode); tiles no replica takes, or that "
+        "one with other weights, precision or thread count would decode, are decoded here. False: every tile "
+        "here",
     )
     min_output_pixels: int | None = Field(
         None,
         gt=0,
-        description="`high` requests of at least this many output pixels per item (per frame) are tiled (tiles "
-        "of about this many pixels) even within the memory bound, to spread them (default: only over the bound)",
+        description="`high` requests of at least this many output pixels per item (per frame) that fit whole are "
+        "split into tiles of about this many pixels while other replicas are idle to take some (none idle, or "
+        "tiles_across_replicas off: decoded whole, as without it); default: only over the bound",
     )
 
 

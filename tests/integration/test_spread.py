@@ -1,13 +1,15 @@
-"""One request across replicas (serving/tile_spread.py) on a real local Serve: a tiled `high` image
-or Wan clip whose tiles went to both replicas of its deployment is bit-identical to the same plan
-decoded by one engine (the clip also streamed, its tiles' chunks in lockstep), says so in
-`timing.replicas`, and `lossless` above the bound answers diffusers' own tiled decode."""
+"""One request across replicas (engine/tile_executor.py, serving/tile_peers.py) on a real local Serve:
+a tiled `high` image or Wan clip whose tiles went to both replicas of its deployment is
+bit-identical to the same plan decoded by one engine (the clip also streamed, its tiles' chunks in
+lockstep), says so in `timing.replicas`, and `lossless` above the bound answers diffusers' own tiled
+decode."""
 
 import numpy as np
 import pytest
 import torch
 
 from tests.models import load_reference, torch_threads
+from tests.peers import here_only
 from vae_service.config import ServiceConfig
 from vae_service.engine import DecodeEngine, DecodeRequest
 from vae_service_client import VaeClient
@@ -53,7 +55,7 @@ def test_wan_tiles_decoded_by_two_replicas_stream_the_one_replica_plan_bit_for_b
             chunks = list(stream)
         with torch_threads(1):
             request = DecodeRequest(z, quality="high", output=output, latents_scaled=True)
-            (one,) = engine.decode([engine.prepare(request)])
+            (one,) = engine.decode([here_only(engine.prepare(request))])
         assert whole.tiled and whole.timing["replicas"] == 2
         assert np.array_equal(whole.output, one.output.numpy())
         assert [c.frame for c in chunks] == [0, 1, 5]  # chunk by chunk, each once every tile's arrived
@@ -83,9 +85,8 @@ def test_tiles_decoded_by_two_replicas_are_the_one_replica_plan_bit_for_bit(spre
     engine = DecodeEngine(ServiceConfig(model=str(kl_dir), device="cpu", **KL_SPREAD))
     with torch_threads(1):
         for answer, output in zip(answers, ("float", "uint8"), strict=True):
-            (one,) = engine.decode(
-                [engine.prepare(DecodeRequest(z, quality="high", output=output, latents_scaled=True))]
-            )
+            request = DecodeRequest(z, quality="high", output=output, latents_scaled=True)
+            (one,) = engine.decode([here_only(engine.prepare(request))])
             assert answer.tiled and answer.quality == "high"
             assert answer.timing["replicas"] == 2  # both replicas decoded tiles
             assert np.array_equal(answer.output, one.output.numpy())
@@ -101,3 +102,25 @@ def test_lossless_above_the_bound_is_diffusers_tiled_decode_its_tiles_on_two_rep
         want = reference.decode(z).sample
     assert answer.tiled and answer.quality == "lossless" and answer.timing["replicas"] == 2
     assert np.array_equal(answer.output, want.numpy())
+
+
+def test_more_tiled_requests_than_replicas_all_answer_the_one_replica_bits_without_an_error(spread_url, kl_dir):
+    """Saturation: six tiled requests at once on two replicas, no client retry; each answered 200
+    with the one-replica plan's bits (a busy replica takes no tile; the idle one, some)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    zs = [torch.randn(2, 4, 24, 26, generator=torch.Generator().manual_seed(40 + i)) for i in range(6)]
+
+    def decode(z):
+        with VaeClient(spread_url, retries=0) as client:
+            return client.decode(z, quality="high", output="float", scaling_factor=None)
+
+    with ThreadPoolExecutor(len(zs)) as pool:
+        answers = list(pool.map(decode, zs))
+    engine = DecodeEngine(ServiceConfig(model=str(kl_dir), device="cpu", **KL_SPREAD))
+    with torch_threads(1):
+        for z, answer in zip(zs, answers, strict=True):
+            (one,) = engine.decode(
+                [here_only(engine.prepare(DecodeRequest(z, quality="high", output="float", latents_scaled=True)))]
+            )
+            assert answer.tiled and np.array_equal(answer.output, one.output.numpy())

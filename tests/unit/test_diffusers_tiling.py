@@ -1,6 +1,6 @@
 """diffusers' own tiled decode with its decoder calls made elsewhere (`tiled_decode_elsewhere`):
 bit for bit `vae.enable_tiling(); vae.decode(z)` across classes, tile grids and odd sizes, cached
-causal video decoders (Wan, Qwen-Image: a whole tile's frames a job, `decoder_part`) included;
+causal video decoders (Wan, Qwen-Image: a whole tile's frames a job, `decode_causal_tile`) included;
 None where the replay does not apply; clear errors for wrong answers; the model and its other
 views untouched while two threads replay at once."""
 
@@ -18,7 +18,12 @@ from diffusers.models.autoencoders.vae import DecoderOutput
 
 from tests import zoo
 from tests.models import build_full_vae, torch_threads
-from vae_service.models.diffusers_tiling import DECODER_PARTS, decoder_part, tiled_decode_elsewhere, tiled_view
+from vae_service.models.diffusers_tiling import (
+    decode_causal_tile,
+    replay_unsupported_because,
+    tiled_decode_elsewhere,
+    tiled_view,
+)
 from vae_service.models.presets import PRESETS
 
 _KL_TILE_6 = {"tile_latent_min_size": 6, "tile_sample_min_size": 48}  # 8x models: 4-latent-px stride
@@ -71,17 +76,18 @@ def dropped(vae: torch.nn.Module) -> torch.nn.Module:
 
 
 def elsewhere(vae: torch.nn.Module, seen: list | None = None):
-    """Another replica: `decoder_part` on each job, in another thread, last first."""
+    """Another replica: each job decoded as the engine's DecoderInput or CausalTile jobs are
+    (Runtime.run_job), in another thread, last first."""
 
-    def work(xs, part):
+    def work(xs, causal):
         with torch.inference_mode():  # grad mode is per thread
-            return [decoder_part(vae, x, part) for x in reversed(xs)][::-1]
+            return [decode_causal_tile(vae, x) if causal else vae.decoder(x) for x in reversed(xs)][::-1]
 
-    def decode_tiles(xs, part):
+    def decode_tiles(xs, causal):
         if seen is not None:
-            seen.append((len(xs), part))
+            seen.append((len(xs), causal))
         with ThreadPoolExecutor(1) as pool:
-            return pool.submit(work, xs, part).result()
+            return pool.submit(work, xs, causal).result()
 
     return decode_tiles
 
@@ -110,7 +116,7 @@ def test_the_tiled_decode_elsewhere_is_diffusers_tiled_decode_bit_for_bit(kind, 
     vae = model(kind)
     view, z, seen = view_of(vae, tiles), latent(vae, h, w, seed=h * w), []
     decoded = tiled_decode_elsewhere(view, z, elsewhere(vae, seen))
-    assert seen == [(count, "decoder")]
+    assert seen == [(count, False)]
     reference = fresh(kind)  # a diffusers user's: the switch on the model itself
     reference.enable_tiling()
     for name, value in tiles.items():
@@ -161,8 +167,8 @@ def test_a_cached_video_decoder_spreads_a_tile_a_job_bit_for_bit(kind, frames, h
     view, z, seen = view_of(served, tiles), latent(vae, h, w, seed=frames * h * w, frames=frames), []
     jobs = []
     decode_tiles = elsewhere(served, seen)
-    decoded = tiled_decode_elsewhere(view, z, lambda xs, part: jobs.extend(xs) or decode_tiles(xs, part))
-    assert seen == [(count, "causal_decoder")]
+    decoded = tiled_decode_elsewhere(view, z, lambda xs, causal: jobs.extend(xs) or decode_tiles(xs, causal))
+    assert seen == [(count, True)]
     assert all(job.shape[:3] == (1, vae.config.z_dim, frames) for job in jobs)
     reference = fresh(kind)  # a diffusers user's: the switch on the model itself, the encoder there
     reference.enable_tiling()
@@ -173,35 +179,31 @@ def test_a_cached_video_decoder_spreads_a_tile_a_job_bit_for_bit(kind, frames, h
     assert torch.equal(decoded, expected) and torch.equal(decoded, view.decode(z).sample)
 
 
-def test_decoder_part_is_the_decoder_or_a_tile_of_a_cached_decoder_frame_by_frame():
-    """ "causal_decoder" decodes as the class decodes a tile: a fresh cache, frame by frame, the
-    first frame the first chunk; untiled, the class's own decode is that, clamped."""
-    assert DECODER_PARTS == ("decoder", "causal_decoder")
+def test_a_causal_tile_decodes_as_the_class_decodes_a_tile_frame_by_frame():
+    """A fresh cache, frame by frame, the first frame the first chunk; untiled, the class's own
+    decode is that, clamped."""
     kl = model("kl")
     x = latent(kl, 3, 5)
-    assert torch.equal(decoder_part(kl, x, "decoder"), kl.decoder(x))
     for kind in ("wan", "wan2.2", "qwen-image"):
         vae = model(kind)
         z = latent(vae, 3, 4, seed=5, frames=3)
         for served in (vae, dropped(vae)):
-            tile = decoder_part(served, vae.post_quant_conv(z), "causal_decoder")
+            tile = decode_causal_tile(served, vae.post_quant_conv(z))
             assert tile.shape[2] == 1 + 2 * 4  # the first frame, then 4 a frame
-            again = decoder_part(served, vae.post_quant_conv(z), "causal_decoder")
+            again = decode_causal_tile(served, vae.post_quant_conv(z))
             assert torch.equal(again, tile)  # nothing carried from one call to the next
             if vae.config.get("patch_size") is not None:
                 tile = unpatchify(tile, vae.config.patch_size)
             assert torch.equal(tile.clamp(-1, 1), vae.decode(z).sample), kind
     wan = model("wan")
-    with pytest.raises(ValueError, match=r"part: 'high' is not one of \('decoder', 'causal_decoder'\)"):
-        decoder_part(wan, z, "high")
     with pytest.raises(ValueError, match="AutoencoderKL has no cached causal decoder"):
-        decoder_part(kl, x[:, :, None], "causal_decoder")
-    with pytest.raises(ValueError, match=r"a tile is \[B, C, T, h, w\]"):
-        decoder_part(wan, latent(wan, 3, 4), "causal_decoder")
+        decode_causal_tile(kl, x[:, :, None])
+    with pytest.raises(ValueError, match=r"a causal tile is \[B, C, T, h, w\]"):
+        decode_causal_tile(wan, latent(wan, 3, 4))
 
 
 class _EveryFrameFirst(AutoencoderKLWan):
-    """A tiled decode that tells its decoder each frame is a first chunk (not what decoder_part does)."""
+    """A tiled decode that tells its decoder each frame is a first chunk (not what decode_causal_tile does)."""
 
     def tiled_decode(self, z, return_dict=True):
         decoder = self.decoder
@@ -260,38 +262,38 @@ def test_a_cache_emptied_in_place_starts_a_tile_too():
     view, z, seen = view_of(dropped(vae), _WAN_TILE_4), latent(vae, 5, 7, seed=3, frames=3), []
     view.clear_cache()  # the view's list, from now on
     decoded = tiled_decode_elsewhere(view, z, elsewhere(vae, seen))
-    assert seen == [(6, "causal_decoder")] and torch.equal(decoded, view.decode(z).sample)
+    assert seen == [(6, True)] and torch.equal(decoded, view.decode(z).sample)
 
 
 @pytest.mark.parametrize("case", ["every-frame-first", "any-arguments"])
-def test_a_cached_decoder_called_unlike_decoder_part_is_none(case):
+def test_a_cached_decoder_called_unlike_a_causal_tile_is_none(case):
     if case == "any-arguments":
         vae = dropped(model("wan"))
         vae.decoder = _AnyArguments(vae.decoder)
         with pytest.raises(ValueError, match="no cached causal decoder"):
-            decoder_part(vae, latent(vae, 3, 4, frames=2), "causal_decoder")
+            decode_causal_tile(vae, latent(vae, 3, 4, frames=2))
     else:
         vae = _wan_like(_EveryFrameFirst)
     view = view_of(vae, _WAN_TILE_4)
     z = latent(vae, 5, 7, frames=2)
     assert view.decode(z).sample.shape == (1, 3, 5, 40, 56)  # its tiled decode runs
-    assert tiled_decode_elsewhere(view, z, lambda xs, part: pytest.fail("called")) is None
+    assert tiled_decode_elsewhere(view, z, lambda xs, causal: pytest.fail("called")) is None
 
 
 def test_wrong_answers_for_a_cached_decoder_are_clear_errors():
     vae = model("wan")
     view, z, decode_tiles = view_of(vae, _WAN_TILE_4), latent(vae, 5, 7, frames=2), elsewhere(vae)
     with pytest.raises(RuntimeError, match="answered 5 tensors for 6 tiles"):
-        tiled_decode_elsewhere(view, z, lambda xs, part: decode_tiles(xs, part)[:-1])
+        tiled_decode_elsewhere(view, z, lambda xs, causal: decode_tiles(xs, causal)[:-1])
     with pytest.raises(RuntimeError, match="more than the 6 tiles"):
-        tiled_decode_elsewhere(view, z, lambda xs, part: [*decode_tiles(xs, part), torch.zeros(1)])
+        tiled_decode_elsewhere(view, z, lambda xs, causal: [*decode_tiles(xs, causal), torch.zeros(1)])
     with pytest.raises(RuntimeError, match=r"output 0 of 6 is \(1, 3, 1, 32, 32\) .*would be \(1, 3, 5, 32, 32\)"):
-        tiled_decode_elsewhere(view, z, lambda xs, part: [o[:, :, :1] for o in decode_tiles(xs, part)])
+        tiled_decode_elsewhere(view, z, lambda xs, causal: [o[:, :, :1] for o in decode_tiles(xs, causal)])
 
 
 def test_no_tiling_at_this_size_or_on_the_model_itself_is_none():
     vae, calls = model("kl"), []
-    decode_tiles = lambda xs, part: calls.append(xs) or []  # noqa: E731
+    decode_tiles = lambda xs, causal: calls.append(xs) or []  # noqa: E731
     assert tiled_decode_elsewhere(tiled_view(vae), latent(vae, 8, 7), decode_tiles) is None  # one tile
     assert tiled_decode_elsewhere(vae, latent(vae, 17, 31), decode_tiles) is None  # its switch is off
     assert calls == []
@@ -320,7 +322,7 @@ def test_a_decoder_called_with_more_than_a_tile_is_none(cls):
     vae = cls(**PRESETS["tiny-kl"].config).eval()
     view, z, calls = tiled_view(vae), latent(vae, 4, 20), []
     assert view.decode(z).sample.shape == (1, 3, 32, 160)  # its tiled decode runs, in 3 tiles
-    assert tiled_decode_elsewhere(view, z, lambda xs, part: calls.append(xs) or []) is None
+    assert tiled_decode_elsewhere(view, z, lambda xs, causal: calls.append(xs) or []) is None
     assert calls == []
 
 
@@ -344,7 +346,7 @@ def test_wrong_answers_from_elsewhere_are_clear_errors(answer, error):
     vae = model("kl")
     decode_tiles = elsewhere(vae)
     with pytest.raises(RuntimeError, match=error):
-        tiled_decode_elsewhere(tiled_view(vae), latent(vae, 9, 13), lambda xs, p: answer(decode_tiles(xs, p)))
+        tiled_decode_elsewhere(tiled_view(vae), latent(vae, 9, 13), lambda xs, c: answer(decode_tiles(xs, c)))
 
 
 class _Drifting(AutoencoderKL):
@@ -359,7 +361,7 @@ class _Drifting(AutoencoderKL):
 def test_a_replayed_input_unlike_the_recorded_one_is_an_error():
     vae = _Drifting(**PRESETS["tiny-kl"].config).eval()
 
-    def drift_then_decode(xs, part):
+    def drift_then_decode(xs, causal):
         _Drifting.drift[0] = 1e-3
         return [vae.decoder(x) for x in xs]
 
@@ -460,3 +462,39 @@ def test_two_cached_replays_at_once_through_one_view():
     with ThreadPoolExecutor(2) as pool:
         decoded = list(pool.map(replay, zs))
     assert all(torch.equal(d, e) for d, e in zip(decoded, expected, strict=True))
+
+
+def test_every_internal_the_replay_reads_is_checked_on_the_loaded_model(monkeypatch):
+    """The classes checked to replay, on the diffusers releases read, replay; another class, another
+    release, or a model without the switch's instance attribute are named, and decode their tiles
+    where the request is (the engine's Runtime.replay_unsupported)."""
+    import diffusers
+
+    from vae_service.models import diffusers_tiling
+
+    assert replay_unsupported_because(dropped(model("kl"))) == []
+    assert replay_unsupported_because(dropped(model("wan"))) == []
+    ltx = zoo.build(zoo.BY_NAME["ltx-video"])
+    assert any("was not checked to replay" in r for r in replay_unsupported_because(ltx))
+    monkeypatch.setattr(diffusers, "__version__", "0.43.0.dev0")
+    assert any("0.43.0.dev0 is not a release" in r for r in replay_unsupported_because(model("kl")))
+    monkeypatch.setattr(diffusers, "__version__", "0.34.2")
+    assert any("is not a release" in r for r in replay_unsupported_because(model("kl")))
+    monkeypatch.setattr(diffusers, "__version__", "0.42.1")
+
+    class SwitchOnTheClass(AutoencoderKL):
+        use_tiling = True  # a release that kept the switch on the class would flip every view's
+
+        def enable_tiling(self):
+            type(self).use_tiling = True
+
+    with torch.random.fork_rng():
+        odd = SwitchOnTheClass(**PRESETS["tiny-kl"].config)
+    assert any("use_tiling" in r for r in replay_unsupported_because(odd))
+    import re
+    from pathlib import Path
+
+    pyproject = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
+    bound = re.search(r'"diffusers>=(\d+)\.(\d+),<(\d+)\.(\d+)"', pyproject).groups()
+    low, high = (int(bound[0]), int(bound[1])), (int(bound[2]), int(bound[3]))
+    assert (low, high) == diffusers_tiling.DIFFUSERS_CHECKED  # the releases pyproject.toml lets install

@@ -1,7 +1,6 @@
 """One request context from admission to the last tile: its deadline (fixed at admission, queue time
-included), its abandonment, its live limits and the engine's fingerprint, which a replica that would
-decode other bits refuses a tile by (the tile is then decoded where the request is: never blended).
-Replicas are other engines on this machine; the transport is a fake of Serve's handle only."""
+included), its abandonment, its live limits and the engine's fingerprint (which a replica that would
+decode other bits refuses a tile by: tests/unit/test_shared_tiles.py)."""
 
 import asyncio
 import threading
@@ -13,19 +12,14 @@ import torch
 from tests.models import torch_threads
 from vae_service.config import Limits, LiveConfig, ServiceConfig
 from vae_service.engine import DecodeEngine, DecodeRequest
-from vae_service.engine.call import TileCall
 from vae_service.engine.context import WAIT_SLICE_S, RequestContext
 from vae_service.engine.errors import DecodeAbandoned, DecodeTimeout, LimitExceeded, Overloaded
 from vae_service.models.loading import LoadedVae
 from vae_service.serving.decode_service import DecodeService
-from vae_service.serving.tile_spread import ReplicaTiles, TileAnswer, sub_decode_context
-
-SPREAD = {"min_output_pixels": 48 * 48}  # tiles of 8 latent pixels
 
 
 def engine(folder, **config) -> DecodeEngine:
-    settings = {"model": str(folder), "device": "cpu", "cpu_threads": 1, "parallel": SPREAD, **config}
-    return DecodeEngine(ServiceConfig(**settings))
+    return DecodeEngine(ServiceConfig(**{"model": str(folder), "device": "cpu", "cpu_threads": 1, **config}))
 
 
 @pytest.fixture(scope="module")
@@ -43,9 +37,8 @@ def kl_engines(kl_dir, tmp_path_factory):
     }
 
 
-@pytest.fixture(scope="module")
-def wan_engines(wan_dir):
-    return {"here": engine(wan_dir), "same": engine(wan_dir), "other thread count": engine(wan_dir, cpu_threads=2)}
+def latents(engine: DecodeEngine, h: int, w: int) -> torch.Tensor:
+    return torch.randn(1, engine.spec.latent_channels, h, w, generator=torch.Generator().manual_seed(0))
 
 
 def test_fingerprints_differ_exactly_where_the_bits_would(kl_engines):
@@ -54,170 +47,6 @@ def test_fingerprints_differ_exactly_where_the_bits_would(kl_engines):
     assert len(set(prints.values())) == len(prints) - 1  # every other difference is seen
     parts = kl_engines["here"].describe()["fingerprint"]
     assert parts["digest"] == prints["here"] and parts["cpu_threads"] == 1 and parts["precision"] == "fp32"
-
-
-class Response:
-    """Serve's DeploymentResponse, as far as the spreader uses it."""
-
-    def __init__(self, answer=None, hang: bool = False):
-        self.answer, self.hang, self.cancelled = answer, hang, threading.Event()
-
-    def _to_object_ref_sync(self, _timeout_s=None):
-        pass
-
-    def result(self, timeout_s=None):
-        if self.hang:
-            if self.cancelled.wait(timeout_s):
-                raise RuntimeError("cancelled")
-            raise TimeoutError
-        return self.answer
-
-    def cancel(self):
-        self.cancelled.set()
-
-
-class Stream:
-    def __init__(self, answers):
-        self.answers, self.cancelled = iter(answers), threading.Event()
-
-    def _to_object_ref_gen_sync(self, _timeout_s=None):
-        pass
-
-    def __next__(self):
-        return next(self.answers)
-
-    def cancel(self):
-        self.cancelled.set()
-
-
-class Peer:
-    """A deployment handle whose replica is `peer`: the replica's own sub-decode logic (refuse
-    another fingerprint, else decode), run at once. `hang`: its image tiles never answer."""
-
-    def __init__(self, peer: DecodeEngine, hang: bool = False):
-        self.peer, self.hang, self.sent = peer, hang, []
-
-    def options(self, stream: bool = False):
-        return self
-
-    @property
-    def decode_tile(self):
-        return self
-
-    @property
-    def decode_tile_chunks(self):
-        return _Chunks(self)
-
-    def remote(self, tile, part, fingerprint, remaining_s):
-        if self.hang:
-            self.sent.append(Response(hang=True))
-            return self.sent[-1]
-        context = sub_decode_context(fingerprint, remaining_s, self.peer.fingerprint)
-        if isinstance(context, str):
-            return Response(TileAnswer(None, "peer", context))
-        self.sent.append(None)
-        with torch_threads(self.peer.runtime.cpu_threads):  # two replica names: `replicas` counts 2
-            return Response(
-                TileAnswer(self.peer.decode_tile(tile, part, fingerprint).cpu(), f"peer-{len(self.sent) % 2}")
-            )
-
-
-class _Chunks:
-    def __init__(self, handle: Peer):
-        self.handle = handle
-
-    def remote(self, tile, quality, timestep, fingerprint, remaining_s):
-        peer = self.handle.peer
-        context = sub_decode_context(fingerprint, remaining_s, peer.fingerprint)
-        if isinstance(context, str):
-            return Stream([TileAnswer(None, "peer", context)])
-        self.handle.sent.append(None)
-        with torch_threads(peer.runtime.cpu_threads):
-            chunks = [c.cpu() for c in peer.tile_chunks(tile, quality, timestep, fingerprint)]
-        return Stream([TileAnswer(c, f"peer-{len(self.handle.sent) % 2}") for c in chunks])
-
-
-def spreader_to(handle: Peer) -> ReplicaTiles:
-    spread = ReplicaTiles(retry_after_s=1.0)
-    spread._handle = handle
-    return spread
-
-
-def latents(engine: DecodeEngine, h: int, w: int, frames: int = 0, seed: int = 0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    dims = (frames,) if frames else ()
-    return torch.randn(1, engine.spec.latent_channels, *dims, h, w, generator=g)
-
-
-@pytest.mark.parametrize("peer", ["same", "other weights", "other precision", "other thread count", "other fast path"])
-def test_a_replica_that_decodes_other_bits_refuses_the_tiles_and_they_are_decoded_here(kl_engines, peer):
-    here = kl_engines["here"]
-    request = DecodeRequest(latents(here, 17, 13, seed=3), quality="high", output="float", latents_scaled=True)
-    with torch_threads(1):
-        prepared = here.prepare(request)
-        assert len(prepared.tiling.tiles()) >= 2
-        (alone,) = here.decode([prepared])
-        (spread,) = here.decode([prepared], spread=spreader_to(Peer(kl_engines[peer])))
-    assert torch.equal(spread.output, alone.output)  # never blended from another model's bits
-    assert spread.timing.replicas == (2 if peer == "same" else 1)  # `same` decoded them; the others refused
-
-
-@pytest.mark.parametrize("peer", ["same", "other thread count"])
-def test_a_video_tile_refused_by_a_replica_is_streamed_from_here(wan_engines, peer):
-    here = wan_engines["here"]
-    request = DecodeRequest(latents(here, 14, 11, frames=3, seed=4), quality="high", latents_scaled=True)
-    with torch_threads(1):
-        prepared = here.prepare(request)
-        assert prepared.tiling is not None
-        (alone,) = here.decode([prepared])
-        (spread,) = here.decode([prepared], spread=spreader_to(Peer(wan_engines[peer])))
-    assert torch.equal(spread.output, alone.output)
-    assert spread.timing.replicas == (2 if peer == "same" else 1)
-
-
-def test_a_sub_decode_without_time_left_is_refused():
-    assert isinstance(sub_decode_context("a" * 16, 0.0, "a" * 16), str)
-    assert isinstance(sub_decode_context("a" * 16, 5.0, "b" * 16), str)
-    context = sub_decode_context("a" * 16, 5.0, "a" * 16)
-    assert 4.0 < context.remaining() <= 5.0  # the request's own deadline, carried over
-
-
-def decode_in_thread(engine: DecodeEngine, prepared, spread) -> tuple[list, threading.Event]:
-    out, done = [], threading.Event()
-
-    def run():
-        with torch_threads(1):
-            out.append(engine.decode([prepared], spread=spread)[0])
-        done.set()
-
-    threading.Thread(target=run, daemon=True).start()
-    return out, done
-
-
-def test_a_client_that_leaves_while_tiles_are_out_frees_the_device_thread_within_a_slice(kl_engines):
-    here = kl_engines["here"]
-    handle = Peer(kl_engines["same"], hang=True)
-    context = here.context(timeout_s=120)
-    request = DecodeRequest(latents(here, 17, 13), quality="high", latents_scaled=True)
-    prepared = here.prepare(request, context)
-    out, done = decode_in_thread(here, prepared, spreader_to(handle))
-    deadline = time.monotonic() + 30
-    while not handle.sent and time.monotonic() < deadline:  # the tiles are out
-        time.sleep(0.01)
-    assert handle.sent and not done.is_set()
-    context.abandon()
-    assert done.wait(20 * WAIT_SLICE_S + 5)  # within a slice of waiting (and CPU scheduling), not 120 s
-    assert isinstance(out[0], DecodeAbandoned)
-    assert all(r.cancelled.is_set() for r in handle.sent)  # every sub-decode sent is cancelled
-
-
-def test_a_tile_that_never_answers_ends_at_the_request_deadline_with_504(kl_engines):
-    here = kl_engines["here"]
-    context = here.context(timeout_s=1.0)
-    prepared = here.prepare(DecodeRequest(latents(here, 17, 13), quality="high", latents_scaled=True), context)
-    out, done = decode_in_thread(here, prepared, spreader_to(Peer(kl_engines["same"], hang=True)))
-    assert done.wait(30)
-    assert isinstance(out[0], DecodeTimeout) and not isinstance(out[0], DecodeAbandoned)  # 504: not a 503
 
 
 def test_the_items_of_a_request_nobody_waits_for_are_not_decoded(kl_engines, monkeypatch):
@@ -348,60 +177,6 @@ def test_waits_check_the_request_between_slices():
     context2.abandon()
     context2.on_end(lambda: stopped.append(2))  # registered after the end: called at once
     assert stopped == [1, 2]
-
-
-def test_a_tile_call_carries_the_fingerprint_and_the_remaining_time(kl_engines):
-    here = kl_engines["here"]
-    call = TileCall(here.context(timeout_s=9), here.fingerprint)
-    seen = []
-
-    class Recording(Peer):
-        def remote(self, tile, part, fingerprint, remaining_s):
-            seen.append((fingerprint, remaining_s))
-            return super().remote(tile, part, fingerprint, remaining_s)
-
-    spread = spreader_to(Recording(kl_engines["same"]))
-    with torch_threads(1):
-        list(spread.images([latents(here, 8, 8)], "high", call, None))
-    ((fingerprint, remaining),) = seen
-    assert fingerprint == here.fingerprint and 0 < remaining <= 9
-
-
-def test_routing_a_tile_waits_in_slices_and_stops_when_the_caller_leaves():
-    """Every replica busy: Serve's routing of a tile waits; the device thread waits for it in
-    slices, and a caller that leaves ends the wait within one, not at the deadline."""
-    slices = []
-
-    class Unrouted(Response):
-        def _to_object_ref_sync(self, _timeout_s=None):
-            slices.append(_timeout_s)
-            time.sleep(_timeout_s)
-            raise TimeoutError
-
-    context = RequestContext.admit(120, Limits())
-    threading.Timer(0.3, context.abandon).start()
-    start = time.monotonic()
-    with pytest.raises(DecodeAbandoned):
-        ReplicaTiles.paced(Unrouted(), context)
-    assert time.monotonic() - start < 5 and len(slices) > 1 and max(slices) <= WAIT_SLICE_S
-
-
-async def test_an_image_tile_that_waited_past_its_deadline_on_the_tile_thread_is_not_decoded():
-    from concurrent.futures import ThreadPoolExecutor
-
-    from vae_service.serving.tile_spread import run_tile
-
-    decoded = []
-    with ThreadPoolExecutor(1) as tile_thread:
-        late = sub_decode_context("a" * 16, 0.01, "a" * 16)
-        time.sleep(0.02)
-        with pytest.raises(DecodeTimeout):
-            await run_tile(tile_thread, lambda: decoded.append(1) or torch.zeros(1), late)
-        on_time = sub_decode_context("a" * 16, 30.0, "a" * 16)
-        assert torch.equal(
-            await run_tile(tile_thread, lambda: decoded.append(1) or torch.zeros(1), on_time), torch.zeros(1)
-        )
-    assert decoded == [1]
 
 
 async def test_prices_waiting_for_the_pricing_thread_are_bounded_then_429_with_retry_after(kl_dir):

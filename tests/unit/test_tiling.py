@@ -14,7 +14,8 @@ from vae_service.engine import DecodeEngine, DecodeRequest, InvalidInput, LimitE
 from vae_service.engine.memory import LiveBytes
 from vae_service.engine.planner import ClassTiles
 from vae_service.engine.postprocess import to_uint8
-from vae_service.engine.tiling import Blender, TileGrid, tiled_chunks
+from vae_service.engine.tile_executor import LocalTiles
+from vae_service.engine.tiling import Blender, TileGrid, blended, tier_tiles
 from vae_service.models.diffusers_tiling import tiled_view
 from vae_service.models.loading import LoadedVae
 from vae_service.models.spec import meta_twin
@@ -343,13 +344,11 @@ def test_too_large_even_tiled_is_refused(engines):
 def test_one_tile_over_everything_is_the_untiled_decode(engines):
     engine = engines["kl"]
     z = latents_for(engine, 9, 7)
+    grid = TileGrid(9, 9, 7)
     with torch.inference_mode(), engine.fast_path.gate.use(True):
         whole = engine.vae.decode(z).sample
-        from vae_service.engine.tiling import tiled_image
-
-        tiled = tiled_image(
-            z, TileGrid(9, 9, 7), engine.spec.spatial_scale, lambda tiles: (engine.vae.decode(t).sample for t in tiles)
-        )
+        outputs = LocalTiles(engine.runtime).run(tier_tiles(z, grid, "high", None))
+        (tiled,) = blended(grid, engine.spec.spatial_scale, outputs)
     assert torch.equal(tiled, whole)
 
 
@@ -360,19 +359,20 @@ def test_tiled_video_lockstep_and_tile_after_tile_agree_bit_for_bit(engines):
     engine = engines["wan"]
     z = latents_for(engine, 20, 18, frames=3)
     decoded, seen_at_handover = [], {}
-    chunks = engine.runtime.chunks("high", None)
 
-    def counted(tile_latents):
-        for out in chunks(tile_latents):
-            decoded.append(1)
-            yield out
+    class Counted(LocalTiles):
+        def lazy(self, job):
+            for out in super().lazy(job):
+                decoded.append(1)
+                yield out
 
-    with torch.inference_mode(), torch_threads(1):
+    with torch.inference_mode(), torch_threads(1), engine.fast_path.gate.use(True):
         for lockstep in (True, False):
             decoded.clear()
             grid = TileGrid(12, 20, 18, lockstep=lockstep)
             out = []
-            for chunk in tiled_chunks(z, grid, 8, lambda tiles: [counted(t) for t in tiles]):
+            outputs = Counted(engine.runtime).run(tier_tiles(z, grid, "high", None), lockstep)
+            for chunk in blended(grid, 8, outputs, lockstep):
                 seen_at_handover.setdefault(lockstep, []).append(len(decoded))
                 out.append(chunk)
             seen_at_handover[lockstep, "out"] = out
@@ -464,7 +464,7 @@ def test_out_of_memory_again_in_tiles_reaches_the_caller(engines, monkeypatch):
 
 
 class Run:
-    """A tile's chunks decoded elsewhere (a fake of the transport only): counts its closes."""
+    """A tile's chunks (an injected fault: one fails at its second): counts its closes."""
 
     def __init__(self, chunks: int, fail_at: int | None = None):
         self.left, self.fail_at, self.closed, self.read = chunks, fail_at, 0, 0
@@ -487,11 +487,19 @@ class Run:
 @pytest.mark.parametrize("lockstep", [True, False])
 @pytest.mark.parametrize("how", ["finished", "left early", "failed"])
 def test_every_tiles_run_is_closed_however_the_tiled_decode_ends(lockstep, how):
-    """So a tile decoded on another replica stops there (and its deadline timer) as soon as the
-    request's decode stops reading: done, abandoned by the engine, or failed on another tile."""
+    """So a tile's decode stops (here, or on another replica) as soon as the request's decode stops
+    reading: done, abandoned by the engine, or failed on another tile."""
     grid = TileGrid(8, 12, 12, lockstep=lockstep)
     runs = [Run(3, fail_at=1 if how == "failed" and i == 2 else None) for i in range(len(grid.tiles()))]
-    chunks = tiled_chunks(torch.zeros(1, 4, 3, 12, 12), grid, 8, lambda tiles: runs)
+
+    class Faked(LocalTiles):
+        def lazy(self, job):
+            made.append(job)
+            return runs[len(made) - 1]
+
+    made = []
+    jobs = tier_tiles(torch.zeros(1, 4, 3, 12, 12), grid, "high", None)
+    chunks = blended(grid, 8, Faked(None).run(jobs, lockstep), lockstep)
     if how == "finished":
         assert len(list(chunks)) == 3
     elif how == "left early":

@@ -1,5 +1,5 @@
 """One engine call's own state: its requests' contexts (when to stop), the run being decoded, the
-host copies it queued, and where its tiles go. The engine keeps none of this, so calls from several
+host copies it queued, and the replicas its tiles may go to. The engine keeps none of this, so calls from several
 threads cannot see each other's; the checkpoint hook finds the call running on its thread."""
 
 from __future__ import annotations
@@ -9,36 +9,24 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Protocol
-
-import torch
+from typing import TYPE_CHECKING
 
 from vae_service.engine.context import RequestContext
 from vae_service.engine.errors import DecodeAbandoned, DecodeTimeout
 
+if TYPE_CHECKING:
+    from vae_service.engine.tile_executor import TilePeers
+
 
 @dataclass
 class TileCall:
-    """What decoding a request's tiles elsewhere needs of it: its context (deadline, abandonment),
-    the fingerprint a replica must have to decode them, and where to note which replicas did."""
+    """What decoding a request's tiles on other replicas needs of it: its context (deadline,
+    abandonment), the fingerprint a replica must have to decode them, and where to note which
+    replicas (other than this one) did."""
 
     context: RequestContext
     fingerprint: str
     replicas: set = field(default_factory=set)
-
-
-class TileSpreader(Protocol):
-    """Decodes a request's tiles on other replicas (the serving layer's; the engine never imports
-    Ray), each by `engine.decode_tile` or `engine.tile_chunks` there. A replica whose fingerprint
-    differs refuses a tile: `local` decodes it here instead (the same bits by construction)."""
-
-    def images(self, tiles: list[torch.Tensor], part: str, call: TileCall, local) -> Iterator[torch.Tensor]:
-        """Each tile's output, in the tiles' order (`part`: what decode_tile runs, TILE_PARTS)."""
-
-    def chunks(
-        self, tiles: list[torch.Tensor], quality: str, timestep: float | None, call: TileCall, local
-    ) -> list[Iterator[torch.Tensor]]:
-        """Each video tile's output chunks as they arrive, all tiles started at once."""
 
 
 @dataclass
@@ -47,14 +35,15 @@ class DecodeCall:
     fingerprint: str
     batch_gone: threading.Event | None = None  # the batcher's: every caller of the batch left
     host_copies: list | None = None  # CUDA events of the copies queued; None: each copy waited for
-    spread: TileSpreader | None = None  # decodes a request's tiles on other replicas
-    decoded_by: set = field(default_factory=set)  # ids of the replicas its spreader had decode tiles
+    peers: TilePeers | None = None  # the deployment's replicas, which take tiles (engine/tile_executor.py)
+    decoded_by: set = field(default_factory=set)  # ids of the replicas that decoded tiles of it
     running_members: tuple[int, ...] = ()  # the requests of the run being decoded
+    tiled: set = field(default_factory=set)  # the requests decoded in tiles (an optional tiling may not be)
 
     @property
     def replicas(self) -> int:
-        """Replicas whose decoders worked on this call: this one alone, or those its tiles went to."""
-        return max(1, len(self.decoded_by))
+        """Replicas whose decoders worked on this call: this one, and those its tiles went to."""
+        return 1 + len(self.decoded_by)
 
     def gone(self, i: int) -> bool:
         """Nobody waits for request `i` any more (its deadline passed, or its caller left)."""

@@ -31,6 +31,7 @@ from vae_service.engine.latents import PreparedRequest
 from vae_service.engine.memory import AffineTier, ModelFacts, PerShapeTier, TierPrice, TwinRun, fit_lines
 from vae_service.engine.memory_budget import MemoryBudget, memory_budget
 from vae_service.engine.runtime import ChunkDecoder, Runtime
+from vae_service.engine.tile_jobs import TileJob
 from vae_service.fastpath import install_fast_path
 from vae_service.fastpath.rewrites import NORM_REWRITES
 from vae_service.models import ModelLoadError
@@ -281,6 +282,18 @@ class CostModel:
         (h, w), items, high = prepared.latent_hw, prepared.items, quality == "high"
         working = self.tiers[quality].working(items if high else 1, h, w, prepared.latent_frames)
         return self._with_answer(prepared, working, together=high)
+
+    def job_peak(self, job: TileJob) -> int | None:
+        """A tile job's peak here, as a replica that takes another's tile prices it: the working set
+        of its tier (the class's tiled decode's jobs: `lossless`'s) at the tile's shape, its output
+        included. None where that shape would run the twin first (CPU Winograd): not on the event
+        loop; the requester's plan, made by the same model and settings, prices it alike."""
+        z = job.latents
+        items, (h, w) = z.shape[0], z.shape[-2:]
+        tier = self.tiers[self.runtime.job_tier(job)]
+        if tier.needs_shape_work(items, h, w):
+            return None
+        return tier.working(items, h, w, z.shape[2] if z.dim() == 5 else 1)
 
     def class_tiled_peak(self, prepared: PreparedRequest) -> int:
         """Estimated peak of `lossless` by the class's own tiled decode, item by item."""

@@ -33,7 +33,7 @@ from dataclasses import replace
 import torch
 
 from vae_service.config import Limits, ServiceConfig
-from vae_service.engine.call import DecodeCall, TileSpreader, checkpoint_hook
+from vae_service.engine.call import DecodeCall, checkpoint_hook
 from vae_service.engine.context import RequestContext
 from vae_service.engine.cost_model import CostModel
 from vae_service.engine.encoding import ENCODED_OUTPUTS, EncodeSettings, encode_all
@@ -45,6 +45,8 @@ from vae_service.engine.preview import build_preview
 from vae_service.engine.request import QUALITIES, DecodeRequest
 from vae_service.engine.result import DecodeResult, PendingResult, Timing
 from vae_service.engine.runtime import Runtime
+from vae_service.engine.tile_executor import TilePeers
+from vae_service.engine.tile_jobs import TileJob
 from vae_service.models import LoadedVae
 from vae_service.models.probe_cache import ProbeCache
 from vae_service.models.spec import jsonable_config, pipeline_statistics
@@ -120,6 +122,8 @@ class DecodeEngine:
             "config": jsonable_config(runtime.vae),
             "statistics": pipeline_statistics(runtime.vae),
             "fast_path": runtime.fast_path.describe(),
+            # lossless above the bound: whether other replicas can take its decoder's tiles
+            "class_tiles_shared": runtime.replay_unsupported or True,
             "limits": self.limits.model_dump(),
             **self.cost.describe(self.limits),
         }
@@ -181,33 +185,35 @@ class DecodeEngine:
         batch: list[PreparedRequest],
         abandoned: threading.Event | None = None,
         defer_host_copy: bool = False,
-        spread: TileSpreader | None = None,
+        peers: TilePeers | None = None,
     ) -> list[DecodeResult | DecodeFailed | PendingResult | Exception]:
         """Decode requests that share one batch key; results come back in order. A request whose
         output is not finite gets a DecodeFailed in its place, one nobody waits for any more its
         DecodeTimeout; the others are unaffected. Once `abandoned` is set (every caller left), the
         decode stops before its next decoder call (DecodeAbandoned). `defer_host_copy` (CUDA):
-        outputs whose copy to the host is still running come back as PendingResults. `spread`:
-        tiled requests decode their tiles through it (other replicas), blended here as if decoded
-        here. Safe to call from several threads at once."""
+        outputs whose copy to the host is still running come back as PendingResults. `peers`: the
+        deployment's replicas, which take tiles of tiled requests while they are free
+        (engine/tile_executor.py), blended here as if decoded here. Safe to call from several
+        threads at once."""
         runtime, cost = self.runtime, self.cost
         contexts = [r.context or self.context() for r in batch]
-        call = DecodeCall(contexts, self.fingerprint, abandoned, [] if defer_host_copy else None, spread)
+        call = DecodeCall(contexts, self.fingerprint, abandoned, [] if defer_host_copy else None, peers)
         quality = batch[0].request.quality
         start = time.perf_counter()
         scaling = self.preview.scaling if quality == "preview" else runtime.scaling
         latents = [scaling.to_decoder_input(r, runtime.device) for r in batch]
-        plan = plan_batch(batch, cost, cost.bound(contexts[0].limits))
+        shared = peers is not None
+        plan = plan_batch(batch, cost, cost.bound(contexts[0].limits), shared)
         with torch.inference_mode(), runtime.gate(quality), call.running():
             outputs = self._run_or_out_of_memory(plan, batch, latents, call)
             if outputs is None:  # out of memory: once more in tiles of half the estimated peak
                 runtime.release_device_cache()
-                plan = retry_plan(batch, cost)
+                plan = retry_plan(batch, cost, shared)
                 outputs = self.executor.run(plan, batch, latents, call)
         timing = Timing(0.0, (time.perf_counter() - start) * 1e3, sum(r.items for r in batch), replicas=call.replicas)
         results = [
-            o if isinstance(o, Exception) else self._result(o, r, timing, plan.tiled)
-            for o, r in zip(outputs, batch, strict=True)
+            o if isinstance(o, Exception) else self._result(o, r, timing, i in call.tiled)
+            for i, (o, r) in enumerate(zip(outputs, batch, strict=True))
         ]
         if not call.host_copies:
             return results
@@ -233,25 +239,18 @@ class DecodeEngine:
             output, self.spec.name, self.precision, request.quality, request.request_id, timing, encode_as, tiled
         )
 
-    # ---- sub-decodes of other replicas' requests ------------------------------------------
-    def _accept(self, fingerprint: str) -> None:
+    # ---- tiles of other replicas' requests -----------------------------------------------
+    def run_tile(self, job: TileJob, fingerprint: str) -> Iterator[torch.Tensor]:
+        """A tile of another replica's request (engine/tile_jobs.py): its output chunk by chunk, as
+        that replica's own plan would decode it here. Refused (WrongFingerprint) where this engine
+        would decode other bits. Run it to its end on one thread: the job's tier holds throughout."""
         if fingerprint != self.fingerprint:
             raise WrongFingerprint(
                 "fingerprint", f"this replica decodes as {self.fingerprint}, the request's replica as {fingerprint}"
             )
-
-    def decode_tile(self, z: torch.Tensor, part: str, fingerprint: str) -> torch.Tensor:
-        """One image tile of another replica's request (Runtime.tile); refused (WrongFingerprint)
-        where this engine would decode other bits than the request's."""
-        self._accept(fingerprint)
-        return self.runtime.tile(z, part)
-
-    def tile_chunks(
-        self, z: torch.Tensor, quality: str, timestep: float | None, fingerprint: str
-    ) -> Iterator[torch.Tensor]:
-        """One video tile of another replica's request (Runtime.tile_chunks), refused likewise."""
-        self._accept(fingerprint)
-        return self.runtime.tile_chunks(z, quality, timestep)
+        runtime = self.runtime
+        with torch.inference_mode(), runtime.gate(runtime.job_tier(job)):
+            yield from runtime.run_job(job)
 
     # ---- answers and lifecycle -------------------------------------------------------------
     def encode(self, result: DecodeResult) -> DecodeResult:

@@ -38,6 +38,11 @@ class Overloaded(DecodeError):
         self.retry_after_s = retry_after_s
 
 
+class Unavailable(Overloaded):
+    """A replica that held the request, or a tile of it, went away (killed, crashed, scaled down
+    hard). Decoding is idempotent, so the client's retry after `retry_after_s` succeeds on another."""
+
+
 class OutOfMemory(Overloaded):
     """The device ran out of memory for this request; another attempt (or fewer items) may fit."""
 

@@ -3,47 +3,40 @@
 request nobody waits for any more is answered with its timeout or abandonment, the others go on.
 
 Images: untiled runs decode through `vae.decode` (high: the batch together) or the class's decode of
-each item alone (lossless); tiled runs blend spatial tiles (engine/tiling.py), decoded here one at a
-time or by other replicas (the call's spreader); `ClassTiles` runs the class's own tiled decode on a
-view (models/diffusers_tiling.py). Video (and any video-latent decoder) goes chunk by chunk
-through engine/video.py.
+each item alone (lossless). Tiled runs hand their tiles as jobs (engine/tile_jobs.py) to the run's
+tile executor (engine/tile_executor.py: here, or shared with the deployment's replicas, as the plan
+says) and blend what it yields (engine/tiling.py's `blended`, the one place tiles are blended);
+`ClassTiles` runs the class's own tiled decode on a view, its decoder's calls made by the same
+executors where they are shared (models/diffusers_tiling.py replays it bit for bit). Video (and any
+video-latent decoder) goes chunk by chunk through engine/video.py, a tiled run's chunks blended the
+same way.
+
+A tile that failed elsewhere (lost twice: 503; a replica's bug: 500) fails its request alone, as its
+result: the batch goes on, and the batcher does not run the request again.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import ExitStack, closing
 
 import torch
 
 from vae_service.engine.call import DecodeCall
-from vae_service.engine.errors import DecodeAbandoned, DecodeFailed, DecodeTimeout
+from vae_service.engine.errors import DecodeAbandoned, DecodeFailed, DecodeTimeout, Unavailable
 from vae_service.engine.latents import PreparedRequest
 from vae_service.engine.planner import BatchPlan, ClassTiles, Run
 from vae_service.engine.postprocess import postprocess
 from vae_service.engine.preview import Preview, frame_counts
 from vae_service.engine.runtime import Runtime
-from vae_service.engine.tiling import OnDevice, TileGrid, tiled_chunks, tiled_image
+from vae_service.engine.tile_executor import LocalTiles, NotShared, SharedTiles, TileBug, TileExecutor
+from vae_service.engine.tile_jobs import CausalTile, DecoderInput
+from vae_service.engine.tiling import TileGrid, blended, tier_tiles
 from vae_service.engine.video import NON_FINITE, decode_video
 from vae_service.models.decoder_shapes import DecoderShapes
 from vae_service.models.diffusers_tiling import tiled_decode_elsewhere, tiled_view
 
-
-class LocalTiles:
-    """Tiles decoded here, one at a time as the blend reads them."""
-
-    def __init__(self, runtime: Runtime):
-        self.runtime = runtime
-
-    def images(self, tiles: list[torch.Tensor]) -> Iterator[torch.Tensor]:
-        return map(self.runtime.image, tiles)
-
-    def chunks(self, quality: str, timestep: float | None):
-        decoder = self.runtime.chunks(quality, timestep)
-
-        def lazy(tile: torch.Tensor) -> Iterator[torch.Tensor]:
-            yield from decoder(tile)  # started when first read: tile after tile holds one tile at a time
-
-        return lazy
+TILE_FAILURES = (Unavailable, TileBug)  # a request's own: answered as its result
 
 
 class Executor:
@@ -54,7 +47,7 @@ class Executor:
 
     def run(
         self, plan: BatchPlan, batch: list[PreparedRequest], latents: list[torch.Tensor], call: DecodeCall
-    ) -> list[torch.Tensor | DecodeFailed | DecodeTimeout | None]:
+    ) -> list[torch.Tensor | DecodeFailed | DecodeTimeout | Exception | None]:
         """Every run of the plan, in order: one output per request (None once streamed)."""
         outputs: list = [None] * len(batch)
         for run in plan.runs:
@@ -70,9 +63,17 @@ class Executor:
                 if not (isinstance(stopped, DecodeAbandoned) or all(call.gone(i) for i in members)):
                     raise
                 decoded = [call.ended_error(i) for i in members]
+            except TILE_FAILURES as failed:
+                decoded = [failed] * len(members)
             for i, output in zip(members, decoded, strict=True):
                 outputs[i] = output
         return outputs
+
+    def tiles(self, run: Run, call: DecodeCall, i: int) -> TileExecutor:
+        """The run's tile executor, as the plan says: shared with the deployment's replicas, or here."""
+        if run.shared and call.peers is not None:
+            return SharedTiles(self.local, call.peers, call.tile_call(i))
+        return self.local
 
     def _run(self, quality: str, run: Run, members: list[int], batch, latents, call: DecodeCall) -> list:
         requests, zs = [batch[i] for i in members], [latents[i] for i in members]
@@ -90,49 +91,45 @@ class Executor:
             return list(self.preview.image(torch.cat(latents)).split(sizes))
         if isinstance(run.tiling, ClassTiles):  # lossless above the bound, item by item
             return [
-                self._class_tiled(z, r.timestep, call, i) for z, r, i in zip(latents, requests, members, strict=True)
+                self._class_tiled(z, r.timestep, run, call, i)
+                for z, r, i in zip(latents, requests, members, strict=True)
             ]
         if not run.together:  # lossless: every item alone
             return [runtime.each_alone(runtime.vae, z, r.timestep) for z, r in zip(latents, requests, strict=True)]
         if isinstance(run.tiling, TileGrid):
             (z,), (i,) = latents, members
-            return [tiled_image(z, run.tiling, runtime.spec.spatial_scale, self._tile_images(quality, call, i))]
+            grid = run.tiling
+            outputs = self.tiles(run, call, i).run(tier_tiles(z, grid, quality, None), optional=grid.optional)
+            try:
+                (image,) = blended(grid, runtime.spec.spatial_scale, outputs)
+            except NotShared:  # fits whole, and no replica is free to share it with
+                return [runtime.image(z)]
+            call.tiled.add(i)
+            return [image]
         return list(runtime.image(torch.cat(latents)).split(sizes))
 
-    def _tile_images(self, quality: str, call: DecodeCall, i: int):
-        """Tiles decoded here one by one, or by the call's spreader (other replicas: their pixels
-        come back as sent, and are blended here on this device)."""
-        if call.spread is None:
-            return self.local.images
-        spread, local = call.spread, self.local.images
-
-        def elsewhere(tiles: list[torch.Tensor]) -> Iterator[torch.Tensor]:
-            return self._here(spread.images(tiles, quality, call.tile_call(i), local))
-
-        return elsewhere
-
-    def _here(self, outputs: Iterator[torch.Tensor]) -> Iterator[torch.Tensor]:
-        device = self.runtime.device
-        return (out.to(device) for out in outputs)  # one at a time on the device, as blended
-
-    def _class_tiled(self, z: torch.Tensor, timestep: float | None, call: DecodeCall, i: int) -> torch.Tensor:
-        """The class's own tiled decode of each item; with a spreader, its decoder's tiles are
-        decoded by other replicas (models/diffusers_tiling.py: still the same bits)."""
+    def _class_tiled(self, z: torch.Tensor, timestep: float | None, run: Run, call: DecodeCall, i: int) -> torch.Tensor:
+        """The class's own tiled decode of each item; where the run's tiles are shared, its decoder's
+        calls go to the tile executor as jobs (models/diffusers_tiling.py: still the same bits)."""
         runtime = self.runtime
         view = tiled_view(runtime.vae)
-        if call.spread is None or timestep is not None:
+        call.tiled.add(i)
+        if not (run.shared and call.peers is not None) or timestep is not None or runtime.replay_unsupported:
             return runtime.each_alone(view, z, timestep)
-        spread, tile_call = call.spread, call.tile_call(i)
-
-        def decode_tiles(tiles: list[torch.Tensor], part: str):
-            return self._here(spread.images(tiles, part, tile_call, _DecoderParts(runtime, part)))
-
+        tiles = self.tiles(run, call, i)
         if self._decoder_shapes is None:
             self._decoder_shapes = DecoderShapes.of(view)
         decoded = []
-        for item in z.split(1):
-            pixels = tiled_decode_elsewhere(view, item, decode_tiles, call.checkpoint, self._decoder_shapes)
-            decoded.append(runtime.pixels(view, item) if pixels is None else pixels)
+        with ExitStack() as opened:
+
+            def decode_jobs(inputs: list[torch.Tensor], causal: bool) -> Iterator[torch.Tensor]:
+                jobs = [CausalTile(x) if causal else DecoderInput(x) for x in inputs]
+                outputs = opened.enter_context(closing(tiles.run(jobs)))  # closed (cancelled) however it ends
+                return (out.pixels for out in outputs)
+
+            for item in z.split(1):
+                pixels = tiled_decode_elsewhere(view, item, decode_jobs, call.checkpoint, self._decoder_shapes)
+                decoded.append(runtime.pixels(view, item) if pixels is None else pixels)
         return decoded[0] if len(decoded) == 1 else torch.cat(decoded)
 
     def _finish(self, decoded: torch.Tensor, prepared: PreparedRequest, call: DecodeCall):
@@ -149,37 +146,13 @@ class Executor:
             law = runtime.spec.geometry.frames.law if runtime.spec.geometry.frames else None
             chunks = _PreviewChunks(self.preview, frame_counts(first.frames, first.latent_frames, law))
         elif isinstance(run.tiling, ClassTiles):  # the whole clip at once, at the end
-            chunks = _ClassTiledChunks(self, first.timestep, call, members[0])
+            chunks = _ClassTiledChunks(self, first.timestep, run, call, members[0])
         elif isinstance(run.tiling, TileGrid):
-            chunks = _TiledChunks(self, quality, first.timestep, run.tiling, call, members[0])
+            chunks = _TiledChunks(self, quality, first.timestep, run, call, members[0])
         else:
             chunks = runtime.chunks(quality, first.timestep)
         outputs = decode_video(requests, latents, run.together, chunks, call, runtime.spec.entry.pixels)
         return outputs if runtime.video else [_one_frame(o) for o in outputs]
-
-    def tile_runs(self, quality: str, timestep: float | None, call: DecodeCall, i: int):
-        """Video tiles: every tile's chunks, decoded here (lazily, as read) or by the call's spreader."""
-        lazy = self.local.chunks(quality, timestep)
-        if call.spread is None:
-            return lambda tiles: [lazy(tile) for tile in tiles]
-        spread, device, tile_call = call.spread, self.runtime.device, call.tile_call(i)
-
-        def elsewhere(tiles: list[torch.Tensor]):
-            return [OnDevice(run, device) for run in spread.chunks(tiles, quality, timestep, tile_call, lazy)]
-
-        return elsewhere
-
-
-class _DecoderParts:
-    """A replayed tiled decode's job decoded here (a replica refused it)."""
-
-    def __init__(self, runtime: Runtime, part: str):
-        self.runtime, self.part = runtime, part
-
-    def __call__(self, tiles: list[torch.Tensor]) -> Iterator[torch.Tensor]:
-        from vae_service.models.diffusers_tiling import decoder_part
-
-        return (decoder_part(self.runtime.vae, tile, self.part) for tile in tiles)
 
 
 class _PreviewChunks:
@@ -191,20 +164,35 @@ class _PreviewChunks:
 
 
 class _ClassTiledChunks:
-    def __init__(self, executor: Executor, timestep: float | None, call: DecodeCall, i: int):
-        self.executor, self.timestep, self.call, self.i = executor, timestep, call, i
+    def __init__(self, executor: Executor, timestep: float | None, run: Run, call: DecodeCall, i: int):
+        self.executor, self.timestep, self.run, self.call, self.i = executor, timestep, run, call, i
 
     def __call__(self, z: torch.Tensor) -> Iterator[torch.Tensor]:
-        return iter([self.executor._class_tiled(z, self.timestep, self.call, self.i)])
+        return iter([self.executor._class_tiled(z, self.timestep, self.run, self.call, self.i)])
 
 
 class _TiledChunks:
-    def __init__(self, executor: Executor, quality, timestep, grid: TileGrid, call: DecodeCall, i: int):
-        self.runs = executor.tile_runs(quality, timestep, call, i)
-        self.grid, self.scale = grid, executor.runtime.spec.spatial_scale
+    """A tiled run's blended chunks; an optional grid no replica shares decodes whole instead."""
+
+    def __init__(self, executor: Executor, quality: str, timestep: float | None, run: Run, call: DecodeCall, i: int):
+        self.executor, self.quality, self.timestep, self.run, self.call, self.i = (
+            executor, quality, timestep, run, call, i
+        )  # fmt: skip
 
     def __call__(self, z: torch.Tensor) -> Iterator[torch.Tensor]:
-        return tiled_chunks(z, self.grid, self.scale, self.runs)
+        runtime, grid = self.executor.runtime, self.run.tiling
+        jobs = tier_tiles(z, grid, self.quality, self.timestep)
+        outputs = self.executor.tiles(self.run, self.call, self.i).run(jobs, grid.lockstep, grid.optional)
+        chunks = blended(grid, runtime.spec.spatial_scale, outputs, grid.lockstep)
+        try:
+            first = next(chunks, None)
+        except NotShared:
+            yield from runtime.chunks(self.quality, self.timestep)(z)
+            return
+        self.call.tiled.add(self.i)
+        if first is not None:
+            yield first
+            yield from chunks
 
 
 def _one_frame(output):

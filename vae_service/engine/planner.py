@@ -1,14 +1,17 @@
 """Deciding, before any tensor moves: how one request is decoded within the memory bound (whole, in
-spatial tiles, or by the class's own tiled decode; else 413), and how a batch of requests that
-share a key is run (which decode together, which alone). The executor (engine/executor.py) does
-what the plan says; nothing here decodes.
+spatial tiles, or by the class's own tiled decode; else 413), how a batch of requests that share a
+key is run (which decode together, which alone), and which tile executor each run's tiles go to
+(engine/tile_executor.py: here, or shared with the deployment's replicas: remote means lockstep).
+The executor (engine/executor.py) does what the plan says; nothing here decodes.
 
 Tiers:
 - `preview`: one run for the whole batch (the preview's map is per pixel, never tiled);
 - `lossless`: one run per request, every item alone (bit-identity with `vae.decode` of that item);
   above the bound, the class's own tiled decode of every item (`ClassTiles`);
 - `high`: one run for the whole batch when nothing is tiled and the batch fits the bound together,
-  else one run per request with its items together, tiled by its grid (`TileGrid`).
+  else one run per request with its items together, tiled by its grid (`TileGrid`). A grid that is
+  only there to share a large request (`optional`, `parallel.min_output_pixels`) is dropped where
+  nothing is shared.
 """
 
 from __future__ import annotations
@@ -102,6 +105,7 @@ class Run:
     members: tuple[int, ...]  # indices of the batch's requests decoded by this run, in order
     together: bool  # their items share one decoder call; else every item runs alone
     tiling: Tiling = None
+    shared: bool = False  # its tiles may go to the deployment's replicas (lockstep; else decoded here)
 
 
 @dataclass(frozen=True)
@@ -114,31 +118,44 @@ class BatchPlan:
         return any(run.tiling is not None for run in self.runs)
 
 
-def plan_batch(batch: list[PreparedRequest], cost: CostModel, bound: int) -> BatchPlan:
-    """The batch's runs, each request with the tiling its prepare planned."""
+def plan_batch(batch: list[PreparedRequest], cost: CostModel, bound: int, shared: bool = False) -> BatchPlan:
+    """The batch's runs, each request with the tiling its prepare planned; `shared`: the call has the
+    deployment's replicas to share tiles with."""
     keys = {r.batch_key for r in batch}
     if len(keys) != 1:
         raise ValueError(f"a batch must share one (tier, shape, dtype) key, got {sorted(map(str, keys))}")
     quality = batch[0].request.quality
+    tilings = [_kept(r.tiling, shared) for r in batch]
     everyone = tuple(range(len(batch)))
     if quality == "preview":
         runs = (Run(everyone, together=True),)
     elif quality == "lossless":
-        runs = tuple(Run((i,), together=False, tiling=r.tiling) for i, r in enumerate(batch))
-    elif batch[0].tiling is None and (len(batch) == 1 or sum(cost.peak(r) for r in batch) <= bound):
+        runs = tuple(Run((i,), False, t, _shares(t, shared)) for i, t in enumerate(tilings))
+    elif tilings[0] is None and (len(batch) == 1 or sum(cost.peak(r) for r in batch) <= bound):
         runs = (Run(everyone, together=True),)
     else:
-        runs = tuple(Run((i,), together=True, tiling=r.tiling) for i, r in enumerate(batch))
+        runs = tuple(Run((i,), True, t, _shares(t, shared)) for i, t in enumerate(tilings))
     return BatchPlan(quality, runs)
 
 
-def retry_plan(batch: list[PreparedRequest], cost: CostModel) -> BatchPlan:
+def _kept(tiling: Tiling, shared: bool) -> Tiling:
+    """An optional grid is worth its tiles only where they can be shared."""
+    return None if isinstance(tiling, TileGrid) and tiling.optional and not shared else tiling
+
+
+def _shares(tiling: Tiling, shared: bool) -> bool:
+    """Whether a run's tiles go to the shared executor: tile after tile stays here (the clip's
+    blend held whole while one tile's history at a time is); remote means lockstep."""
+    return shared and (isinstance(tiling, ClassTiles) or (isinstance(tiling, TileGrid) and tiling.lockstep))
+
+
+def retry_plan(batch: list[PreparedRequest], cost: CostModel, shared: bool = False) -> BatchPlan:
     """The out-of-memory retry's plan: every request in `high` tiles planned for half its estimated
-    peak (a real device held more than the estimate said)."""
+    peak (a real device held more than the estimate said), through the same tile executors."""
     runs = []
     for i, request in enumerate(batch):
         grid = tiles_within(request, cost, cost.peak(request) // 2)
         if grid is None:
             raise LimitExceeded("latents", "out of device memory, and even tiled small it does not fit")
-        runs.append(Run((i,), together=True, tiling=grid))
+        runs.append(Run((i,), True, grid, _shares(grid, shared)))
     return BatchPlan(batch[0].request.quality, tuple(runs))

@@ -22,21 +22,19 @@ from vae_service.engine.errors import InvalidInput
 from vae_service.engine.fingerprint import Fingerprint
 from vae_service.engine.latents import LatentScaling
 from vae_service.engine.precision import PRECISION_NAMES, resolve_device, resolve_dtype
+from vae_service.engine.tile_jobs import DecoderInput, TierTile, TileJob
 from vae_service.engine.wan_walk import WalkOptions, walk_chunks, walk_options
 from vae_service.fastpath import install_fast_path
 from vae_service.fastpath.folded import FoldedBuffers
 from vae_service.fastpath.rewrites import RewritePlan
 from vae_service.models import LoadedVae, ModelLoadError, load_vae
-from vae_service.models.diffusers_tiling import DECODER_PARTS, decoder_part
+from vae_service.models.diffusers_tiling import decode_causal_tile, replay_unsupported_because
 from vae_service.models.spec import decoded_pixels, jsonable_config
 from vae_service.models.wan_internals import diffusers_chunks, walk_unsupported_because
 
 log = logging.getLogger(__name__)
 
 DECODER_TIERS = ("lossless", "high")
-# what a sub-decode of an image tile runs: `high`'s decode of the tile, or a job of the model's own
-# tiled decode (models/diffusers_tiling.py: the decoder module alone, or a cached causal decoder's tile)
-TILE_PARTS = ("high", *DECODER_PARTS)
 
 
 class ChunkDecoder:
@@ -78,6 +76,8 @@ class Runtime:
         self.vae = torch.nn.Module.to(loaded.vae, device=self.device, dtype=self.dtype)
         self.fast_path = install_fast_path(self.vae, disabled=config.fast_path.disable)
         self.walks = self._walks()
+        # why the class's own tiled decode (lossless above the bound) cannot share its tiles (none: it can)
+        self.replay_unsupported = replay_unsupported_because(self.vae)
         try:
             self.scaling = LatentScaling(self.spec, self.vae, self.dtype)
         except ValueError as exc:
@@ -144,24 +144,27 @@ class Runtime:
     def to_device(self, z: torch.Tensor) -> torch.Tensor:
         return z.to(self.device, self.dtype)
 
-    def tile(self, z: torch.Tensor, part: str) -> torch.Tensor:
-        """One tile of another replica's request, from its decoder-input latents: as that
-        replica's tiled `high` plan decodes a tile, or a job of the model's own tiled decode
-        (`decoder`: the decoder module alone; `causal_decoder`: a Wan or Qwen-Image tile, all its
-        latent frames on a fresh cache); never split again."""
-        if part not in TILE_PARTS:
-            raise ValueError(f"part: {part!r} is not one of {TILE_PARTS}")
-        with torch.inference_mode(), self.gate(part):
-            z = self.to_device(z)
-            return decoder_part(self.vae, z, part) if part in DECODER_PARTS else self.image(z)
+    def run_job(self, job: TileJob) -> Iterator[torch.Tensor]:
+        """A tile job's output on this device (engine/tile_jobs.py), chunk by chunk, computed as
+        each is read; the same bits wherever it runs with the same fingerprint. The caller holds
+        the job's gate (`job_tier`) and inference mode for the whole run."""
+        z = self.to_device(job.latents)
+        if isinstance(job, TierTile):
+            if self.chunked:
+                yield from self.chunks(job.quality, job.timestep)(z)
+            else:
+                yield self.image(z)
+        elif isinstance(job, DecoderInput):
+            yield self.vae.decoder(z)
+        else:
+            yield decode_causal_tile(self.vae, z)
 
-    def tile_chunks(self, z: torch.Tensor, quality: str, timestep: float | None) -> Iterator[torch.Tensor]:
-        """One video tile of another replica's request: its output chunks, as that replica's tiled
-        plan decodes the tile (its own causal history); never split again. Run it to the end on
-        one thread: the tier's settings hold for the whole tile."""
-        self.check_quality(quality)
-        with torch.inference_mode(), self.gate(quality):
-            yield from self.chunks(quality, timestep)(self.to_device(z))
+    def job_tier(self, job: TileJob) -> str:
+        """The tier whose operators decode `job`: its own, or `lossless` for the class's tiled decode."""
+        if isinstance(job, TierTile):
+            self.check_quality(job.quality)
+            return self.tier(job.quality)
+        return "lossless"
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def bind_thread(self) -> None:

@@ -17,12 +17,14 @@ error measured and the tests bound it.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
 from vae_service.engine.memory import TierPrice
+from vae_service.engine.tile_executor import TILE_WINDOW, TileOutput
+from vae_service.engine.tile_jobs import TierTile
 
 MIN_TILE = 8  # latent pixels per side
 
@@ -43,6 +45,7 @@ class TileGrid:
     h: int
     w: int
     lockstep: bool = True  # video: tiles advance together, chunk by chunk (else tile after tile)
+    optional: bool = False  # fits whole: tiled only to share the tiles with other replicas
 
     @property
     def stride(self) -> int:
@@ -72,12 +75,13 @@ class TileGrid:
 
 
 def spread_grid(h: int, w: int, scale: int, pixels: int | None) -> TileGrid | None:
-    """Tiles of about `pixels` output pixels each for an image of at least that many
-    (`parallel.min_output_pixels`: spread across replicas); None: no such setting, or one tile."""
+    """Tiles of about `pixels` output pixels each for an image of at least that many, to share with
+    other replicas while they are idle (`parallel.min_output_pixels`; optional: decoded whole where
+    no replica takes a tile); None: no such setting, or one tile."""
     if pixels is None or h * w * scale * scale < pixels:
         return None
     tile = max(MIN_TILE, math.isqrt(pixels) // scale)
-    return TileGrid(tile, h, w) if tile < max(h, w) else None
+    return TileGrid(tile, h, w, optional=True) if tile < max(h, w) else None
 
 
 def tile_for(model: TierPrice, items: int, frames: int, h: int, w: int, held_bytes: int, bound: int) -> TileGrid | None:
@@ -91,8 +95,12 @@ def tile_for(model: TierPrice, items: int, frames: int, h: int, w: int, held_byt
     def fits(tile: int, lockstep: bool) -> bool:
         grid = TileGrid(tile, h, w, lockstep)
         one = model.working(items, grid.tile_h, grid.tile_w)
-        others = (len(grid.tiles()) - 1) * model.resident(items, grid.tile_h, grid.tile_w)  # their history
-        return one + (others if lockstep else clip_fp32) + held_bytes <= bound
+        if model.facts.video:
+            others = (len(grid.tiles()) - 1) * model.resident(items, grid.tile_h, grid.tile_w)  # their history
+            return one + (others if lockstep else clip_fp32) + held_bytes <= bound
+        # the tiles finished ahead of the blend (engine/tile_executor.py's window), in fp32 at most
+        ahead = (TILE_WINDOW - 1) * items * grid.tile_h * grid.tile_w * scale_px * 3 * 4
+        return one + ahead + held_bytes <= bound
 
     if not model.facts.video:
         if not fits(MIN_TILE, True):
@@ -166,68 +174,27 @@ class Blender:
         return self.acc.pop(slot).to(self.dtype)
 
 
-TileDecoder = Callable[[list[torch.Tensor]], Iterable[torch.Tensor]]  # tiles' latents -> their pixels, in order
+def tier_tiles(z: torch.Tensor, grid: TileGrid, quality: str, timestep: float | None) -> list[TierTile]:
+    """The grid's tiles of `z` as jobs, in the grid's order (rows, then columns)."""
+    return [TierTile(grid.cut(z, y, x), quality, timestep) for y, x in grid.tiles()]
 
 
-def tiled_image(z: torch.Tensor, grid: TileGrid, scale: int, decode_tiles: TileDecoder) -> torch.Tensor:
-    """`decode_tiles`: each tile's decoded pixels in the grid's order, one at a time as they are
-    needed (here) or all decoded elsewhere at once (other replicas): the blend is the same."""
-    blender = Blender(grid, scale)
-    keys = grid.tiles()
-    for key, out in zip(keys, decode_tiles([grid.cut(z, y, x) for y, x in keys]), strict=True):
-        blender.add(key, out)
-    return blender.take()
-
-
-TileRuns = Callable[[list[torch.Tensor]], list[Iterator[torch.Tensor]]]  # tiles' latents -> their chunks each
-
-
-class OnDevice:
-    """A tile's chunks decoded elsewhere, each moved to `device` as it is read; `close` stops the
-    decode there."""
-
-    def __init__(self, run: Iterator[torch.Tensor], device: torch.device):
-        self.run, self.device = run, device
-
-    def __iter__(self) -> OnDevice:
-        return self
-
-    def __next__(self) -> torch.Tensor:
-        return next(self.run).to(self.device)
-
-    def close(self) -> None:
-        close = getattr(self.run, "close", None)
+def blended(grid: TileGrid, scale: int, outputs: Iterator[TileOutput], lockstep: bool = True) -> Iterator[torch.Tensor]:
+    """The one place tiles are blended: `outputs` in blend order (engine/tile_executor.py), here or
+    from other replicas alike. Lockstep (images: their one step): each step's blended output once
+    every tile's part of it arrived; tile after tile: every chunk's at the end. However the reading
+    ends, `outputs` is closed (tiles still decoding elsewhere are cancelled)."""
+    blender, keys = Blender(grid, scale), grid.tiles()
+    last, counts = len(keys) - 1, [0] * len(keys)
+    try:
+        for out in outputs:
+            counts[out.job] += 1
+            blender.add(keys[out.job], out.pixels, 0 if lockstep else counts[out.job])
+            if lockstep and out.job == last:
+                yield blender.take()
+        for slot in range(1, 0 if lockstep else counts[0] + 1):
+            yield blender.take(slot)
+    finally:
+        close = getattr(outputs, "close", None)
         if close is not None:
             close()
-
-
-def tiled_chunks(z: torch.Tensor, grid: TileGrid, scale: int, tile_runs: TileRuns) -> Iterator[torch.Tensor]:
-    """One blended chunk per latent frame, the tiles in lockstep or one after another (grid).
-    `tile_runs`: every tile's chunk iterator, made at once (lazy here; decoding elsewhere, already
-    started), then read in the grid's order: in lockstep, chunk k of every tile before chunk k+1
-    of any, so a chunk goes out once every tile's has arrived. However the decode ends (done,
-    failed, abandoned), every tile's run is closed: a decode elsewhere stops with it."""
-    blender = Blender(grid, scale)
-    keys = grid.tiles()
-    runs = dict(zip(keys, tile_runs([grid.cut(z, y, x) for y, x in keys]), strict=True))
-    try:
-        if not grid.lockstep:
-            count = 0
-            for key, run in runs.items():
-                for count, out in enumerate(run, 1):
-                    blender.add(key, out, count)
-            for slot in range(1, count + 1):
-                yield blender.take(slot)
-            return
-        while True:
-            for key, run in runs.items():
-                out = next(run, None)
-                if out is None:
-                    return
-                blender.add(key, out)
-            yield blender.take()
-    finally:
-        for run in runs.values():
-            close = getattr(run, "close", None)
-            if close is not None:
-                close()

@@ -1,22 +1,40 @@
 """A model as `vae.enable_tiling()` leaves it, for `lossless` decodes above the memory bound: the
 class's own tiled decode with its default tile settings, so the answer is bit-identical to what a
-diffusers user gets from `vae.enable_tiling(); vae.decode(z)`.
+diffusers user gets from `vae.enable_tiling(); vae.decode(z)`; and that tiled decode with its
+decoder calls made elsewhere (other replicas), still bit for bit (`tiled_decode_elsewhere`).
 
 `enable_tiling` flips a switch on the model that every later decode reads; other threads decode
 through the same model, so the switch is flipped on a view instead: a shallow copy that shares
 every module and weight (no memory) and has a tiling switch of its own.
 
-`tiled_decode_elsewhere` runs that tiled decode with its decoder calls made elsewhere (other
-replicas), still bit for bit, by running the class's own tiled decode twice, so that diffusers'
-code does the tiling and the blending both times: pass 1 records the decoder's inputs (the
-decoder answers meta tensors shaped like its outputs: no compute, no memory), the recorded inputs
-are decoded elsewhere, and pass 2 replays the decode with those outputs in place of the decoder's,
-checking that each input is the one recorded.
+`tiled_decode_elsewhere` runs the class's own tiled decode twice, so that diffusers' code does the
+tiling and the blending both times: pass 1 records the decoder's inputs (the decoder answers meta
+tensors shaped like its outputs: no compute, no memory), the recorded inputs are decoded elsewhere
+(the engine's tile executor: `DecoderInput` and `CausalTile` jobs), and pass 2 replays the decode
+with those outputs in place of the decoder's, checking that each input is the one recorded. Measured
+(docs/performance.md, "Lossless above the bound"): on an SD-sized decoder the record and the replay
+cost nothing measurable beside the decoder calls (96% of the decode), so two replicas approach 2x.
 
-Cached causal video decoders (Wan, Qwen-Image) are called once per latent frame of a tile, with a
-feature cache that carries the tile's earlier frames: there a job sent elsewhere is a whole tile
-(its frames' decoder inputs along time, `decoder_part`'s "causal_decoder"), and each replayed
-call answers its frames of the tile's output."""
+Every diffusers internal this reads, checked on each loaded model by `replay_unsupported_because`
+(a model that fails a check decodes its tiles where the request is, never differently); pyproject.toml
+bounds diffusers to the releases these were read from (0.35-0.42), and another release turns the
+replay off (`DIFFUSERS_CHECKED`):
+- `enable_tiling()` and `tiled_decode` on the class; the switch it sets lives in the instance's
+  `__dict__` (a shallow copy has its own);
+- the decoder is the `decoder` submodule, in `_modules` (a shallow copy of that dict swaps it for
+  one call), called with the decoder input alone, or, for cached causal decoders (Wan,
+  Qwen-Image), once per latent frame with `feat_cache`, `feat_idx=[0]` and, where its forward takes
+  it, `first_chunk` on the tile's first frame;
+- `clear_cache()` makes `_feat_map`, one None per causal conv of the decoder, counting the
+  `encoder`'s convs too where there is one (the service drops it: an empty module counts none);
+- `from_config` and `config` build the meta twin that shapes the decoder's outputs
+  (models/decoder_shapes.py);
+- the classes whose tiled decode was checked to replay bit for bit (`REPLAYED_CLASSES`,
+  tests/unit/test_diffusers_tiling.py): their decoder keeps no state between calls but the cache it
+  is handed. Others decode their tiles where the request is (Magvit's convs keep features on the
+  modules, Allegro copies the decoder's outputs into a buffer of its own, LTX and CogVideoX pass a
+  timestep or a cache).
+"""
 
 from __future__ import annotations
 
@@ -25,6 +43,7 @@ import inspect
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
+import diffusers
 import torch
 from torch import nn
 
@@ -35,10 +54,6 @@ from vae_service.models.decoder_shapes import (
     NoMetaShapes,
 )
 
-# classes whose tiled decode was checked to replay bit for bit (tests/unit/test_diffusers_tiling.py):
-# their decoder keeps no state between calls but the cache it is handed. Others decode their
-# tiles where the request is (Magvit's convs keep features on the modules, Allegro copies the
-# decoder's outputs into a buffer of its own, LTX and CogVideoX pass a timestep or a cache).
 REPLAYED_CLASSES = frozenset(
     {
         "AutoencoderKL",
@@ -51,8 +66,7 @@ REPLAYED_CLASSES = frozenset(
         "AutoencoderKLQwenImage",
     }
 )
-DECODER_PARTS = ("decoder", "causal_decoder")
-"""The parts `decode_tiles` is asked for and `decoder_part` runs (see `decoder_part`)."""
+DIFFUSERS_CHECKED = ((0, 35), (0, 43))  # releases read: from the first, up to (not including) the second
 
 _CACHE_KWARGS = ("feat_cache", "feat_idx")  # how Wan-style classes pass their decoder its cache
 
@@ -72,31 +86,49 @@ def tiled_view(vae: nn.Module) -> nn.Module | None:
     return view
 
 
-def decoder_part(vae: nn.Module, z: torch.Tensor, part: str) -> torch.Tensor:
-    """One job of `tiled_decode_elsewhere`, decoded by `vae` (the same model, on another replica;
-    run it as a decode, e.g. in `torch.inference_mode()`):
+def replay_unsupported_because(vae: nn.Module) -> list[str]:
+    """Why `tiled_decode_elsewhere` would not replay this model's tiled decode (empty: it does),
+    from the internals listed above; the engine then decodes its tiles where the request is."""
+    reasons = []
+    version = _release(diffusers.__version__)
+    low, high = DIFFUSERS_CHECKED
+    if not low <= version < high:
+        reasons.append(f"diffusers {diffusers.__version__} is not a release its internals were read from")
+    if not any(cls.__name__ in REPLAYED_CLASSES for cls in type(vae).__mro__):
+        reasons.append(f"{type(vae).__name__}'s tiled decode was not checked to replay bit for bit")
+    view = tiled_view(vae) if isinstance(getattr(vae, "_modules", None), dict) else None
+    if view is None:
+        reasons.append("no enable_tiling() and tiled_decode")
+    elif view.__dict__.get("use_tiling") is not True or getattr(vae, "use_tiling", False):
+        reasons.append("enable_tiling() does not set `use_tiling` on the instance alone")
+    if not isinstance(getattr(vae, "decoder", None), nn.Module) or "decoder" not in vae._modules:
+        reasons.append("no `decoder` submodule")
+    if not callable(getattr(vae, "from_config", None)):
+        reasons.append("no from_config (the meta twin that shapes the decoder's outputs)")
+    return reasons
 
-    - "decoder": `vae.decoder(z)`, `z` one decoder input;
-    - "causal_decoder": one tile of a cached causal video decoder (Wan, Qwen-Image): `z` is the
-      tile's decoder inputs of every latent frame along time ([B, C, T, h, w]), decoded as the
-      class's tiled decode decodes a tile: a fresh feature cache (as its `clear_cache` makes it),
-      then frame by frame with `feat_idx=[0]` and, where its decoder takes it,
-      `first_chunk=(k == 0)`; the frames' outputs concatenated along time.
 
-    Raises ValueError for a part not in DECODER_PARTS, or "causal_decoder" on a model without a
-    cached causal decoder."""
-    if part == "decoder":
-        return vae.decoder(z)
-    if part != "causal_decoder":
-        raise ValueError(f"part: {part!r} is not one of {DECODER_PARTS}")
+def _release(version: str) -> tuple[int, int]:
+    major, minor = [*version.split("."), "0"][:2]
+    return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
+
+
+def decode_causal_tile(vae: nn.Module, z: torch.Tensor) -> torch.Tensor:
+    """One tile of a cached causal video decoder's own tiled decode (Wan, Qwen-Image), decoded by
+    `vae` as the class decodes a tile: `z` is the tile's decoder inputs of every latent frame
+    ([B, C, T, h, w]); a fresh feature cache (as its `clear_cache` makes it), then frame by frame
+    with `feat_idx=[0]` and, where its decoder takes it, `first_chunk=(k == 0)`; the frames'
+    outputs concatenated along time. Run it as a decode (e.g. in `torch.inference_mode()`).
+
+    Raises ValueError on a model without a cached causal decoder, or a `z` that is not a tile."""
     causal = _causal(vae)
     if causal is None:
         raise ValueError(
-            f"part 'causal_decoder': {type(vae).__name__} has no cached causal decoder (a `clear_cache` that "
+            f"a causal tile: {type(vae).__name__} has no cached causal decoder (a `clear_cache` that "
             "makes a `_feat_map` of None, and a decoder that takes `feat_cache` and `feat_idx`)"
         )
     if z.dim() != 5 or z.shape[2] == 0:
-        raise ValueError(f"part 'causal_decoder': a tile is [B, C, T, h, w] with T > 0, not {tuple(z.shape)}")
+        raise ValueError(f"a causal tile is [B, C, T, h, w] with T > 0, not {tuple(z.shape)}")
     cache: list = [None] * causal.size
     frames = []
     for k in range(z.shape[2]):
@@ -111,24 +143,23 @@ def decoder_part(vae: nn.Module, z: torch.Tensor, part: str) -> torch.Tensor:
 def tiled_decode_elsewhere(
     view: nn.Module,
     z: torch.Tensor,
-    decode_tiles: Callable[[list[torch.Tensor], str], Iterable[torch.Tensor]],
+    decode_jobs: Callable[[list[torch.Tensor], bool], Iterable[torch.Tensor]],
     checkpoint: Callable[[], None] | None = None,
     shapes: DecoderShapes | None = None,
 ) -> torch.Tensor | None:
     """`view.decode(z).sample` (`view`: a `tiled_view`; `z`: one item of decoder-input latents),
-    bit for bit, with every call of its decoder made by `decode_tiles(jobs, part)`: all the jobs
-    at once, in call order, and one part for all (DECODER_PARTS); it answers
-    `decoder_part(model, job, part)` for each, in the same order (same shape, dtype and device;
-    taken one at a time, as the blend reaches them; diffusers blends into them in place, so each
-    must be a tensor of its own). A job is one decoder input ("decoder"), or for cached causal
-    video decoders (Wan, Qwen-Image) one spatial tile's inputs of every latent frame
-    ("causal_decoder"). `checkpoint` runs before each decoder call of the replay (the real
-    decoder's forward pre-hooks do not run).
+    bit for bit, with every call of its decoder made by `decode_jobs(jobs, causal)`: all the jobs
+    at once, in call order; it answers, for each in the same order, `model.decoder(job)` (causal
+    False: a job is one decoder input) or `decode_causal_tile(model, job)` (causal True: cached
+    causal video decoders, Wan and Qwen-Image, one spatial tile's inputs of every latent frame), of
+    the same shape, dtype and device, taken one at a time as the blend reaches them (diffusers
+    blends into them in place, so each must be a tensor of its own). `checkpoint` runs before each
+    decoder call of the replay (the real decoder's forward pre-hooks do not run).
 
     None, having called nothing: the class's tiled decode calls its decoder in a way the replay
     does not cover (other arguments, e.g. timestep conditioning; a cache other than Wan's), or on
     fewer than two tiles (no tiling at this size), or its outputs cannot be shaped on the meta
-    device; the caller decodes `view.decode(z)`. Raises RuntimeError when `decode_tiles` answers
+    device; the caller decodes `view.decode(z)`. Raises RuntimeError when `decode_jobs` answers
     the wrong number of tensors or one unlike the decoder's, or when the replay's decoder calls
     differ from the recorded ones."""
     if not any(cls.__name__ in REPLAYED_CLASSES for cls in type(view).__mro__):
@@ -144,14 +175,14 @@ def tiled_decode_elsewhere(
         return None
     if len(plan.jobs) < 2:
         return None
-    outputs = iter(decode_tiles(list(plan.jobs), plan.part))
+    outputs = iter(decode_jobs(list(plan.jobs), plan.causal))
     replayer = _Replayer(plan, outputs, checkpoint, view.decoder)
     decoded = _with_decoder(view, replayer).decode(z).sample
     n = len(plan.calls)
     if replayer.calls != n:
         raise RuntimeError(f"tiled decode: the replay called the decoder {replayer.calls} times, the record {n}")
     if next(outputs, None) is not None:
-        raise RuntimeError(f"decode_tiles answered more than the {len(plan.jobs)} {plan.noun} it was given")
+        raise RuntimeError(f"decode_jobs answered more than the {len(plan.jobs)} {plan.noun} it was given")
     if decoded.shape != planned.shape:
         raise RuntimeError(
             f"tiled decode: the replay's output is {tuple(decoded.shape)}, the record's {tuple(planned.shape)}"
@@ -216,15 +247,15 @@ class _Call:
 
 @dataclass
 class _Plan:
-    part: str
+    causal: bool  # jobs are whole causal tiles (else single decoder inputs)
     calls: list[_Call]
-    jobs: list[torch.Tensor]  # what decode_tiles decodes
+    jobs: list[torch.Tensor]  # what decode_jobs decodes
     answers: list[torch.Tensor]  # meta: what it answers for each
     keywords: frozenset[str]
 
     @property
     def noun(self) -> str:
-        return "decoder inputs" if self.part == "decoder" else "tiles"
+        return "tiles" if self.causal else "decoder inputs"
 
 
 class _Recorder(nn.Module):
@@ -236,7 +267,7 @@ class _Recorder(nn.Module):
         self.real = view.decoder
         self.shapes = shapes
         self.causal_of = lambda: _causal(view)  # not the view itself: a submodule, it would be counted
-        self.part: str | None = None
+        self.cached: bool | None = None  # its calls pass a cache (set by the first call)
         self.calls: list[_Call] = []
         self.inputs: list[list[torch.Tensor]] = []  # each job's, in order
         self.causal: _Causal | None = None
@@ -248,13 +279,13 @@ class _Recorder(nn.Module):
         if len(args) != 1 or not isinstance(args[0], torch.Tensor):
             raise _Unsupported
         (x,) = args
-        part = "causal_decoder" if kwargs else "decoder"
-        if self.part not in (None, part):
+        cached = bool(kwargs)
+        if self.cached not in (None, cached):
             raise _Unsupported
-        self.part = part
+        self.cached = cached
         # a clone: tiles are often views of z, and they are sent elsewhere
         clone = x.clone(memory_format=torch.contiguous_format)
-        if part == "decoder":
+        if not cached:
             out = self.shapes.plain(x)
             self.calls.append(_Call(len(self.inputs), 0, True, out))
             self.inputs.append([clone])
@@ -285,16 +316,16 @@ class _Recorder(nn.Module):
             raise _Unsupported
         first = kwargs.get(FIRST_CHUNK)
         if self.causal.first_chunk and (type(first) is not bool or first != start):
-            raise _Unsupported  # not what decoder_part passes
+            raise _Unsupported  # not what decode_causal_tile passes
         out, self.state, after = self.shapes.cached(x, first, self.state)
         _leave(cache, idx, after)  # as the decoder would: the next call sees the tile's cache
         job = len(self.inputs) - 1
         return _Call(job, len(self.inputs[job]), start, out, first=first, after=after)
 
     def plan(self) -> _Plan:
-        if self.part is None:
-            return _Plan("decoder", [], [], [], frozenset())
-        if self.part == "decoder":
+        if self.cached is None:
+            return _Plan(False, [], [], [], frozenset())
+        if not self.cached:
             jobs, answers = [xs[0] for xs in self.inputs], [call.out for call in self.calls]
         else:
             if any(x.shape[:2] != xs[0].shape[:2] or x.shape[3:] != xs[0].shape[3:] for xs in self.inputs for x in xs):
@@ -311,7 +342,7 @@ class _Recorder(nn.Module):
                 except META_ERRORS as exc:
                     raise _Unsupported from exc
         self.inputs.clear()
-        return _Plan(self.part, self.calls, jobs, answers, self.keywords)
+        return _Plan(self.cached, self.calls, jobs, answers, self.keywords)
 
 
 def _leave(cache: list, idx: list, after: tuple) -> None:
@@ -345,19 +376,19 @@ class _Replayer(nn.Module):
             raise RuntimeError(f"tiled decode: the replay's decoder call {k} is not one of the {n} recorded")
         call, (x,) = plan.calls[k], args
         recorded = plan.jobs[call.job]
-        if plan.part != "decoder":
+        if plan.causal:
             recorded = recorded[:, :, call.frame : call.frame + 1]
         if not _same(x, recorded):
             raise RuntimeError(f"tiled decode: the replay's decoder input {k} of {n} differs from the recorded one")
         if call.start:
             self.answer = self._answer(call.job, x.device)
-        if plan.part == "decoder":
+        if not plan.causal:
             return self.answer
         _leave(kwargs["feat_cache"], kwargs["feat_idx"], call.after)
         return self.answer[:, :, call.out_from : call.out_from + call.out.shape[2]]
 
     def _as_recorded(self, call: _Call, kwargs: dict) -> bool:
-        if self.plan.part == "decoder":
+        if not self.plan.causal:
             return not kwargs
         cache, idx = kwargs.get("feat_cache"), kwargs.get("feat_idx")
         if set(kwargs) != self.plan.keywords or type(cache) is not list or type(idx) is not list or idx != [0]:
@@ -373,7 +404,7 @@ class _Replayer(nn.Module):
         count = len(self.plan.jobs)
         out = next(self.outputs, None)
         if out is None:
-            raise RuntimeError(f"decode_tiles answered {j} tensors for {count} {self.plan.noun}")
+            raise RuntimeError(f"decode_jobs answered {j} tensors for {count} {self.plan.noun}")
         like = self.plan.answers[j]
         if not (
             isinstance(out, torch.Tensor)
@@ -383,7 +414,7 @@ class _Replayer(nn.Module):
         ):
             got = f"{tuple(out.shape)} {out.dtype} on {out.device}" if isinstance(out, torch.Tensor) else type(out)
             want = f"{tuple(like.shape)} {like.dtype} on {device}"
-            raise RuntimeError(f"decode_tiles' output {j} of {count} is {got}, the decoder's would be {want}")
+            raise RuntimeError(f"decode_jobs' output {j} of {count} is {got}, the decoder's would be {want}")
         return out
 
 

@@ -17,6 +17,7 @@ from vae_service.engine.errors import (
     LimitExceeded,
     OutOfMemory,
     Overloaded,
+    Unavailable,
 )
 from vae_service_client.errors import ERROR_KINDS, VaeServiceError, error_json, grpc_trailers, make_error
 from vae_service_client.tensors import WireError
@@ -34,11 +35,6 @@ class BodyTimeout(InvalidInput):
 
 class Unauthenticated(DecodeError):
     """No bearer token, or not the service's (the same answer for both)."""
-
-
-class Unavailable(Overloaded):
-    """The replica holding the request went away (killed, crashed, scaled down hard). Decoding is
-    idempotent, so the client's retry after `retry_after_s` succeeds on another replica."""
 
 
 # most specific first: the first class an exception is an instance of decides its type

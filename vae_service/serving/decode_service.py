@@ -11,8 +11,9 @@ keeps to that one deadline, and a caller that goes away marks it abandoned, whic
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
@@ -20,10 +21,12 @@ import torch
 
 from vae_service.config import LiveConfig, ServiceConfig
 from vae_service.engine import DecodeEngine, DecodeRequest, DecodeResult, PreparedRequest
-from vae_service.engine.call import TileSpreader
-from vae_service.engine.context import RequestContext
+from vae_service.engine.call import DecodeCall
+from vae_service.engine.context import WAIT_SLICE_S, RequestContext
 from vae_service.engine.errors import DecodeTimeout, InvalidInput, LimitExceeded, OutOfMemory, Overloaded
 from vae_service.engine.result import PendingResult
+from vae_service.engine.tile_executor import Accepted, Chunk, End, Lost, Refused, TilePeers
+from vae_service.engine.tile_jobs import TileJob
 from vae_service.serving.batcher import BatcherLimits, BatchStats, DeadlineExceeded, KeyedBatcher, QueueFull
 from vae_service.serving.encoders import EncoderPool
 from vae_service.serving.frame_stream import FrameStream
@@ -33,6 +36,7 @@ from vae_service.serving.frame_stream import FrameStream
 # ~0.07 ms, so up to 256 KiB the hop would cost as much as it saves.
 INLINE_BYTES = 256 * 1024
 PRICING_QUEUE = 8  # requests waiting for a per-shape price before more are refused (429)
+TILE_CHUNKS_AHEAD = 2  # a taken tile's chunks decoded and not yet sent: the decode waits for the send
 
 
 def batcher_limits(config: ServiceConfig) -> BatcherLimits:
@@ -49,11 +53,12 @@ class DecodeService:
         on_rejected: Callable[[BaseException], None] | None = None,
         on_decoded: Callable[[DecodeResult], None] | None = None,
         on_first_frames: Callable[[str, float], None] | None = None,
-        spread: TileSpreader | None = None,
+        peers: TilePeers | None = None,
     ):
         self.config = config
         self.engine = engine or DecodeEngine(config)
-        self.spread = spread  # tiled requests: tiles decoded by other replicas (tile_spread.py)
+        self.peers = peers  # tiled requests share their tiles with these (serving/tile_peers.py)
+        self._tile_taken = False  # this replica decodes a tile of another's request now
         bind = self.engine.bind_thread
         # one thread feeds the device, set up once like the engine wants (torch's CPU thread count)
         self.device_thread = ThreadPoolExecutor(1, thread_name_prefix="vae-device", initializer=bind)
@@ -76,7 +81,7 @@ class DecodeService:
     def _decode_batch(self, batch: list[PreparedRequest], abandoned) -> list:
         # the device thread takes its next batch while this one's output is still copied to the
         # host (CUDA); the wait happens in _decode_prepared, off the device thread
-        return self.engine.decode(batch, abandoned, defer_host_copy=True, spread=self.spread)
+        return self.engine.decode(batch, abandoned, defer_host_copy=True, peers=self.peers)
 
     def _observe(self, stats: BatchStats) -> None:
         self.decoded_items += stats.items
@@ -123,7 +128,7 @@ class DecodeService:
         prepared = await self._prepare(parse, size, self.admit())
         if not prepared.request.stream:
             return await self._decode_prepared(prepared)
-        stream = FrameStream(prepared.items)
+        stream = FrameStream(prepared.items, prepared.context)
         await stream.start(asyncio.ensure_future(self._decode_prepared(replace(prepared, sink=stream.sink))))
         if self.on_first_frames is not None:
             self.on_first_frames(prepared.request.quality, (time.perf_counter() - arrived) * 1e3)
@@ -175,6 +180,8 @@ class DecodeService:
 
     async def _decode_prepared(self, prepared: PreparedRequest) -> DecodeResult:
         arrived, context = time.perf_counter(), prepared.context
+        if self.peers is not None and getattr(self.peers, "loop", False) is None:
+            self.peers.loop = asyncio.get_running_loop()  # where its tiles' answers are read
         finished = False
         try:
             result = await self.batcher.submit(prepared, timeout_s=context.remaining())
@@ -205,6 +212,75 @@ class DecodeService:
             return await asyncio.wait_for(self.encoders.finish(result), context.remaining())
         except TimeoutError:
             raise DecodeTimeout("output", "not encoded within request_timeout_s") from None
+
+    # ---- a tile of another replica's request -------------------------------------------------
+    async def tile(self, job: TileJob, fingerprint: str, remaining_s: float, replica: str) -> AsyncIterator:
+        """A tile another replica offers (engine/tile_executor.py's SharedTiles): `Refused` at once
+        unless this replica is free for it, else `Accepted`, the job's output chunk by chunk, `End`.
+
+        Free: the same fingerprint (else it would decode other bits), time left, no tile of any
+        request here already, the device idle (no batch running or queued: a tile never runs beside
+        one), and the tile's price within this replica's own bound. A taken tile runs on the device
+        thread, queued there before anything else can be (a batch arriving meanwhile waits for one
+        tile), at most TILE_CHUNKS_AHEAD chunks ahead of what was sent; the request's deadline, or
+        the stream's cancellation (the requester left or finished), stops it at its next decoder
+        call."""
+        why = self._cannot_take(job, fingerprint, remaining_s)
+        if why is not None:
+            yield Refused(why)
+            return
+        self._tile_taken = True
+        context = RequestContext(time.monotonic() + remaining_s, self.config.limits, fingerprint)
+        loop, sent, stop = asyncio.get_running_loop(), asyncio.Queue(), threading.Event()
+        room = threading.Semaphore(TILE_CHUNKS_AHEAD)
+
+        def decode() -> None:
+            call = DecodeCall([context], fingerprint, batch_gone=stop, running_members=(0,))
+            try:
+                with call.running():  # the decoder's checkpoint stops it once nobody reads it
+                    chunks = self.engine.run_tile(job, fingerprint)
+                    while call.checkpoint() or (pixels := next(chunks, None)) is not None:
+                        host = pixels.cpu()
+                        while not room.acquire(timeout=WAIT_SLICE_S):
+                            call.checkpoint()
+                        loop.call_soon_threadsafe(sent.put_nowait, host)
+            finally:
+                loop.call_soon_threadsafe(sent.put_nowait, None)
+
+        decoding = loop.run_in_executor(self.device_thread, decode)  # before any await: first in line
+        count = 0
+        try:
+            yield Accepted(replica)
+            while (pixels := await sent.get()) is not None:
+                room.release()
+                count += 1
+                yield Chunk(pixels)
+            try:
+                await decoding
+            except torch.OutOfMemoryError:
+                yield Lost("this replica ran out of device memory for the tile")
+                return
+            except DecodeTimeout:
+                return  # its deadline passed (the requester answers 504) or nobody reads it any more
+            yield End(count)
+        finally:
+            stop.set()
+            await asyncio.wait({decoding})
+            decoding.exception()  # retrieved: seen above or of no interest once the reader left
+            self._tile_taken = False
+
+    def _cannot_take(self, job: TileJob, fingerprint: str, remaining_s: float) -> str | None:
+        engine = self.engine
+        if fingerprint != engine.fingerprint:
+            return f"this replica decodes as {engine.fingerprint}, the request's replica as {fingerprint}"
+        if remaining_s <= 0:
+            return "the request's deadline passed before the tile arrived"
+        if self._tile_taken or self.batcher.running or self.batcher.queued_items():
+            return "busy: its device is not idle"
+        need, bound = engine.cost.job_peak(job), engine.cost.bound(self.config.limits)
+        if need is not None and need > bound:
+            return f"the tile needs about {need / 2**30:.3g} GiB, over this replica's max_decode_bytes"
+        return None
 
     def describe(self) -> dict:
         return {

@@ -8,22 +8,32 @@ frames begin (`retried_from_frame`: every item's frames before it are the first 
 retry's can differ from those in their last bits, or as much as tiling changes them). Leaving the stream early (a
 client that went away) cancels the request; a decode whose requests are all gone stops at its
 next chunk.
+
+The stream holds at most `CHUNKS_AHEAD` chunks its reader has not taken: the device thread waits to
+hand over more (in slices that check the request), so a slow reader slows its decode instead of
+piling a clip up here. (Serve passes what the replica sends on to the proxy without backpressure:
+what a slow HTTP client has not read waits there.)
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
+from vae_service.engine.context import RequestContext
 from vae_service.engine.result import DecodeResult
 from vae_service.engine.video import FrameChunk
 
+CHUNKS_AHEAD = 4  # chunks handed over and not yet taken by the stream's reader
+
 
 class FrameStream:
-    def __init__(self, items: int) -> None:
-        self._loop = asyncio.get_running_loop()
+    def __init__(self, items: int, context: RequestContext) -> None:
+        self._loop, self._context = asyncio.get_running_loop(), context
         self._queue: asyncio.Queue[FrameChunk] = asyncio.Queue()
+        self._room = threading.Semaphore(CHUNKS_AHEAD)
         self._sent = [0] * items  # per item: frames passed on
         self._retried_from: int | None = None
         self._task: asyncio.Future | None = None
@@ -31,8 +41,13 @@ class FrameStream:
         self._first = None
 
     def sink(self, chunk: FrameChunk) -> None:
-        """Called on the device thread."""
+        """Called on the device thread: waits while CHUNKS_AHEAD chunks are not taken yet."""
+        self._context.wait_until(lambda s: self._room.acquire(timeout=s), "a stream's reader taking its frames")
         self._loop.call_soon_threadsafe(self._queue.put_nowait, chunk)
+
+    def _take(self, chunk: FrameChunk) -> FrameChunk | None:
+        self._room.release()
+        return self._fresh(chunk)
 
     async def start(self, decode: asyncio.Future) -> None:
         """Wait for the first frames; an error before them (queue full, timeout, bad latents) is
@@ -80,12 +95,12 @@ class FrameStream:
                     if not getter.done():
                         getter.cancel()
                 if getter.done() and not getter.cancelled():
-                    chunk = self._fresh(getter.result())
+                    chunk = self._take(getter.result())
                     if chunk is not None:
                         yield chunk
                     continue
                 while not self._queue.empty():  # handed over before the result arrived
-                    chunk = self._fresh(self._queue.get_nowait())
+                    chunk = self._take(self._queue.get_nowait())
                     if chunk is not None:
                         yield chunk
                 yield replace(self._task.result(), retried_from_frame=self._retried_from)

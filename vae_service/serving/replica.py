@@ -9,16 +9,12 @@ that decoded it. `reconfigure` (Serve's user_config) applies limits and batching
 
 from __future__ import annotations
 
-import asyncio
-import functools
 import logging
 import os
-from concurrent.futures import ThreadPoolExecutor
 
 from ray import serve
 
 from vae_service.config import LIVE_FIELDS, SHUTDOWN_MARGIN_S, LiveConfig, ServiceConfig
-from vae_service.engine.errors import DecodeTimeout
 from vae_service.protocol.errors import Unauthenticated, wire_error
 from vae_service.serving import metrics
 from vae_service.serving.admission import Admission
@@ -35,7 +31,7 @@ from vae_service.serving.grpc_servicer import (
 from vae_service.serving.handle_api import handle_decode, handle_decode_frames
 from vae_service.serving.http_routes import HttpAnswer, decode_answer, decode_events, remote_decode_answer
 from vae_service.serving.proxy_guard import missing_guard_warning
-from vae_service.serving.tile_spread import ReplicaTiles, TileAnswer, run_tile, stream_tile, sub_decode_context
+from vae_service.serving.tile_peers import ReplicaPeers
 
 log = logging.getLogger("ray.serve")  # Serve writes it to the replica's own log file
 
@@ -107,17 +103,16 @@ class DecoderReplica:
         config = ServiceConfig.model_validate(config)
         self.deployed, self.serve_options = config, dict(serve_options or {})
         self.admission = Admission.from_config(config)  # the token; HTTP routes also its body limits
-        spread = ReplicaTiles(config.serving.retry_after_s) if config.parallel.tiles_across_replicas else None
+        peers = ReplicaPeers(config.serving.retry_after_s) if config.parallel.tiles_across_replicas else None
         self.service = DecodeService(
             config,
-            spread=spread,
+            peers=peers,
             on_batch=self._observe_batch,
             on_rejected=self._count_rejected,
             on_decoded=self._observe_result,
             on_first_frames=self._observe_first_frames,
         )
         engine = self.service.engine
-        self.tile_thread = ThreadPoolExecutor(1, thread_name_prefix="vae-tile", initializer=engine.bind_thread)
         self.model = engine.spec.name
         d = engine.describe()  # one short line; the whole description is GET /health
         log.info(
@@ -226,35 +221,12 @@ class DecoderReplica:
         async for message in handle_decode_frames(self.service, latents, quality=quality, output=output, **options):
             yield message
 
-    async def decode_tile(self, latents, part: str, fingerprint: str, remaining_s: float) -> TileAnswer:
-        """An image tile of a request (tile_spread.py): its pixels on the host, or why it is refused
-        (another fingerprint, no time left). On the replica's one tile thread, not behind the device
-        thread (where a request's own replica waits for its tiles): one tile at a time, beside at
-        most the device thread's batch."""
-        engine = self.service.engine
-        context = sub_decode_context(fingerprint, remaining_s, engine.fingerprint)
-        if isinstance(context, str):
-            return TileAnswer(None, replica_id(), context)
-        decode = functools.partial(engine.decode_tile, latents, part, fingerprint)
-        try:
-            pixels = await run_tile(self.tile_thread, decode, context)
-        except DecodeTimeout as exc:  # nobody waits for it any more
-            return TileAnswer(None, replica_id(), exc.message)
-        return TileAnswer(pixels, replica_id())
-
-    async def decode_tile_chunks(
-        self, latents, quality: str, timestep: float | None, fingerprint: str, remaining_s: float
-    ):
-        """A video tile of a request: its chunks as decoded (a streaming method:
-        `handle.options(stream=True)`), or one refusal; on the tile thread like an image tile."""
-        engine = self.service.engine
-        context = sub_decode_context(fingerprint, remaining_s, engine.fingerprint)
-        if isinstance(context, str):
-            yield TileAnswer(None, replica_id(), context)
-            return
-        chunks = functools.partial(engine.tile_chunks, latents, quality, timestep, fingerprint)
-        async for chunk in stream_tile(self.tile_thread, chunks, context):
-            yield TileAnswer(chunk, replica_id())
+    async def decode_tile_job(self, job, fingerprint: str, remaining_s: float):
+        """A tile of another replica's request (engine/tile_jobs.py), through a streaming handle:
+        `Refused` at once unless this replica is free for it, else `Accepted`, its output chunk by
+        chunk on the device thread, `End` (DecodeService.tile)."""
+        async for message in self.service.tile(job, fingerprint, remaining_s, replica_id()):
+            yield message
 
     def release_folded(self) -> int:
         """Drop the fast path's folded weights now (the next `high` decode rebuilds them)."""
@@ -270,8 +242,6 @@ class DecoderReplica:
             return
         # let queued and running batches finish, then give the folded buffers back.
         drained = await self.service.drain(drain_timeout_s(self.service.live, self.serve_options))
-        if "tile_thread" in self.__dict__:
-            await asyncio.to_thread(self.tile_thread.shutdown, True)  # a tile in flight finishes first
         freed = self.release_folded()
         log.info(
             "replica %s shutting down: drained=%s, released %d bytes of folded buffers", replica_id(), drained, freed
