@@ -27,6 +27,7 @@ import torch
 
 from tests.cluster.conftest import FakeCluster, serve_gpu_config, wait_for
 from tests.models import reference_decode, torch_threads
+from tests.peers import here_only
 from vae_service.config import ServiceConfig
 from vae_service.engine import DecodeEngine, DecodeRequest
 from vae_service_client import VaeClient
@@ -204,7 +205,7 @@ def test_a_node_killed_under_load_costs_clients_only_retries(fake_cluster, expec
     assert load.statuses[(503, True)] > 0 and max(load.attempts) > 1, (load.statuses, load.attempts)  # it hit
 
 
-SPREAD = {"tiles_across_replicas": True, "min_output_pixels": 48 * 48}  # 64x64-pixel tiles of 8 latent px
+SPREAD = {"min_output_pixels": 48 * 48}  # 64x64-pixel tiles of 8 latent px, shared while a replica is idle
 
 
 def test_tiles_decoded_on_two_nodes_are_the_one_replica_plan_bit_for_bit(fake_cluster):
@@ -220,7 +221,8 @@ def test_tiles_decoded_on_two_nodes_are_the_one_replica_plan_bit_for_bit(fake_cl
     assert args.device == "cpu" and args.cpu_threads == 1 and args.parallel.tiles_across_replicas
     engine = DecodeEngine(args)
     with torch_threads(1):
-        (one,) = engine.decode([engine.prepare(DecodeRequest(z, quality="high", output="float", latents_scaled=True))])
+        request = DecodeRequest(z, quality="high", output="float", latents_scaled=True)
+        (one,) = engine.decode([here_only(engine.prepare(request))])  # the same tiles, all decoded here
     assert answer.tiled and answer.quality == "high"
     assert answer.timing["replicas"] == 2  # both replicas decoded tiles, each on its own node
     assert len(set(cluster.replicas().values())) == 2

@@ -243,7 +243,8 @@ class DecodeEngine:
     def run_tile(self, job: TileJob, fingerprint: str) -> Iterator[torch.Tensor]:
         """A tile of another replica's request (engine/tile_jobs.py): its output chunk by chunk, as
         that replica's own plan would decode it here. Refused (WrongFingerprint) where this engine
-        would decode other bits. Run it to its end on one thread: the job's tier holds throughout."""
+        would decode other bits. Run it and close it on one thread: the job's tier and inference
+        mode hold on it throughout, and only that thread may restore them."""
         if fingerprint != self.fingerprint:
             raise WrongFingerprint(
                 "fingerprint", f"this replica decodes as {self.fingerprint}, the request's replica as {fingerprint}"

@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import closing
 from dataclasses import replace
 
 import torch
@@ -237,12 +238,12 @@ class DecodeService:
         def decode() -> None:
             call = DecodeCall([context], fingerprint, batch_gone=stop, running_members=(0,))
             try:
-                with call.running():  # the decoder's checkpoint stops it once nobody reads it
-                    chunks = self.engine.run_tile(job, fingerprint)
+                # closed here however it ends: its inference mode and gate are this thread's to restore
+                with call.running(), closing(self.engine.run_tile(job, fingerprint)) as chunks:
                     while call.checkpoint() or (pixels := next(chunks, None)) is not None:
                         host = pixels.cpu()
                         while not room.acquire(timeout=WAIT_SLICE_S):
-                            call.checkpoint()
+                            call.checkpoint()  # the decode stops once nobody reads it
                         loop.call_soon_threadsafe(sent.put_nowait, host)
             finally:
                 loop.call_soon_threadsafe(sent.put_nowait, None)
