@@ -49,6 +49,21 @@ def test_fingerprints_differ_exactly_where_the_bits_would(kl_engines):
     assert parts["digest"] == prints["here"] and parts["cpu_threads"] == 1 and parts["precision"] == "fp32"
 
 
+def test_replicas_of_one_model_agree_on_its_fingerprint_whatever_the_process():
+    """diffusers' bookkeeping keys (`_use_default_values` is a set's order, which varies with each
+    process's hash seed; `_name_or_path` with where a node loaded the folder) never split replicas
+    of one model into fingerprints that refuse each other's tiles."""
+    from vae_service.models import load_vae
+    from vae_service.models.probe_cache import config_digest
+    from vae_service.models.spec import jsonable_config
+
+    config = jsonable_config(load_vae("tiny-kl", name="kl").vae)
+    assert len(config["_use_default_values"]) > 1  # a set's order: another process lists it otherwise
+    other_process = {**config, "_use_default_values": config["_use_default_values"][::-1], "_name_or_path": "/x"}
+    assert config_digest(config) == config_digest(other_process)
+    assert config_digest(config) != config_digest({**config, "scaling_factor": 0.5})  # what decodes still counts
+
+
 def test_the_items_of_a_request_nobody_waits_for_are_not_decoded(kl_engines, monkeypatch):
     """A lossless batch of two requests, the first already past its deadline: it is answered 504
     without a decoder call; the second decodes as usual."""

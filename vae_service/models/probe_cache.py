@@ -20,7 +20,11 @@ from typing import Any, ClassVar
 
 
 def config_digest(config: dict) -> str:
-    return hashlib.blake2b(json.dumps(config, sort_keys=True, default=str).encode(), digest_size=8).hexdigest()
+    """The config's digest, without diffusers' bookkeeping (`_`-keys: where it was loaded from, which
+    keys took defaults, in an order that differs between processes): two replicas of one model
+    agree on it."""
+    kept = {k: v for k, v in config.items() if not k.startswith("_")}
+    return hashlib.blake2b(json.dumps(kept, sort_keys=True, default=str).encode(), digest_size=8).hexdigest()
 
 
 @dataclass(frozen=True)
