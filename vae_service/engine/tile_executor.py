@@ -31,6 +31,7 @@ stops it within one, and every tile still out is cancelled.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -49,6 +50,7 @@ log = logging.getLogger(__name__)
 TILE_WINDOW = 8  # jobs from the blend's to the furthest decoding: at most this many held or out
 OFFER_WAIT_S = 0.5  # an offer no replica has taken by then (Serve still routing it) is decoded here
 STREAM_REFUSALS = 2  # video tiles are offered at the start until this many were refused
+DISPATCH_POLL_S = 0.005  # how often the dispatcher looks for replicas' answers while none comes
 
 
 @dataclass(frozen=True)
@@ -311,11 +313,13 @@ class SharedTiles:
 
 
 class _Outputs:
-    """One run of single-output jobs shared with replicas: this device decodes from the blend's end
-    of the window, replicas take jobs from its far end, one offer open at a time (each routed before
-    the next). A refusal pauses the offers for as many tiles decoded here as 2 ** (refusals in a
-    row - 1): a busy deployment is asked less and less; a tile out that comes back (a slot freed)
-    ends the pause."""
+    """One run of single-output jobs shared with replicas. This device takes jobs from the blend's
+    end of a window of TILE_WINDOW jobs and waits for the outputs the blend needs next; a dispatcher
+    thread gives jobs from the window's far end to replicas, one offer open at a time (each routed
+    before the next), and takes their outputs as they come, so a replica that finished a tile is
+    offered the next at once, not when this device next looks. A refusal pauses the offers for as
+    many tiles decoded here as 2 ** (refusals in a row - 1): a busy deployment is asked less and
+    less; a tile that comes back (a slot freed) ends the pause."""
 
     def __init__(self, shared: SharedTiles, jobs: list[TileJob]):
         self.shared, self.jobs = shared, jobs
@@ -323,12 +327,18 @@ class _Outputs:
         self.out: dict[int, _Out] = {}  # given to replicas, not back yet
         self.held: dict[int, torch.Tensor] = {}  # outputs the blend has not reached
         self.open: _Out | None = None  # the offer not answered yet
-        self.pause = 0  # tiles this device decodes before the next offer
-        self.refusals = 0  # in a row
         self.resend: list[int] = []  # lost: offered once more before this device takes them
+        self.refusals = 0  # in a row
+        self.decoded_here = 0
+        self.resume_at = 0  # decoded_here at which offers resume after a refusal
+        self.nxt = 0  # the job the blend needs next
+        self.failed: BaseException | None = None  # the dispatcher's, raised on the device thread
+        self.ended = False
+        self.changed = threading.Condition()  # guards all of the above
 
     def run(self, optional: bool) -> Iterator[TileOutput]:
         shared, n = self.shared, len(self.jobs)
+        dispatcher = None
         try:
             if optional:  # the window's far end, answered before any work here
                 far = min(n, TILE_WINDOW) - 1
@@ -337,77 +347,131 @@ class _Outputs:
                     raise NotShared
                 self.unstarted.remove(far)
                 self.out[far] = first
-            nxt = 0
-            while nxt < n:
-                self._sweep(0.0)
-                window = [j for j in self.unstarted if j < nxt + TILE_WINDOW]
-                if self.open is None and self.resend:
-                    j = self.resend.pop(0)
-                    self.open = self.out[j] = shared.offer(self.jobs[j], j)
-                elif self.open is None and not self.pause and window and window[-1] != nxt:
-                    self.open = self.out[window[-1]] = shared.offer(self.jobs[window[-1]], window[-1])
-                    self.unstarted.remove(window[-1])
-                if nxt in self.held:
-                    yield TileOutput(nxt, self.held.pop(nxt))
-                    nxt += 1
-                elif self.open is not None and window:  # its answer first: another offer may follow
-                    shared.call.context.check("a tile's offer")
-                    self._sweep(WAIT_SLICE_S, only=self.open)
-                elif nxt in self.unstarted:
-                    self.unstarted.remove(nxt)
-                    yield TileOutput(nxt, self._here(nxt))
-                    nxt += 1
-                elif window:  # the blend waits for a replica: a tile ahead meanwhile
-                    self.unstarted.remove(window[0])
-                    self.held[window[0]] = self._here(window[0])
-                else:
-                    shared.call.context.check("tiles decoded by other replicas")
-                    self._sweep(WAIT_SLICE_S, only=self.out[nxt])
+            dispatcher = threading.Thread(target=self._dispatch, daemon=True, name="vae-tile-dispatch")
+            dispatcher.start()
+            while self.nxt < n:
+                j, pixels = self._next_here()
+                if j is None:
+                    yield TileOutput(self.nxt, pixels.to(shared.device))
+                    with self.changed:
+                        self.nxt += 1
+                    continue
+                pixels = self._here(j)
+                with self.changed:
+                    self.decoded_here += 1
+                    if j != self.nxt:
+                        self.held[j] = pixels
+                        continue
+                yield TileOutput(j, pixels)
+                with self.changed:
+                    self.nxt += 1
         finally:
+            with self.changed:
+                self.ended = True
+                self.changed.notify_all()
+            if dispatcher is not None:
+                dispatcher.join()
             for o in self.out.values():
                 o.close()
 
+    def _next_here(self) -> tuple[int | None, torch.Tensor | None]:
+        """(None, output) when the blend's next output is here; else (j, None): decode job j here
+        (the blend's next, or one ahead of it while the blend waits for a replica)."""
+        context = self.shared.call.context
+        with self.changed:
+            while True:
+                if self.failed is not None:
+                    raise self.failed
+                if self.nxt in self.held:
+                    return None, self.held.pop(self.nxt)
+                ahead = [j for j in self.unstarted if j < self.nxt + TILE_WINDOW]
+                if ahead:
+                    self.unstarted.remove(ahead[0])
+                    return ahead[0], None
+                context.check("tiles decoded by other replicas")
+                self.changed.wait(WAIT_SLICE_S)
+
     def _here(self, j: int) -> torch.Tensor:
         (pixels,) = self.shared.local.lazy(self.jobs[j])
-        self.pause = max(0, self.pause - 1)
         return pixels
 
-    def _sweep(self, timeout_s: float, only: _Out | None = None) -> None:
-        """Take what replicas sent (waiting up to `timeout_s` on `only`); tiles refused or lost go
-        back to the unstarted."""
-        shared = self.shared
-        for j, o in list(self.out.items()):
-            if only is not None and o is not only:
-                continue
-            try:
-                while shared.pump(o, timeout_s) and o.ended is None:
-                    timeout_s = 0.0
-            except TileRefused:
-                self.refusals += 1
-                self.pause = 2 ** (self.refusals - 1)
-                self._back(j)
-            except TileLost as error:
-                self._lost(j, error)
+    # ---- the dispatcher thread -------------------------------------------------------------
+    def _dispatch(self) -> None:
+        try:
+            while not self.ended:
+                self._offer_next()
+                if not self._sweep():
+                    with self.changed:
+                        self.changed.wait(DISPATCH_POLL_S)
+        except BaseException as error:  # the request's failure (503, a replica's bug): the device raises it
+            with self.changed:
+                self.failed = error
+                self.changed.notify_all()
+
+    def _offer_next(self) -> None:
+        with self.changed:
+            if self.open is not None or self.ended:
+                return
+            if self.resend:
+                j = self.resend.pop(0)
             else:
-                if o.ended is not None:
-                    if len(o.chunks) == 1 == o.ended.chunks:
-                        self.held[j] = shared.used(o, o.chunks[0])
-                        self.pause = self.refusals = 0
-                        del self.out[j]
-                    else:
-                        self._lost(j, TileLost("its stream ended without the tile"))
-            if self.open is o and (o.replica is not None or j not in self.out):
-                self.open = None
+                far = [j for j in self.unstarted if self.nxt < j < self.nxt + TILE_WINDOW]
+                if not far or self.decoded_here < self.resume_at:
+                    return
+                j = far[-1]
+                self.unstarted.remove(j)
+        out = self.shared.offer(self.jobs[j], j)
+        with self.changed:
+            self.open = self.out[j] = out
 
-    def _lost(self, j: int, error: TileLost) -> None:
-        self.shared.lost(j, error)
-        self.out.pop(j).close()
-        self.resend.append(j)
+    def _sweep(self) -> bool:
+        """Take what replicas sent; tiles refused or lost go back. Whether anything came."""
+        shared, came = self.shared, False
+        with self.changed:
+            outs = list(self.out.items())
+        for j, o in outs:
+            try:
+                while shared.pump(o, 0.0):
+                    came = True
+            except TileRefused:
+                came = True
+                with self.changed:
+                    self._forget(j, o)
+                    self.unstarted = sorted([*self.unstarted, j])
+                    self.refusals += 1
+                    self.resume_at = self.decoded_here + 2 ** (self.refusals - 1)
+            except TileLost as error:
+                came = True
+                shared.lost(j, error)  # a second loss raises (503)
+                with self.changed:
+                    self._forget(j, o)
+                    self.resend.append(j)
+            else:
+                if o.ended is None:
+                    continue
+                if not (len(o.chunks) == 1 == o.ended.chunks):
+                    shared.lost(j, TileLost("its stream ended without the tile"))
+                    with self.changed:
+                        self._forget(j, o)
+                        self.resend.append(j)
+                    continue
+                shared.call.replicas.add(o.replica)
+                with self.changed:
+                    self._forget(j, o)
+                    self.held[j] = o.chunks[0]  # on the host until the blend takes it
+                    self.refusals = self.resume_at = 0
+                    self.changed.notify_all()
+            with self.changed:
+                if self.open is o and (o.replica is not None or j not in self.out):
+                    self.open = None
+        return came
 
-    def _back(self, j: int) -> None:
-        self.out.pop(j).close()
-        self.unstarted.append(j)
-        self.unstarted.sort()
+    def _forget(self, j: int, o: _Out) -> None:
+        """`o` out of the books (under the lock)."""
+        self.out.pop(j, None)
+        o.close()
+        if self.open is o:
+            self.open = None
 
 
 class _LocalRun:
