@@ -13,7 +13,9 @@
 #   - one request over every GPU of the machine (bench_parallel.py --devices, no Ray): Wan 81
 #     frames at 480x832 and 720x1280 and an sd 2048 px image, `high`, untiled vs tiled on one GPU
 #     vs its tiles dealt to all GPUs (one: what dealing and blending cost), bit-identity (else
-#     the max difference), blend+transfer time.
+#     the max difference), blend+transfer time;
+#   - `lossless` above the bound (bench_replay.py): the class's tiled decode direct vs recorded and
+#     replayed, and its decoder calls' share (what replicas can take).
 # Targets (issue notes): high <= 22 ms at 1024 px and <= 130 ms at 2048 px; lossless <= 80 ms;
 # Wan lossless <= 1.3 s and high <= 0.8 s at 480p, high <= 2.0 s at 720p; png/uint8 <= 1.3.
 # Needs torch, triton, diffusers, pydantic, msgpack, numpy, pillow, pytest, av.
@@ -43,4 +45,7 @@ memory_rc=$?
 "$PY" bench/bench_parallel.py --devices all --precision bf16 --repeat 2 \
   --cases wan2.1:480x832:21 wan2.1:720x1280:21 sd:2048
 parallel_rc=$?
-exit $(( tests_rc || bench_rc || encode_rc || video_rc || memory_rc || parallel_rc ))
+# `lossless` above the bound: what recording and replaying the class's tiled decode costs on the GPU
+"$PY" bench/bench_replay.py --device cuda --precision bf16 --repeat 3 --cases sd:2048 flux:2048
+replay_rc=$?
+exit $(( tests_rc || bench_rc || encode_rc || video_rc || memory_rc || parallel_rc || replay_rc ))
