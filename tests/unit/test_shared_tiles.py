@@ -217,15 +217,18 @@ def test_an_offer_carries_the_requests_fingerprint_and_the_time_left(models):
     assert deployment.sent and all(f == here.fingerprint and 0 < left <= 9 for f, left in deployment.sent)
 
 
-def test_a_taken_tile_stops_at_the_requests_deadline(models):
+def test_a_taken_tile_stops_at_the_requests_deadline(models, monkeypatch):
     here, (replica, _) = models["wan"]
-    calls = []
+    engine, decoded = replica.service.engine, []
+    run_tile = engine.run_tile
 
-    def slow(module, args):
-        calls.append(1)
-        time.sleep(0.15)
+    def slow(job, fingerprint):  # injected: each latent frame of the tile takes 0.15 s
+        for chunk in run_tile(job, fingerprint):
+            decoded.append(1)
+            time.sleep(0.15)
+            yield chunk
 
-    hook = replica.service.engine.vae.decoder.mid_block.register_forward_pre_hook(slow)
+    monkeypatch.setattr(engine, "run_tile", slow)
     with torch_threads(1):
         prepared = here.prepare(DecodeRequest(latents(here, 8, 8, frames=8), quality="high", latents_scaled=True))
     job = TierTile(here.runtime.scaling.to_decoder_input(prepared, here.device), "high")
@@ -233,12 +236,9 @@ def test_a_taken_tile_stops_at_the_requests_deadline(models):
     async def read_all():
         return [m async for m in replica.service.tile(job, here.fingerprint, 0.4, replica.name)]
 
-    try:
-        messages = replica.call(read_all())
-    finally:
-        hook.remove()
+    messages = replica.call(read_all())
     assert isinstance(messages[0], Accepted) and not isinstance(messages[-1], End)  # stopped, not finished
-    assert len(calls) < 8 and not replica.service._tile_taken
+    assert len(decoded) < 8 and not replica.service._tile_taken
 
 
 def test_busy_replicas_take_no_tile_a_tiled_request_decodes_here_and_an_optional_grid_whole(models, kl_dir):
@@ -474,12 +474,19 @@ def test_the_out_of_memory_retry_shares_its_tiles_through_the_same_executor(mode
 
 
 # ---- bounded streams ------------------------------------------------------------------------------
-def test_a_taken_video_tile_decodes_only_a_few_chunks_ahead_of_what_was_sent(models):
+def test_a_taken_video_tile_decodes_only_a_few_chunks_ahead_of_what_was_sent(models, monkeypatch):
     from vae_service.serving.decode_service import TILE_CHUNKS_AHEAD
 
     here, (replica, _) = models["wan"]
-    frames, calls = 6, []
-    hook = replica.service.engine.vae.decoder.mid_block.register_forward_pre_hook(lambda m, a: calls.append(1))
+    frames, calls, engine = 6, [], replica.service.engine
+    run_tile = engine.run_tile
+
+    def counted(job, fingerprint):
+        for chunk in run_tile(job, fingerprint):
+            calls.append(1)  # decoded
+            yield chunk
+
+    monkeypatch.setattr(engine, "run_tile", counted)
     with torch_threads(1):
         request = DecodeRequest(latents(here, 8, 8, frames=frames), quality="high", latents_scaled=True)
         job = TierTile(here.runtime.scaling.to_decoder_input(here.prepare(request), here.device), "high")
@@ -495,11 +502,9 @@ def test_a_taken_video_tile_decodes_only_a_few_chunks_ahead_of_what_was_sent(mod
         finally:
             await messages.aclose()
 
-    try:
-        decoded_unread, rest = replica.call(read_slowly())
-    finally:
-        hook.remove()
-    assert decoded_unread <= TILE_CHUNKS_AHEAD + 1 < frames  # the ones queued, and one waiting to be
+    decoded_unread, rest = replica.call(read_slowly())
+    # the ones queued, and one decoded waiting for room; never the whole tile
+    assert 0 < decoded_unread <= TILE_CHUNKS_AHEAD + 1 < frames
     assert len(rest) == frames + 1 and rest[-1] == End(frames)
 
 

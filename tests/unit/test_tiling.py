@@ -538,13 +538,13 @@ def test_tiling_none_is_never_tiled_and_413_naming_tiling_over_the_bound(engines
         assert err.value.field == "tiling" and err.value.message.startswith("tiling: 'none': decoding these")
         prepared, result = decode(engine, request, bound=whole)
         assert prepared.tiling is None and not result.tiled
-    spread_from, engine.spread_from_pixels = engine.spread_from_pixels, 64  # `high` spread in tiles within the bound
+    share_from, engine.share_from_pixels = engine.share_from_pixels, 64  # `high` in tiles within the bound, if shared
     try:
         request = DecodeRequest(latents_for(engine, 24, 20), quality="high", latents_scaled=True)
         assert decode(engine, request)[0].tiling is not None
         assert decode(engine, replace(request, tiling="none"))[0].tiling is None
     finally:
-        engine.spread_from_pixels = spread_from
+        engine.share_from_pixels = share_from
 
 
 def test_tiling_model_is_refused_naming_tiling_for_another_tier_or_a_class_without_one():

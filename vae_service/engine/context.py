@@ -1,5 +1,5 @@
 """One request's context, built once at admission and carried everywhere below it: `prepare`, the
-batcher, the engine's call, every tile and every sub-decode on another replica.
+batcher, the engine's call, every tile, here or on another replica.
 
 - `deadline`: an absolute time (time.monotonic) fixed at admission from the live
   `batching.request_timeout_s` of that moment: a request that waited in the queue has that much less
@@ -7,8 +7,8 @@ batcher, the engine's call, every tile and every sub-decode on another replica.
 - `abandoned`: set when the caller went away (a client that disconnected, a cancelled handle call);
 - `limits`: the live limits it was admitted under (a `reconfigure` meanwhile does not change a
   request already admitted);
-- `fingerprint`: the engine's (engine/fingerprint.py), carried by its sub-decodes so that a replica
-  that would decode other bits refuses them.
+- `fingerprint`: the engine's (engine/fingerprint.py), carried by its tiles offered to other
+  replicas, so that one that would decode other bits refuses them.
 
 Every wait in the decode path waits in slices of at most `WAIT_SLICE_S` and checks both between
 slices (`wait_until`): a request whose client left stops within a slice, one past its deadline
@@ -33,7 +33,7 @@ UNBOUNDED_S = 10 * 365 * 86400.0  # "no deadline", as a time every timer and tim
 class RequestContext:
     deadline: float  # time.monotonic() by which the answer must be ready
     limits: Limits
-    fingerprint: str | None = None  # the admitting engine's (its sub-decodes carry it)
+    fingerprint: str | None = None  # the admitting engine's (its tiles offered elsewhere carry it)
     abandoned: threading.Event = field(default_factory=threading.Event)
     _on_end: list[Callable[[], None]] = field(default_factory=list, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)

@@ -57,7 +57,7 @@ class DecodeEngine:
         self.runtime = Runtime(config, loaded)
         self.cost = CostModel(self.runtime, config.fast_path.disable, probes)
         self.limits: Limits = config.limits  # the live limits of callers without a context (reconfigure)
-        self.spread_from_pixels = config.parallel.min_output_pixels
+        self.share_from_pixels = config.parallel.min_output_pixels
         self.encode_settings = EncodeSettings(
             config.encoding.png_compress_level, config.encoding.jpeg_quality, config.encoding.mp4_fps
         )
@@ -166,7 +166,7 @@ class DecodeEngine:
             cost.check_limits(prepared.latents, limits, frames)
             check_output(prepared.request, self.spec, frames, prepared.latents)
             prepared = replace(prepared, frames=frames)
-        tiling = plan_request(prepared, cost, cost.bound(limits), self.spread_from_pixels)
+        tiling = plan_request(prepared, cost, cost.bound(limits), self.share_from_pixels)
         check_finite(prepared.latents)
         return replace(prepared, tiling=tiling)
 

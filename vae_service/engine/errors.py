@@ -56,6 +56,6 @@ class DecodeAbandoned(DecodeTimeout):
 
 
 class WrongFingerprint(DecodeError):
-    """A sub-decode sent by a replica whose engine decodes other bits (another model, weights,
+    """A tile offered by a replica whose engine decodes other bits (another model, weights,
     precision, fast path, thread count or version): refused, so that it is never blended into that
     replica's answer; the requester decodes the tile itself."""

@@ -65,7 +65,7 @@ class Fingerprint:
             f"torch {torch.__version__}, diffusers {diffusers.__version__}",
         )
 
-    @functools.cached_property  # read by every admission and every sub-decode
+    @functools.cached_property  # read by every admission and every tile offered
     def digest(self) -> str:
         text = json.dumps(asdict(self), sort_keys=True)
         return hashlib.blake2b(text.encode(), digest_size=DIGEST_CHARS // 2).hexdigest()

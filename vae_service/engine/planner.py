@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from vae_service.engine.cost_model import CostModel
 from vae_service.engine.errors import InvalidInput, LimitExceeded
 from vae_service.engine.latents import PreparedRequest
-from vae_service.engine.tiling import TileGrid, spread_grid, tile_for
+from vae_service.engine.tiling import TileGrid, sharing_grid, tile_for
 
 
 @dataclass(frozen=True)
@@ -33,11 +33,11 @@ class ClassTiles:
 Tiling = TileGrid | ClassTiles | None  # None: decoded whole
 
 
-def plan_request(prepared: PreparedRequest, cost: CostModel, bound: int, spread_pixels: int | None) -> Tiling:
+def plan_request(prepared: PreparedRequest, cost: CostModel, bound: int, share_pixels: int | None) -> Tiling:
     """How `prepared` decodes within `bound`: whole, tiled, or refused (LimitExceeded), as its
     `tiling` asks (engine/request.py's TILINGS). "auto": as the bound decides, and a `high` request
-    that fits whole is tiled anyway when it is large (`spread_pixels`: tiles of about that many
-    output pixels, for other replicas to decode). "model": the class's own tiled decode whatever the
+    that fits whole is tiled anyway when it is large (`share_pixels`: tiles of about that many
+    output pixels, for idle replicas to take). "model": the class's own tiled decode whatever the
     bound (what a caller whose local VAE has tiling on gets). "none": never tiled (a caller without
     tiling would otherwise get tiled bits it did not ask for)."""
     quality, tiling = prepared.request.quality, prepared.request.tiling
@@ -48,7 +48,7 @@ def plan_request(prepared: PreparedRequest, cost: CostModel, bound: int, spread_
     need = cost.peak(prepared)
     if need <= bound:
         if quality == "high" and tiling == "auto":
-            return spread_grid(*prepared.latent_hw, cost.facts.scale, spread_pixels)
+            return sharing_grid(*prepared.latent_hw, cost.facts.scale, share_pixels)
         return None
     gib = f"about {need / 2**30:.3g} GiB, over max_decode_bytes ({bound / 2**30:.3g} GiB)"
     if tiling == "none":

@@ -16,7 +16,7 @@ class Timing:
     decode_ms: float  # the engine call that decoded it, uint8 conversion included
     batch_size: int  # latent items decoded in that call
     encode_ms: float = 0.0  # PNG/JPEG/MP4 encoding of its items, after the decode
-    replicas: int = 1  # replicas whose decoders worked on it (its tiles spread across replicas)
+    replicas: int = 1  # replicas whose decoders worked on it (this one and those that took its tiles)
 
 
 @dataclass(frozen=True)

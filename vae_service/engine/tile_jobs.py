@@ -4,7 +4,7 @@ request's fingerprint decodes to the same bits (engine/fingerprint.py). The exec
 job becomes pixels.
 
 - `TierTile`: a spatial tile of a request's latents, decoded as its tier decodes (`high` tiles over
-  the memory bound, or spread); an image tile gives one output, a video tile one chunk per latent
+  the memory bound, or shared with idle replicas); an image tile gives one output, a video tile one chunk per latent
   frame on its own causal history.
 - `DecoderInput`: one input of the class's own tiled decode's decoder (`lossless` above the bound,
   models/diffusers_tiling.py), one output.

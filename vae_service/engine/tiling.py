@@ -74,7 +74,7 @@ class TileGrid:
         return z[..., y : y + self.tile_h, x : x + self.tile_w]
 
 
-def spread_grid(h: int, w: int, scale: int, pixels: int | None) -> TileGrid | None:
+def sharing_grid(h: int, w: int, scale: int, pixels: int | None) -> TileGrid | None:
     """Tiles of about `pixels` output pixels each for an image of at least that many, to share with
     other replicas while they are idle (`parallel.min_output_pixels`; optional: decoded whole where
     no replica takes a tile); None: no such setting, or one tile."""
