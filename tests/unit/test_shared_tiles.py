@@ -376,16 +376,17 @@ async def test_the_batcher_does_not_run_a_request_again_for_a_tile_failure(model
 
     service.batcher.run_batch = counted
     try:
-        z = latents(here, 17, 13, seed=7)
-        request = DecodeRequest(z, quality="high", latents_scaled=True)
-        prepared = here_only(await asyncio.to_thread(here.prepare, request, service.admit()))
-        with pytest.raises(Unavailable):
-            await service._decode_prepared(prepared)
+        prepared = []
+        for seed in (7, 8):  # two requests of one batch key
+            request = DecodeRequest(latents(here, 17, 13, seed=seed), quality="high", latents_scaled=True)
+            prepared.append(here_only(await asyncio.to_thread(here.prepare, request, service.admit())))
+        answers = await asyncio.gather(*map(service._decode_prepared, prepared), return_exceptions=True)
     finally:
         for replica in replicas:
             replica.fault = None
         await service.batcher.close()
-    assert runs == [1]  # one run of its batch; no second run request by request
+    assert all(isinstance(a, Unavailable) for a in answers)  # each lost a tile twice: 503, each alone
+    assert runs == [2]  # one run of their batch; never again request by request
 
 
 def test_a_replica_that_hangs_with_a_tile_ends_the_request_at_its_deadline_with_504(models):
