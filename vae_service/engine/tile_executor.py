@@ -147,25 +147,22 @@ class LocalTiles:
                     for pixels in run:
                         yield TileOutput(j, pixels)
                 return
-            while True:
-                step = [next(run, None) for run in runs[:1]]
-                if step[0] is None:
-                    _all_ended(runs[1:])
-                    return
-                yield TileOutput(0, step[0])
-                for j, run in enumerate(runs[1:], 1):
-                    pixels = next(run, None)
-                    if pixels is None:
-                        raise RuntimeError(f"tile {j} ended before tile 0 (tiles of one grid give as many chunks)")
-                    yield TileOutput(j, pixels)
+            yield from _in_lockstep(len(runs), lambda j: next(runs[j], None))
         finally:
             for run in runs:
                 run.close()
 
 
-def _all_ended(runs: list[Iterator[torch.Tensor]]) -> None:
-    if any(next(run, None) is not None for run in runs):
-        raise RuntimeError("tile 0 ended before the others (tiles of one grid give as many chunks)")
+def _in_lockstep(n: int, next_chunk) -> Iterator[TileOutput]:
+    """Chunk k of every tile before chunk k+1 of any; `next_chunk(j)`: tile j's next, None at its end."""
+    while True:
+        for j in range(n):
+            pixels = next_chunk(j)
+            if pixels is None:
+                if j or any(next_chunk(k) is not None for k in range(1, n)):
+                    raise RuntimeError("the tiles of one grid gave different numbers of chunks")
+                return
+            yield TileOutput(j, pixels)
 
 
 # ---- the deployment's replicas and here --------------------------------------------------------
@@ -263,14 +260,7 @@ class SharedTiles:
             for j in range(n):
                 if sources[j] is None:
                     sources[j] = _LocalRun(self.local.lazy(jobs[j]))
-            while True:
-                for j in range(n):
-                    pixels = self._next_chunk(jobs, sources, j)
-                    if pixels is None:
-                        if j or any(self._next_chunk(jobs, sources, k) is not None for k in range(1, n)):
-                            raise RuntimeError("the tiles of one grid gave different numbers of chunks")
-                        return
-                    yield TileOutput(j, pixels)
+            yield from _in_lockstep(n, lambda j: self._next_chunk(jobs, sources, j))
         finally:
             for source in sources:
                 if source is not None:
