@@ -26,7 +26,7 @@ from tests import zoo
 from tests.models import build_full_vae, save_vae, torch_threads
 from tests.peers import Deployment, Fault, Replica, here_only
 from vae_service.config import Limits, LiveConfig, ServiceConfig
-from vae_service.engine import DecodeEngine, DecodeRequest
+from vae_service.engine import DecodeEngine, DecodeRequest, tile_executor
 from vae_service.engine.context import WAIT_SLICE_S
 from vae_service.engine.errors import DecodeAbandoned, DecodeTimeout, Unavailable
 from vae_service.engine.planner import ClassTiles
@@ -215,6 +215,34 @@ def test_an_offer_carries_the_requests_fingerprint_and_the_time_left(models):
     deployment = Deployment(replicas)
     decode(here, prepared, deployment)
     assert deployment.sent and all(f == here.fingerprint and 0 < left <= 9 for f, left in deployment.sent)
+
+
+@pytest.mark.parametrize("ahead", [0, 2, 5])
+def test_no_more_finished_tiles_wait_for_the_blend_than_the_plan_left_room_for(models, monkeypatch, ahead):
+    """`TileGrid.ahead`: what the bound left beside one tile's decode (engine/tiling.py's tile_for);
+    none: the tiles stay here, one at a time. Watched when nothing decodes here: the blend's next
+    output may be among those waiting, in place of the tile this device would be decoding."""
+    here, replicas = models["kl"]
+    seen = []  # at each step of the blend: (finished outputs waiting, furthest job out or held - the blend's)
+    next_here = tile_executor._Outputs._next_here
+
+    def watched(outputs):
+        waiting = [*outputs.held, *outputs.out]
+        seen.append((len(outputs.held), max(waiting, default=outputs.nxt) - outputs.nxt))
+        return next_here(outputs)
+
+    monkeypatch.setattr(tile_executor._Outputs, "_next_here", watched)
+    z = latents(here, 24, 20, seed=ahead)
+    with torch_threads(1):
+        prepared = here.prepare(DecodeRequest(z, quality="high", latents_scaled=True))
+    prepared = replace(prepared, tiling=TileGrid(8, 24, 20, ahead=ahead))
+    shared, alone, deployment = shared_and_here(here, replicas, prepared)
+    assert torch.equal(shared.output, alone.output) and len(prepared.tiling.tiles()) == 12
+    if ahead == 0:
+        assert deployment.offers == 0 and shared.timing.replicas == 1 and not seen
+        return
+    assert shared.timing.replicas >= 2 and seen
+    assert max(held for held, _ in seen) <= ahead + 1 and max(furthest for _, furthest in seen) <= ahead
 
 
 def test_a_taken_tile_stops_at_the_requests_deadline(models, monkeypatch):

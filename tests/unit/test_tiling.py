@@ -14,7 +14,7 @@ from vae_service.engine import DecodeEngine, DecodeRequest, InvalidInput, LimitE
 from vae_service.engine.memory import LiveBytes
 from vae_service.engine.planner import ClassTiles
 from vae_service.engine.postprocess import to_uint8
-from vae_service.engine.tile_executor import LocalTiles
+from vae_service.engine.tile_executor import TILE_WINDOW, LocalTiles
 from vae_service.engine.tiling import Blender, TileGrid, blended, tier_tiles
 from vae_service.models.diffusers_tiling import tiled_view
 from vae_service.models.loading import LoadedVae
@@ -331,6 +331,28 @@ def test_high_over_the_bound_decodes_tiled_within_the_documented_error(engines, 
     assert tiled.tiled and not whole.tiled and prepared.tiling.tile >= 15
     assert tiled.output.shape == whole.output.shape and tiled.output.dtype == torch.uint8
     assert psnr(tiled.output, whole.output) >= MIN_TILED_PSNR_DB
+
+
+@pytest.mark.parametrize("kind", ["kl", "flux", "kl64"])
+@pytest.mark.parametrize("tile, room", [(8, 0), (8, 3), (11, 1), (13, 9)])
+def test_a_bound_tiles_as_large_as_it_fits_and_lets_what_is_left_hold_finished_tiles(engines, kind, tile, room):
+    """The tiles are the largest one decode fits beside what the request holds; the finished tiles
+    that may wait for the blend where they are shared (TileGrid.ahead) take what is left, at most
+    TILE_WINDOW - 1: a bound with no room left for them still tiles (they stay here)."""
+    engine = engines[kind]
+    request = DecodeRequest(latents_for(engine, 30, 27), quality="high", latents_scaled=True)
+    prepared = engine.prepare(request)
+    high, scale_px = engine.cost.tiers["high"], engine.spec.spatial_scale**2
+    one = high.working(1, tile, tile) + engine.cost.held_while_tiled(prepared)
+    finished = tile * tile * scale_px * 3 * 4  # one tile's output in fp32
+    engine.limits = Limits(max_decode_bytes=one + room * finished)
+    try:
+        grid = engine.prepare(request).tiling
+    finally:
+        engine.limits = Limits()
+    bigger = high.working(1, grid.tile + 1, grid.tile + 1) + engine.cost.held_while_tiled(prepared)
+    assert isinstance(grid, TileGrid) and grid.tile >= tile and bigger > one + room * finished
+    assert grid.ahead == min(room, TILE_WINDOW - 1) if grid.tile == tile else grid.ahead <= room
 
 
 def test_too_large_even_tiled_is_refused(engines):

@@ -99,7 +99,8 @@ class Executor:
         if isinstance(run.tiling, TileGrid):
             (z,), (i,) = latents, members
             grid = run.tiling
-            outputs = self.tiles(run, call, i).run(tier_tiles(z, grid, quality, None), optional=grid.optional)
+            jobs = tier_tiles(z, grid, quality, None)
+            outputs = self.tiles(run, call, i).run(jobs, optional=grid.optional, window=grid.ahead + 1)
             try:
                 (image,) = blended(grid, runtime.spec.spatial_scale, outputs)
             except NotShared:  # fits whole, and no replica is free to share it with

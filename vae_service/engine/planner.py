@@ -145,8 +145,11 @@ def _kept(tiling: Tiling, shared: bool) -> Tiling:
 
 def _shares(tiling: Tiling, shared: bool) -> bool:
     """Whether a run's tiles go to the shared executor: tile after tile stays here (the clip's
-    blend held whole while one tile's history at a time is); remote means lockstep."""
-    return shared and (isinstance(tiling, ClassTiles) or (isinstance(tiling, TileGrid) and tiling.lockstep))
+    blend held whole while one tile's history at a time is), and so do image tiles where the
+    bound leaves no room for a finished tile to wait for the blend; remote means lockstep."""
+    if isinstance(tiling, TileGrid):
+        return shared and tiling.lockstep and tiling.ahead > 0
+    return shared and isinstance(tiling, ClassTiles)
 
 
 def retry_plan(batch: list[PreparedRequest], cost: CostModel, shared: bool = False) -> BatchPlan:

@@ -17,15 +17,16 @@ tier one chunk per latent frame, in lockstep (chunk k of every tile before chunk
 here only, tile after tile. Remote means lockstep: a tile's history stays where it is decoded, and
 this device holds only the blend.
 
-Bounds: at most `TILE_WINDOW` jobs between the blend and the furthest tile decoding; what is held
-meanwhile (at most `TILE_WINDOW - 1` finished outputs) is counted in the plan
-(CostModel.held_while_tiled). Failures: a refusal (no free slot, another fingerprint, no time left,
-over its bound) decodes the tile here; a lost tile (the replica went away, was overloaded, or its
-stream ended short) is decoded once more, by a replica that takes it or here, and a second loss
-answers 503 (`Unavailable`); anything else a replica raised is a bug, 500 (`TileBug`). None of
-these fails the batch: the request alone gets the error (the batcher never re-runs it). Every
-wait checks the request in slices (engine/context.py): a caller that leaves, or the deadline,
-stops it within one, and every tile still out is cancelled.
+Bounds: at most a window of jobs (`TILE_WINDOW`, or fewer where the plan's bound leaves less room)
+between the blend and the furthest tile decoding; what is held meanwhile (at most `window - 1`
+finished outputs) is counted in the plan (engine/tiling.py's tile_for). Failures: a refusal (no
+free slot, another fingerprint, no time left, over its bound) decodes the tile here; a lost tile
+(the replica went away, was overloaded, or its stream ended short) is decoded once more, by a
+replica that takes it or here, and a second loss answers 503 (`Unavailable`); anything else a
+replica raised is a bug, 500 (`TileBug`). None of these fails the batch: the request alone gets
+the error (the batcher never re-runs it). Every wait checks the request in slices
+(engine/context.py): a caller that leaves, or the deadline, stops it within one, and every tile
+still out is cancelled.
 """
 
 from __future__ import annotations
@@ -60,9 +61,13 @@ class TileOutput:
 
 
 class TileExecutor(Protocol):
-    def run(self, jobs: list[TileJob], lockstep: bool = True, optional: bool = False) -> Iterator[TileOutput]:
+    def run(
+        self, jobs: list[TileJob], lockstep: bool = True, optional: bool = False, window: int = TILE_WINDOW
+    ) -> Iterator[TileOutput]:
         """Every job's output in blend order. `optional`: the tiles are worth it only if other replicas
-        decode some (a request that fits whole); raises NotShared before any work when none will."""
+        decode some (a request that fits whole); raises NotShared before any work when none will.
+        `window`: single-output jobs from the blend's to the furthest decoding (what the plan counted
+        as held: `window - 1` finished outputs)."""
 
 
 # ---- what a replica answers about a tile it was offered (serving/tile_peers.py) ---------------
@@ -137,7 +142,9 @@ class LocalTiles:
     def lazy(self, job: TileJob) -> Iterator[torch.Tensor]:
         yield from self.runtime.run_job(job)  # started when first read
 
-    def run(self, jobs: list[TileJob], lockstep: bool = True, optional: bool = False) -> Iterator[TileOutput]:
+    def run(
+        self, jobs: list[TileJob], lockstep: bool = True, optional: bool = False, window: int = TILE_WINDOW
+    ) -> Iterator[TileOutput]:
         if optional:
             raise NotShared
         runs = [self.lazy(job) for job in jobs]
@@ -188,12 +195,14 @@ class SharedTiles:
         self.device = local.runtime.device
         self.losses: dict[int, int] = {}
 
-    def run(self, jobs: list[TileJob], lockstep: bool = True, optional: bool = False) -> Iterator[TileOutput]:
+    def run(
+        self, jobs: list[TileJob], lockstep: bool = True, optional: bool = False, window: int = TILE_WINDOW
+    ) -> Iterator[TileOutput]:
         if jobs and gives_chunks(jobs[0], self.local.runtime.chunked):
             if not lockstep:
                 raise ValueError("tiles on other replicas run in lockstep: their histories stay there")
             return self._streams(jobs, optional)
-        return _Outputs(self, jobs).run(optional)
+        return _Outputs(self, jobs, window).run(optional)
 
     # ---- talking to replicas --------------------------------------------------------------
     def offer(self, job: TileJob, j: int) -> _Out:
@@ -304,15 +313,15 @@ class SharedTiles:
 
 class _Outputs:
     """One run of single-output jobs shared with replicas. This device takes jobs from the blend's
-    end of a window of TILE_WINDOW jobs and waits for the outputs the blend needs next; a dispatcher
+    end of a window of jobs and waits for the outputs the blend needs next; a dispatcher
     thread gives jobs from the window's far end to replicas, one offer open at a time (each routed
     before the next), and takes their outputs as they come, so a replica that finished a tile is
     offered the next at once, not when this device next looks. A refusal pauses the offers for as
     many tiles decoded here as 2 ** (refusals in a row - 1): a busy deployment is asked less and
     less; a tile that comes back (a slot freed) ends the pause."""
 
-    def __init__(self, shared: SharedTiles, jobs: list[TileJob]):
-        self.shared, self.jobs = shared, jobs
+    def __init__(self, shared: SharedTiles, jobs: list[TileJob], window: int):
+        self.shared, self.jobs, self.window = shared, jobs, window
         self.unstarted = list(range(len(jobs)))
         self.out: dict[int, _Out] = {}  # given to replicas, not back yet
         self.held: dict[int, torch.Tensor] = {}  # outputs the blend has not reached
@@ -331,7 +340,7 @@ class _Outputs:
         dispatcher = None
         try:
             if optional:  # the window's far end, answered before any work here
-                far = min(n, TILE_WINDOW) - 1
+                far = min(n, self.window) - 1
                 first = shared.offer(self.jobs[far], far)
                 if not shared.answered(first):
                     raise NotShared
@@ -374,7 +383,7 @@ class _Outputs:
                     raise self.failed
                 if self.nxt in self.held:
                     return None, self.held.pop(self.nxt)
-                ahead = [j for j in self.unstarted if j < self.nxt + TILE_WINDOW]
+                ahead = [j for j in self.unstarted if j < self.nxt + self.window]
                 if ahead:
                     self.unstarted.remove(ahead[0])
                     return ahead[0], None
@@ -405,7 +414,7 @@ class _Outputs:
             if self.resend:
                 j = self.resend.pop(0)
             else:
-                far = [j for j in self.unstarted if self.nxt < j < self.nxt + TILE_WINDOW]
+                far = [j for j in self.unstarted if self.nxt < j < self.nxt + self.window]
                 if not far or self.decoded_here < self.resume_at:
                     return
                 j = far[-1]
