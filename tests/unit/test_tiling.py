@@ -15,7 +15,7 @@ from vae_service.engine.memory import LiveBytes
 from vae_service.engine.planner import ClassTiles
 from vae_service.engine.postprocess import to_uint8
 from vae_service.engine.tile_executor import TILE_WINDOW, LocalTiles
-from vae_service.engine.tiling import Blender, TileGrid, blended, tier_tiles
+from vae_service.engine.tiling import MIN_TILE, Blender, TileGrid, blended, tier_tiles
 from vae_service.models.diffusers_tiling import tiled_view
 from vae_service.models.loading import LoadedVae
 from vae_service.models.spec import meta_twin
@@ -334,25 +334,31 @@ def test_high_over_the_bound_decodes_tiled_within_the_documented_error(engines, 
 
 
 @pytest.mark.parametrize("kind", ["kl", "flux", "kl64"])
-@pytest.mark.parametrize("tile, room", [(8, 0), (8, 3), (11, 1), (13, 9)])
-def test_a_bound_tiles_as_large_as_it_fits_and_lets_what_is_left_hold_finished_tiles(engines, kind, tile, room):
-    """The tiles are the largest one decode fits beside what the request holds; the finished tiles
-    that may wait for the blend where they are shared (TileGrid.ahead) take what is left, at most
-    TILE_WINDOW - 1: a bound with no room left for them still tiles (they stay here)."""
+@pytest.mark.parametrize("tile, room", [(MIN_TILE, 0), (MIN_TILE, 3), (13, 7), (11, 12)])
+def test_a_bound_leaves_room_for_the_finished_tiles_that_wait_for_the_blend_while_it_can(engines, kind, tile, room):
+    """Where tiles are shared, up to TILE_WINDOW - 1 finished tiles wait for the blend: the largest
+    tiles that fit beside them; a bound too tight for them all still tiles, with as many as fit
+    beside the smallest tiles (none: they stay here)."""
     engine = engines[kind]
     request = DecodeRequest(latents_for(engine, 30, 27), quality="high", latents_scaled=True)
     prepared = engine.prepare(request)
     high, scale_px = engine.cost.tiers["high"], engine.spec.spatial_scale**2
-    one = high.working(1, tile, tile) + engine.cost.held_while_tiled(prepared)
-    finished = tile * tile * scale_px * 3 * 4  # one tile's output in fp32
-    engine.limits = Limits(max_decode_bytes=one + room * finished)
+
+    def need(side: int, ahead: int) -> int:  # one tile's decode, what the request holds, `ahead` outputs in fp32
+        held = engine.cost.held_while_tiled(prepared)
+        return high.working(1, side, side) + held + ahead * side * side * scale_px * 12
+
+    bound = need(tile, room)
+    engine.limits = Limits(max_decode_bytes=bound)
     try:
         grid = engine.prepare(request).tiling
     finally:
         engine.limits = Limits()
-    bigger = high.working(1, grid.tile + 1, grid.tile + 1) + engine.cost.held_while_tiled(prepared)
-    assert isinstance(grid, TileGrid) and grid.tile >= tile and bigger > one + room * finished
-    assert grid.ahead == min(room, TILE_WINDOW - 1) if grid.tile == tile else grid.ahead <= room
+    assert isinstance(grid, TileGrid) and need(grid.tile, grid.ahead) <= bound < need(grid.tile + 1, grid.ahead)
+    if room < TILE_WINDOW - 1:  # the smallest tiles, with as many waiting as fit beside them
+        assert (grid.tile, grid.ahead) == (MIN_TILE, room)
+    else:
+        assert grid.ahead == TILE_WINDOW - 1 and grid.tile >= tile
 
 
 def test_too_large_even_tiled_is_refused(engines):

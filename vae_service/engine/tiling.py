@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -87,31 +87,32 @@ def sharing_grid(h: int, w: int, scale: int, pixels: int | None) -> TileGrid | N
 
 def tile_for(model: TierPrice, items: int, frames: int, h: int, w: int, held_bytes: int, bound: int) -> TileGrid | None:
     """The largest tiles whose decode fits `bound` with `held_bytes` beside it, lockstep first
-    (None: nothing fits). Images: a tile's need grows with its size, so a bisection finds it (a
-    tier priced per shape runs its twin a few times, not once per size); what is left of the
-    bound then says how many finished tiles may wait for the blend where they are shared
-    (engine/tile_executor.py's window): decoded here, one tile at a time, none wait."""
+    (None: nothing fits). Images: beside the tiles finished ahead of the blend where they are
+    shared (engine/tile_executor.py's window: `TILE_WINDOW - 1`, fewer where even the smallest
+    tiles leave less room, none then meaning they stay here); a tile's need grows with its size,
+    so a bisection finds it (a tier priced per shape runs its twin a few times, not once per size)."""
     scale_px = model.facts.scale**2
     clip_fp32 = items * frames * h * w * scale_px * 3 * 4  # tile after tile: the blended clip
 
-    def need(tile: int, lockstep: bool) -> int:
+    def need(tile: int, lockstep: bool, ahead: int = 0) -> int:
         grid = TileGrid(tile, h, w, lockstep)
         one = model.working(items, grid.tile_h, grid.tile_w)
         if model.facts.video:
             others = (len(grid.tiles()) - 1) * model.resident(items, grid.tile_h, grid.tile_w)  # their history
             return one + (others if lockstep else clip_fp32) + held_bytes
-        return one + held_bytes
+        finished = items * grid.tile_h * grid.tile_w * scale_px * 3 * 4  # one tile's output, in fp32 at most
+        return one + ahead * finished + held_bytes
 
     if not model.facts.video:
-        if need(MIN_TILE, True) > bound:
-            return None
-        lo, hi = MIN_TILE, max(h, w)  # need(lo) fits; the answer is in lo..hi
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            lo, hi = (mid, hi) if need(mid, True) <= bound else (lo, mid - 1)
-        grid = TileGrid(lo, h, w)
-        output_fp32 = items * grid.tile_h * grid.tile_w * scale_px * 3 * 4  # at most, one finished tile
-        return replace(grid, ahead=min(TILE_WINDOW - 1, (bound - need(lo, True)) // output_fp32))
+        for ahead in range(TILE_WINDOW - 1, -1, -1):
+            if need(MIN_TILE, True, ahead) > bound:
+                continue
+            lo, hi = MIN_TILE, max(h, w)  # need(lo) fits; the answer is in lo..hi
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if need(mid, True, ahead) <= bound else (lo, mid - 1)
+            return TileGrid(lo, h, w, ahead=ahead)
+        return None
     for lockstep in (True, False):
         for tile in range(max(h, w), MIN_TILE - 1, -1):
             if need(tile, lockstep) <= bound:
