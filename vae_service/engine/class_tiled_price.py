@@ -34,6 +34,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from vae_service.engine.memory import PRICED_SHAPES, LiveBytes, TwinRun
 from vae_service.models.class_tiling import ClassGrid, class_grid
 from vae_service.models.decoder_shapes import META_ERRORS
+from vae_service.models.probe_store import Codec, integer, number, sized
 from vae_service.models.spec import ModelSpec
 
 log = logging.getLogger(__name__)
@@ -42,6 +43,7 @@ FIT_TOLERANCE = 0.1
 STEADY = 0  # the regime of clips of `ModelFacts.frames` latent frames and more
 LONG_CLIP = 12  # latent frames: a per-shape price beyond, extrapolated from two probes
 LONG_CLIP_PROBES = (LONG_CLIP // 2, LONG_CLIP)
+TILED_IN_TIME = "clips this long are tiled in time as well"
 
 
 class ClassTiledPrice:
@@ -304,7 +306,7 @@ def _fit_regime(probe: _Probe, grid: ClassGrid, clips: tuple[int, ...], out, pix
 
 
 def _fit(view: nn.Module, grid: ClassGrid, tiled: TwinRun, spec: ModelSpec) -> ClassTiledPrice:
-    fallback = PerShapeClassTiled(tiled, spec, "clips this long are tiled in time as well")
+    fallback = PerShapeClassTiled(tiled, spec, TILED_IN_TIME)
     facts, probe = tiled.facts, _Probe(view, tiled)
     out = spec.output_frames if facts.video else (lambda t: 1)
     pixel_bytes = 3 * facts.itemsize * facts.scale**2
@@ -330,3 +332,31 @@ def _fit(view: nn.Module, grid: ClassGrid, tiled: TwinRun, spec: ModelSpec) -> C
         log.warning("%s's tiled decode is priced per shape: %s", spec.class_name, why)
         return PerShapeClassTiled(tiled, spec, why)
     return price
+
+
+def class_tiled_codec(view: nn.Module, tiled: TwinRun, spec: ModelSpec) -> Codec[ClassTiledPrice]:
+    """What the probe store keeps of a fit (models/probe_store.py): the regimes' numbers, or why the
+    class is priced per shape; the grid is read from `view` again (diffusers' tile settings)."""
+
+    def encode(price: ClassTiledPrice) -> dict:
+        if isinstance(price, FormulaClassTiled):
+            regimes = [[t, [r.tile.w0, r.tile.w1, r.tile.w2, r.kappa, r.per_frame]] for t, r in price.regimes.items()]
+            return {"regimes": regimes, "pixel_bytes": price.pixel_bytes}
+        return {"per_shape": price.why}
+
+    def decode(data: dict) -> ClassTiledPrice:
+        if "per_shape" in data:
+            if not isinstance(data["per_shape"], str):
+                raise ValueError(f"per_shape: expected a reason, got {data['per_shape']!r}")
+            return PerShapeClassTiled(tiled, spec, data["per_shape"])
+        grid = class_grid(view)
+        regimes = {}
+        for clip, numbers in data["regimes"]:
+            w0, w1, w2, kappa, per_frame = map(number, sized(numbers, 5))
+            regimes[integer(clip)] = Regime(TileWorking(w0, w1, w2), kappa, per_frame)
+        if grid is None or STEADY not in regimes:
+            raise ValueError("no tile grid, or no steady regime")
+        fallback = PerShapeClassTiled(tiled, spec, TILED_IN_TIME)
+        return FormulaClassTiled(grid, regimes, spec, integer(data["pixel_bytes"]), fallback)
+
+    return Codec(encode, decode)

@@ -24,11 +24,11 @@ import torch
 
 from vae_service.config import Limits
 from vae_service.engine.calibration import calibrate_on_cuda
-from vae_service.engine.class_tiled_price import ClassTiledPrice, fit_class_tiled
+from vae_service.engine.class_tiled_price import ClassTiledPrice, class_tiled_codec, fit_class_tiled
 from vae_service.engine.errors import LimitExceeded
-from vae_service.engine.flops import FlopModel, fit_flops
+from vae_service.engine.flops import FLOPS_CODEC, FlopModel, fit_flops
 from vae_service.engine.latents import PreparedRequest
-from vae_service.engine.memory import AffineTier, ModelFacts, PerShapeTier, TierPrice, TwinRun, fit_lines
+from vae_service.engine.memory import FIT_CODEC, AffineTier, ModelFacts, PerShapeTier, TierPrice, TwinRun, fit_lines
 from vae_service.engine.memory_budget import MemoryBudget, memory_budget
 from vae_service.engine.runtime import ChunkDecoder, Runtime
 from vae_service.engine.tile_jobs import TileJob
@@ -37,6 +37,7 @@ from vae_service.fastpath.rewrites import NORM_REWRITES
 from vae_service.models import ModelLoadError
 from vae_service.models.diffusers_tiling import tiled_view
 from vae_service.models.probe_cache import Architecture, ProbeCache, config_digest
+from vae_service.models.probe_store import INTEGER
 from vae_service.models.spec import dropped_parts, jsonable_config, meta_twin
 
 
@@ -96,7 +97,10 @@ class CostModel:
         )
         lock = threading.Lock()  # one twin, one fast-path gate: one run at a time
         self.flops: FlopModel = probes.get(
-            self.architecture, "flops", lambda: fit_flops(twin, self.spec, TwinChunks(runtime, "lossless"))
+            self.architecture,
+            "flops",
+            lambda: fit_flops(twin, self.spec, TwinChunks(runtime, "lossless")),
+            FLOPS_CODEC,
         )
         lossless_run = TwinRun(twin, self.facts, TwinChunks(runtime, "lossless"), lock)
         self.tiers: dict[str, TierPrice] = {"lossless": self._tier(lossless_run, probes, "lossless")}
@@ -106,15 +110,16 @@ class CostModel:
             gate = functools.partial(twin_fast.gate.use, True)
             high_run = TwinRun(twin, self.facts, TwinChunks(runtime, "high", twin_fast.folded), lock, gate)
             self.tiers["high"] = self._tier(high_run, probes, "high", warm=True)
-            folded = probes.get(self.architecture, "folded", lambda: self._folded_bytes(high_run, twin_fast))
+            folded = probes.get(self.architecture, "folded", lambda: self._folded_bytes(high_run, twin_fast), INTEGER)
         # lossless above the bound: the class's own tiled decode, its price fitted when first needed
         # (a few seconds on the twin, that most deployments never spend)
         self._probes, twin_tiled = probes, tiled_view(twin)
         self.has_class_tiled = twin_tiled is not None
-        self._fit_class_tiled = None
+        self._fit_class_tiled = self._class_tiled_codec = None
         if twin_tiled is not None:
             tiled_run = TwinRun(twin_tiled, self.facts, TwinWhole(runtime.probe_timestep), lock)
             self._fit_class_tiled = functools.partial(fit_class_tiled, twin_tiled, tiled_run, self.spec)
+            self._class_tiled_codec = class_tiled_codec(twin_tiled, tiled_run, self.spec)
         if runtime.device.type == "cuda":
             for quality, tier in self.tiers.items():
                 if quality == "lossless" or tier is not self.tiers["lossless"]:
@@ -128,7 +133,7 @@ class CostModel:
         sends off the event loop)."""
         if self._fit_class_tiled is None:
             return None
-        return self._probes.get(self.architecture, "class tiled", self._fit_class_tiled)
+        return self._probes.get(self.architecture, "class tiled", self._fit_class_tiled, self._class_tiled_codec)
 
     @property
     def class_tiled_fitted(self) -> ClassTiledPrice | None:
@@ -163,7 +168,7 @@ class CostModel:
                 warmed.append(True)
             return fit_lines(run)
 
-        lines, first, pixels = probes.get(self.architecture, f"memory {quality}", probe)
+        lines, first, pixels = probes.get(self.architecture, f"memory {quality}", probe, FIT_CODEC)
         if lines is not None:
             return AffineTier(self.facts, lines)
         if warm and not warmed:  # this twin prices per shape: its folded weights first, uncounted

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from vae_service.models.probe_store import Codec, number, sized
 from vae_service.models.spec import ModelSpec
 
 PROBE_SIDE = 8  # latent pixels per side of the smallest count (or the model's minimum)
@@ -36,6 +37,9 @@ class FlopModel:
 
     def mflop_per_output_pixel(self, h: int, w: int, scale: int) -> float:
         return self.per_frame(h * w) / (h * w * scale * scale) / 1e6
+
+
+FLOPS_CODEC = Codec(lambda m: [m.a, m.b, m.c], lambda data: FlopModel(*map(number, sized(data, 3))))
 
 
 def fit_flops(

@@ -36,6 +36,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from vae_service.models.probe_store import Codec, integer, number, pair, sized
 from vae_service.models.spec import ModelSpec
 
 PROBE_SIDE = 16  # latent pixels per side of the smallest probe
@@ -281,6 +282,26 @@ class PerShapeTier(TierPrice):
     @property
     def rate(self) -> float:
         return self._rate
+
+
+def _encode_fit(fit: tuple[Lines | None, Peak, int]) -> dict:
+    lines, first, pixels = fit
+    return {
+        "lines": None if lines is None else [list(lines.working), list(lines.resident)],
+        "first": [first.working, first.resident],
+        "pixels": pixels,
+    }
+
+
+def _decode_fit(data: dict) -> tuple[Lines | None, Peak, int]:
+    lines = data["lines"]
+    if lines is not None:
+        working, resident = sized(lines, 2)
+        lines = Lines(pair(working, number), pair(resident, number))
+    return lines, Peak(*pair(data["first"], integer)), integer(data["pixels"])
+
+
+FIT_CODEC = Codec(_encode_fit, _decode_fit)  # what fit_lines answers, kept by the probe store
 
 
 def fit_lines(run: TwinRun) -> tuple[Lines | None, Peak, int]:

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from vae_service.models.errors import ModelLoadError
+from vae_service.models.probe_store import integer, pair
 
 TRACE_SIDES = ((8, 12), (12, 20))  # latent (h, w): distinct per side, so a transposition shows
 TRACED_FRAMES = 7  # latent frame counts traced at load (1..7)
@@ -230,6 +231,42 @@ def trace_geometry(
         f"model: could not trace the decoder of {type(vae).__name__} on the meta device "
         f"({'; '.join(failures[:4]) or 'no layer takes the latents'})"
     )
+
+
+def encode_geometry(geometry: Geometry) -> dict:
+    """What the probe store keeps of a traced geometry (models/probe_store.py)."""
+    frames = geometry.frames
+    return {
+        "channels": geometry.latent_channels,
+        "video": geometry.video_latents,
+        "scale": geometry.spatial_scale,
+        "min_side": geometry.min_latent_side,
+        "traced": None if frames is None else sorted(frames.traced.items()),
+    }
+
+
+def decode_geometry(data: dict, build_twin: Callable[[], nn.Module], decode: Decode) -> Geometry:
+    """A kept geometry; a video decoder without a frame law traces further counts on a twin that
+    `build_twin` makes when first needed."""
+    channels, video = integer(data["channels"]), data["video"]
+    if not isinstance(video, bool):
+        raise ValueError(f"video: expected a boolean, got {video!r}")
+    counts = None
+    if data["traced"] is not None:
+        traced = dict(pair(entry, integer) for entry in data["traced"])
+        if not traced or not video:
+            raise ValueError("traced frame counts of an image decoder, or none")
+        tracers: list[_Tracer] = []
+
+        def frames(t: int) -> int:  # called under FrameCounts' lock
+            if not tracers:
+                tracers.append(_Tracer(build_twin(), decode, channels, video))
+            return tracers[0].frames(t)
+
+        counts = FrameCounts(traced, frames)
+    elif video:
+        raise ValueError("a video decoder without traced frame counts")
+    return Geometry(channels, video, integer(data["scale"]), integer(data["min_side"]), counts)
 
 
 def _trace_counts(tracer: _Tracer, counts: range, traced: dict[int, int]) -> None:

@@ -6,7 +6,9 @@ multi-model application) probe once.
 Its owner is the process: `ProbeCache.process()` is the instance every engine uses unless it is
 handed another (a test that wants fresh probes passes its own). Entries are keyed by what they
 depend on, an `Architecture` plus the probe's own name; nothing else is cached anywhere. Probes
-are small and few (a handful per architecture), so the cache is never trimmed.
+are small and few (a handful per architecture), so the cache is never trimmed. The process's cache
+also keeps, on disk, every answer whose probe gives a codec (models/probe_store.py): other
+processes of the architecture read it instead of probing.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import threading
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any, ClassVar
+
+from vae_service.models.probe_store import Codec, ProbeStore
 
 
 def config_digest(config: dict) -> str:
@@ -43,7 +47,8 @@ class Architecture:
 class ProbeCache:
     _process: ClassVar[ProbeCache | None] = None
 
-    def __init__(self) -> None:
+    def __init__(self, store: ProbeStore | None = None) -> None:
+        self.store = store
         self._entries: dict[tuple[Hashable, str], Any] = {}
         self._locks: dict[tuple[Hashable, str], threading.Lock] = {}
         self._guard = threading.Lock()
@@ -51,11 +56,12 @@ class ProbeCache:
     @classmethod
     def process(cls) -> ProbeCache:
         if cls._process is None:
-            cls._process = ProbeCache()
+            cls._process = ProbeCache(ProbeStore.from_environment())
         return cls._process
 
-    def get(self, key: Hashable, probe: str, make: Callable[[], Any]) -> Any:
-        """The probe's answer for `key`, made once (concurrent callers of one entry wait for it)."""
+    def get(self, key: Hashable, probe: str, make: Callable[[], Any], codec: Codec | None = None) -> Any:
+        """The probe's answer for `key`, made once (concurrent callers of one entry wait for it);
+        with a `codec`, read from the store if another process made it, else written there."""
         entry = (key, probe)
         with self._guard:
             if entry in self._entries:
@@ -63,8 +69,18 @@ class ProbeCache:
             lock = self._locks.setdefault(entry, threading.Lock())
         with lock:
             if entry not in self._entries:
-                self._entries[entry] = make()
+                self._entries[entry] = self._stored_or_made(key, probe, make, codec)
             return self._entries[entry]
+
+    def _stored_or_made(self, key: Hashable, probe: str, make: Callable[[], Any], codec: Codec | None) -> Any:
+        if self.store is None or codec is None:
+            return make()
+        stored = self.store.load(key, probe, codec)
+        if stored is not None:
+            return stored
+        made = make()
+        self.store.save(key, probe, codec, made)
+        return made
 
     def peek(self, key: Hashable, probe: str) -> Any | None:
         """The probe's answer if it was made, else None (nothing is made)."""

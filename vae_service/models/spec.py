@@ -11,9 +11,10 @@ from torch import nn
 
 from vae_service.models.catalog import ClassEntry, Media, entry_for
 from vae_service.models.errors import ModelLoadError
-from vae_service.models.geometry import Geometry, trace_geometry
+from vae_service.models.geometry import Geometry, decode_geometry, encode_geometry, trace_geometry
 from vae_service.models.normalisation import Normalisation
 from vae_service.models.probe_cache import Architecture, ProbeCache, config_digest
+from vae_service.models.probe_store import Codec
 
 DEFAULT_DECODE_TIMESTEP = 0.0  # LTX pipelines' default `decode_timestep`
 ENCODER_SIDE = ("encoder", "quant_conv")  # modules `encode` uses; a decode service drops them
@@ -141,14 +142,20 @@ def twin_of(cls: type, config: dict, dropped: tuple[str, ...] = ()) -> nn.Module
 
 def geometry_of(cls: type, config: dict, dropped: tuple[str, ...] = ()) -> Geometry:
     """The geometry of `cls` built from `config` without the `dropped` modules, traced on the meta
-    device (no weights), once per architecture and process (equal configs build equal modules).
-    Raises ModelLoadError where it does not trace."""
+    device (no weights), once per architecture (equal configs build equal modules), and kept on disk
+    for other processes (models/probe_store.py). Raises ModelLoadError where it does not trace."""
     key = Architecture(cls, config_digest(config), dropped)
-    return ProbeCache.process().get(key, "geometry", lambda: _trace_of(cls, config, dropped))
+    config = json.loads(json.dumps(config, default=str))  # the plain values a saved config holds
+
+    def kept(data: dict) -> Geometry:
+        return decode_geometry(data, lambda: twin_of(cls, config, dropped), _meta_decode)
+
+    return ProbeCache.process().get(
+        key, "geometry", lambda: _trace_of(cls, config, dropped), Codec(encode_geometry, kept)
+    )
 
 
 def _trace_of(cls: type, config: dict, dropped: tuple[str, ...]) -> Geometry:
-    config = json.loads(json.dumps(config, default=str))  # the plain values a saved config holds
     hints = tuple(int(config[k]) for k in ("latent_channels", "z_dim") if isinstance(config.get(k), int))
     single_frame = entry_for(cls.__name__).media == "image"
     return trace_geometry(twin_of(cls, config, dropped), _meta_decode, hints, single_frame=single_frame)
