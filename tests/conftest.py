@@ -1,4 +1,5 @@
 import os
+import signal
 
 import torch
 
@@ -10,6 +11,11 @@ if not torch.cuda.is_available():
 import pytest
 
 from tests.models import build_full_vae, load_reference, save_vae
+
+# Tests stop the services they start with Ctrl-C. A suite launched as a background job (`cmd &` in
+# a script) has SIGINT ignored, and every process it starts would inherit that and never stop.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # pytest-xdist workers share the cores: torch's own threads split among them, so the totals do not
 # oversubscribe the machine (most tests decode with one thread anyway, as the service's replicas do)
