@@ -4,7 +4,7 @@ their outputs in the order the blend reads them, for images and video alike. Two
 - `LocalTiles`: on this device, lazily: a job runs when the blend first reads it, so images and
   video tile after tile hold one tile's working set at a time (video in lockstep holds every
   tile's causal history);
-- `SharedTiles`: the deployment's replicas (the serving layer's `TilePeers`; the engine never
+- `SharedTiles`: the deployment's replicas (a `TilePeers`: serving/tile_peers.py's; the engine never
   imports Ray) and this device together. A tile goes to a replica only through its free slot: a
   replica takes a tile only while its device is idle, one at a time, planned for its own bound
   (serving/tile_peers.py), and otherwise refuses it at once; this device decodes every tile no
@@ -198,6 +198,7 @@ class SharedTiles:
     def run(
         self, jobs: list[TileJob], lockstep: bool = True, optional: bool = False, window: int = TILE_WINDOW
     ) -> Iterator[TileOutput]:
+        self.losses = {}  # per run: the class's tiled decode runs the executor once per pass
         if jobs and gives_chunks(jobs[0], self.local.runtime.chunked):
             if not lockstep:
                 raise ValueError("tiles on other replicas run in lockstep: their histories stay there")
@@ -237,6 +238,9 @@ class SharedTiles:
             self.call.context.wait_until(lambda s: self.pump(out, s) and out.replica is not None, "a tile's offer")
         except TileRefused:
             return False
+        except BaseException:  # the request ended, or a bug: not yet in any book that cancels at the end
+            out.close()
+            raise
         return True
 
     def lost(self, j: int, error: TileLost) -> None:
@@ -482,7 +486,8 @@ class _LocalRun:
     def next(self) -> torch.Tensor | None:
         while self.skip:
             self.skip -= 1
-            next(self.run)
+            if next(self.run, None) is None:
+                raise RuntimeError("a tile decoded here again gave fewer chunks than its first run")
         return next(self.run, None)
 
     def close(self) -> None:

@@ -92,15 +92,18 @@ class ProbeStore:
         if self._unwritable:
             return
         path = self.path(key, probe)
+        text, written = json.dumps(codec.encode(value)), None
         try:
-            text = json.dumps(codec.encode(value))
             path.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=".", suffix=".tmp", delete=False) as f:
+                written = f.name
                 f.write(text)
-            os.replace(f.name, path)
+            os.replace(written, path)
         except OSError as error:
             self._unwritable = True
             log.warning("probe cache: %s cannot be written (%s); probing at every start", self.directory, error)
+            if written is not None:
+                Path(written).unlink(missing_ok=True)  # a full disk: no half-written file left behind
 
 
 def _plain(value: Any) -> Any:
