@@ -285,9 +285,10 @@ def test_busy_replicas_take_no_tile_a_tiled_request_decodes_here_and_an_optional
             hook.remove()
     for _, _, pending in held:
         pending.result(30)
-    # each offer answered busy at once; the optional grid asked once, the 6 tiles 3 times (after 0,
-    # 1 and 2 more tiles decoded here: a busy deployment is asked less and less)
-    assert deployment.offers == 1 + 3
+    # each offer answered busy at once; the optional grid asked once, the 6 tiles at most 3 times
+    # (after 0, 1 and 2 more tiles decoded here: a busy deployment is asked less and less; fewer
+    # where this device finished the tiles before a refusal came back)
+    assert 1 + 1 <= deployment.offers <= 1 + 3
     assert not optional.tiled and optional.timing.replicas == 1  # fits whole, nobody to share with
     assert (
         forced.tiled
