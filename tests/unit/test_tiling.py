@@ -11,6 +11,7 @@ from tests import zoo
 from tests.models import load_reference, save_vae, torch_threads
 from vae_service.config import Limits, ServiceConfig
 from vae_service.engine import DecodeEngine, DecodeRequest, InvalidInput, LimitExceeded
+from vae_service.engine.class_tiled_price import _Probe, _with_decoder
 from vae_service.engine.memory import LiveBytes
 from vae_service.engine.planner import ClassTiles
 from vae_service.engine.postprocess import to_uint8
@@ -274,6 +275,44 @@ def test_a_video_class_tiled_decode_is_priced_by_its_grid_within_ten_percent(vid
     assert not price.needs_shape_work(h, w, frames)
     counted = counted_class_tiled(engine, h, w, frames)
     assert 0.9 * counted <= price.working(h, w, frames) <= 1.1 * counted
+
+
+class _Counted(torch.nn.Module):
+    def __init__(self, decoder: torch.nn.Module):
+        super().__init__()
+        self.decoder, self.runs = decoder, 0
+
+    def forward(self, *args, **kwargs):
+        self.runs += 1
+        return self.decoder(*args, **kwargs)
+
+
+class _Forgetful(dict):
+    def __setitem__(self, key, value):
+        pass
+
+
+@pytest.mark.parametrize(
+    "kind, h, w, frames",
+    [("wan2.2", 29, 50, 3), ("hunyuan-video", 70, 130, 2), ("qwen-image", 57, 70, 1)],
+)
+def test_the_fits_probes_answer_a_decoder_call_seen_before_as_running_it_again_would(video_engines, kind, h, w, frames):
+    """The class tiled fit runs a decoder call once per shape (a causal decoder's cache included:
+    Wan's, changed in place): a probe whose calls are answered so holds the same bytes and makes
+    the same calls as one that runs every call, in fewer runs. (A cache the decoder returns,
+    CogVideoX's: bench/bench_class_tiled_fit.py compares whole fits, too slow for this suite.)"""
+    engine, _ = video_engines[kind]
+    view, tiled, _ = engine.cost._fit_class_tiled.args
+    seen = []
+    for answers in (_Forgetful(), {}):
+        counted = _Counted(view.decoder)
+        probe = _Probe(_with_decoder(view, counted), tiled)
+        probe.answers = answers
+        peak, calls = probe.run(h, w, frames)
+        seen.append((peak, calls, counted.runs))
+    (every_peak, every_calls, every_runs), (peak, calls, runs) = seen
+    assert (peak, calls) == (every_peak, every_calls)
+    assert every_runs == sum(calls.values()) and runs < every_runs
 
 
 @pytest.mark.parametrize("kind", ["kl", "flux"])
