@@ -14,8 +14,10 @@ PORT ?= 8000
 # turn it on with a token (VAE_SERVICE_AUTH_TOKEN) or behind a firewall
 GRPC_PORT ?= 0
 PYTEST_ARGS ?=
-# pytest-xdist workers for the unit suite (tests/conftest.py splits torch's threads among them)
+# pytest-xdist workers for the unit suite (tests/conftest.py splits torch's threads among them);
+# each test file runs on one worker, so its module fixtures (engines, saved models) are built once
 UNIT_WORKERS ?= 2
+UNIT_SUITE = $(VENV)/bin/python -m pytest tests/unit -n $(UNIT_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 SERVING := $(VENV)/.installed-serving
 INSTALLED := $(VENV)/.installed
@@ -42,11 +44,11 @@ serve: $(SERVING)
 
 # the unit suite in parallel workers, then the Ray suites (one shared local cluster) in order
 test: lint
-	$(VENV)/bin/python -m pytest tests/unit -n $(UNIT_WORKERS) $(PYTEST_ARGS)
+	$(UNIT_SUITE)
 	$(VENV)/bin/python -m pytest tests --ignore=tests/unit $(PYTEST_ARGS)
 
 test-unit: $(INSTALLED)
-	$(VENV)/bin/python -m pytest tests/unit -n $(UNIT_WORKERS) $(PYTEST_ARGS)
+	$(UNIT_SUITE)
 
 lint: $(INSTALLED)
 	$(VENV)/bin/ruff check .
