@@ -240,15 +240,19 @@ class DecodeEngine:
         )
 
     # ---- tiles of other replicas' requests -----------------------------------------------
+    def decodes_otherwise(self, fingerprint: str) -> str | None:
+        """Why this engine would give other bits than the one of `fingerprint`; None if it would not."""
+        if fingerprint == self.fingerprint:
+            return None
+        return f"this replica decodes as {self.fingerprint}, the request's replica as {fingerprint}"
+
     def run_tile(self, job: TileJob, fingerprint: str) -> Iterator[torch.Tensor]:
         """A tile of another replica's request (engine/tile_jobs.py): its output chunk by chunk, as
         that replica's own plan would decode it here. Refused (WrongFingerprint) where this engine
         would decode other bits. Run it and close it on one thread: the job's tier and inference
         mode hold on it throughout, and only that thread may restore them."""
-        if fingerprint != self.fingerprint:
-            raise WrongFingerprint(
-                "fingerprint", f"this replica decodes as {self.fingerprint}, the request's replica as {fingerprint}"
-            )
+        if why := self.decodes_otherwise(fingerprint):
+            raise WrongFingerprint("fingerprint", why)
         runtime = self.runtime
         with torch.inference_mode(), runtime.gate(runtime.job_tier(job)):
             yield from runtime.run_job(job)

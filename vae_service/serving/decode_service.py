@@ -272,8 +272,8 @@ class DecodeService:
 
     def _cannot_take(self, job: TileJob, fingerprint: str, remaining_s: float) -> str | None:
         engine = self.engine
-        if fingerprint != engine.fingerprint:
-            return f"this replica decodes as {engine.fingerprint}, the request's replica as {fingerprint}"
+        if why := engine.decodes_otherwise(fingerprint):
+            return why
         if remaining_s <= 0:
             return "the request's deadline passed before the tile arrived"
         if self._tile_taken or self.batcher.running or self.batcher.queued_items():
