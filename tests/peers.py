@@ -46,11 +46,20 @@ class Replica:
 
 class Fault:
     """`die_after`: the replica dies after that many messages; `hang_after`: it sends no more after
-    that many (0: it never answers); `bug`: it raises a bug instead of answering. For the next
-    `times` tiles offered to it."""
+    that many (0: it never answers); `bug`: it raises a bug instead of answering; `late_s`: the
+    offer reaches the replica that late (Serve still routing it). For the next `times` tiles
+    offered to it."""
 
-    def __init__(self, die_after: int | None = None, hang_after: int | None = None, bug: bool = False, times: int = 1):
-        self.die_after, self.hang_after, self.bug, self.times = die_after, hang_after, bug, times
+    def __init__(
+        self,
+        die_after: int | None = None,
+        hang_after: int | None = None,
+        bug: bool = False,
+        late_s: float = 0.0,
+        times: int = 1,
+    ):
+        self.die_after, self.hang_after, self.bug, self.late_s = die_after, hang_after, bug, late_s
+        self.times = times
 
 
 class Stream:
@@ -73,6 +82,7 @@ class Stream:
                 raise RayTaskError("decode_tile_job", "Traceback: a bug in the replica", ZeroDivisionError())
             if fault.hang_after == 0:
                 await asyncio.Event().wait()
+            await asyncio.sleep(fault.late_s)
             async for message in replica.service.tile(job, fingerprint, remaining_s, replica.name):
                 if fault.die_after == sent:
                     raise ConnectionError("the replica died")

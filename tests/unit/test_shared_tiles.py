@@ -469,6 +469,40 @@ def test_a_caller_that_leaves_while_tiles_are_out_frees_the_device_thread_and_th
     assert not any(r.service._tile_taken for r in replicas)  # their tiles were cancelled, slots freed
 
 
+def test_an_offer_the_request_stops_waiting_for_is_cancelled_before_a_replica_takes_it(models):
+    """A request that ends while its offer is still unanswered (here the caller leaves; a deadline
+    or a replica's bug alike) cancels the offer: the replica it reaches late never takes the tile,
+    never holds its one tile slot nor decodes for a request that is gone."""
+    here, replicas = models["kl"]
+    replica = replicas[0]
+    context = here.context(timeout_s=120)
+    with torch_threads(1):  # an optional grid: its first offer is waited for before the others
+        prepared = here.prepare(
+            DecodeRequest(latents(here, 24, 24, seed=9), quality="high", latents_scaled=True), context
+        )
+    deployment, took = Deployment([replica]), len(replica.took)
+    replica.fault = Fault(late_s=0.8 * tile_executor.OFFER_WAIT_S, times=10)  # after the caller left
+    out, done = [], threading.Event()
+
+    def run():
+        out.append(decode(here, prepared, deployment))
+        done.set()
+
+    try:
+        threading.Thread(target=run, daemon=True).start()
+        deadline = time.monotonic() + 30
+        while not deployment.offers and time.monotonic() < deadline:
+            time.sleep(0.001)
+        context.abandon()
+        assert done.wait(30)
+        while replica.ongoing and time.monotonic() < deadline:  # the offer's stream ends on the replica
+            time.sleep(0.01)
+    finally:
+        replica.fault = None
+    assert isinstance(out[0], DecodeAbandoned) and deployment.offers == 1
+    assert replica.ongoing == 0 and len(replica.took) == took and not replica.service._tile_taken
+
+
 def test_an_offer_no_replica_answers_in_time_is_decoded_here(models):
     here, replicas = models["kl"]
     replicas[0].fault = Fault(hang_after=0, times=10)  # Serve still routing it, say
