@@ -77,6 +77,7 @@ def main() -> None:
         if not agree(every, shared):
             raise SystemExit(f"{model}: the fits differ:\n{every}\n{shared}")
         rows.append([model, every_s, shared_s, every_s / shared_s, "formula" if "regimes" in shared else "per shape"])
+        print(f"{model}: every call {every_s:.1f} s, answered by shape {shared_s:.1f} s", flush=True)
     print_table(
         "Class tiled fit, CPU seconds on the meta twin (one thread)",
         ["model", "every call run (s)", "calls answered by shape (s)", "speed-up", "priced"],
