@@ -195,7 +195,7 @@ def _described(value):
     if isinstance(value, dict):
         return "dict", tuple((k, _described(v)) for k, v in value.items())
     if value is None or isinstance(value, (bool, int, float, str)):
-        return "value", value
+        return "value", type(value).__name__, value  # the type: True and 1 are equal keys
     raise _Undescribed(type(value).__name__)
 
 
@@ -210,7 +210,7 @@ def _rebuilt(account):
         return tuple(_rebuilt(a) for a in account[1])
     if kind == "dict":
         return {k: _rebuilt(a) for k, a in account[1]}
-    return account[1]
+    return account[2]
 
 
 def _mutable(args: tuple, kwargs: dict) -> list:
