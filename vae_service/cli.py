@@ -346,6 +346,8 @@ def cmd_decode(args: argparse.Namespace) -> None:
     start = time.perf_counter()
     with VaeClient(args.url, token=os.environ.get("VAE_SERVICE_AUTH_TOKEN")) as client:
         try:
+            if args.stream and args.video:
+                return _write_streamed_mp4(client, latents, args.quality, out, start)
             if args.stream:
                 return _write_streamed_frames(client.decode_frames(latents, args.quality), out, start)
             resp = client.decode(latents, args.quality, fmt, height=args.height, width=args.width)
@@ -358,6 +360,16 @@ def cmd_decode(args: argparse.Namespace) -> None:
     print(
         f"wrote {len(resp.output)} {fmt} file(s) to {out}/ in {time.perf_counter() - start:.2f} s "
         f"(model {resp.model}, {resp.quality}, {resp.precision}, timing {resp.timing})"
+    )
+
+
+def _write_streamed_mp4(client, latents, quality: str, out: Path, start: float) -> None:
+    """A fragmented MP4 written to out/000.mp4 as it decodes (a player can open it meanwhile)."""
+    path = out / "000.mp4"
+    summary = client.decode_mp4(latents, path, quality)
+    print(
+        f"wrote {path} as it decoded, in {time.perf_counter() - start:.2f} s "
+        f"(model {summary.model}, {summary.quality}, {summary.precision}, timing {summary.timing})"
     )
 
 
@@ -562,7 +574,10 @@ def main(argv: list[str] | None = None) -> None:
     dec.add_argument("--format", default="png", choices=["png", "jpeg"])
     dec.add_argument("--video", action="store_true", help="ask for mp4 (video models)")
     dec.add_argument(
-        "--stream", action="store_true", help="video models: write each frame as a PNG as soon as it is decoded"
+        "--stream",
+        action="store_true",
+        help="video models: write each frame as a PNG as soon as it is decoded (with --video: one mp4, written as "
+        "it decodes)",
     )
     dec.add_argument("--height", type=int, help="pixel height, for packed latents")
     dec.add_argument("--width", type=int, help="pixel width, for packed latents")

@@ -125,13 +125,24 @@ class Parallel(BaseModel):
 
 
 class Encoding(BaseModel):
-    """How png/jpeg/mp4 outputs are written, and by how many threads (off the device thread)."""
+    """How png/jpeg/mp4 outputs are written, and by how many threads (off the device thread). An
+    mp4 is fragmented: one fragment per latent frame's worth of frames, each its own GOP (it starts
+    with a keyframe), streamed or whole alike."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     png_compress_level: int = Field(1, ge=0, le=9, description="zlib level: 1 is several times faster than 6")
     jpeg_quality: int = Field(95, ge=1, le=100, description="JPEG quality of `jpeg` outputs")
     mp4_fps: int = Field(16, gt=0, description="frame rate of `mp4` outputs (video models)")
+    mp4_crf: int = Field(
+        23, ge=0, le=51, description="x264 constant rate factor of `mp4` outputs (0: lossless in YUV; lower: larger)"
+    )
+    mp4_bitrate: int | None = Field(
+        None, gt=0, description="bits per second of `mp4` outputs; when set it replaces mp4_crf"
+    )
+    mp4_preset: Literal[
+        "ultrafast", "superfast", "veryfast", "faster", "fast", "medium", "slow", "slower", "veryslow"
+    ] = Field("veryfast", description="x264 preset of `mp4` outputs (speed against size)")
     threads: int = Field(4, gt=0, description="encoder threads; a request's items encode in parallel")
 
 
@@ -158,6 +169,12 @@ class ServiceConfig(BaseModel):
     model_name: str | None = Field(None, description="name reported to clients; default: `model`")
     decode_precision: Precision = Field(
         "auto", description="auto | fp32 | fp16 | bf16; auto: bf16 on CUDA, fp32 on CPU"
+    )
+    precision_fallback: bool = Field(
+        True,
+        description="fp16/bf16 deployments: an item whose output is not finite (activations overflowed the "
+        "precision) is decoded again in fp32, as the fp32 deployment's `lossless` (its fp32 weights loaded by the "
+        "first such item, reserved in the memory plan, released on scale-down); the answer names it. False: 422",
     )
     device: str = Field("auto", pattern=r"^(auto|cpu|cuda(:\d+)?)$", description="auto | cpu | cuda[:N]")
     seed: int = Field(0, description="seed for preset random weights")

@@ -6,15 +6,18 @@ unsigned length followed by that many bytes of one msgpack map, one of:
 
 - `{"item": i, "frame": f, "pixels": tensor}`: frames f.. of batch items i.. (uint8
   [n, t, H, W, 3] or float [n, 3, t, H, W]), sent as soon as their latent frame is decoded;
-- `{"done": {model, quality, precision, request_id, timing, tiled[, retried_from_frame]}}`: the
-  last message; `retried_from_frame` when the decode failed after frames went out and ran again
-  (out of device memory: in tiles): every item's frames before it came from the first attempt,
-  later ones from the retry (`high`: all of them; items decoded alone: those the first attempt
-  had not sent);
+- `{"done": {model, quality, precision, request_id, timing, tiled, fallback[, retried_from_frame]}}`:
+  the last message; `retried_from_frame` when the decode failed after frames went out and ran
+  again (out of device memory: in tiles; an item whose fp16/bf16 output overflowed: in fp32, its
+  index in `fallback`): every item's frames before it came from the first attempt, later ones from
+  the retry (`high`: all of them; items decoded alone: those the first attempt had not sent);
 - `{"error": {type, field, message}}`: the decode failed after frames were sent (the last message).
 
 Errors found before the first frame are ordinary HTTP errors (JSON, 4xx/5xx). The frames of every
 item concatenated along the frame axis equal the non-streamed output, bit for bit.
+
+Output "mp4" streams a fragmented MP4 instead (vae_service_client.mp4); over gRPC its chunks carry
+`fragment` bytes (Mp4Fragment here) in place of a tensor.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from vae_service_client.messages import (
     timing_of_proto,
     timing_proto,
 )
+from vae_service_client.mp4 import Mp4Fragment
 from vae_service_client.tensors import decode_tensor, encode_tensor
 
 STREAM_MEDIA_TYPE = "application/vnd.vae-service.frames+msgpack"
@@ -75,10 +79,19 @@ def frame_message_proto(message: dict):
             request_id=done.get("request_id") or "",
             timing=timing_proto(done["timing"]),
             tiled=done.get("tiled", False),
+            fallback=done.get("fallback", []),
         )
         if done.get("retried_from_frame") is not None:
             msg.retried_from_frame = done["retried_from_frame"]
         return decode_pb2.FrameMessage(done=msg)
+    if "fragment" in message:
+        chunk = decode_pb2.FrameChunk(
+            item_index=message["item"],
+            frame_start=message["frame"],
+            fragment=message["fragment"],
+            frames=message["frames"],
+        )
+        return decode_pb2.FrameMessage(chunk=chunk)
     pixels = message["pixels"]
     tensor = tensor_proto(encoded=pixels) if isinstance(pixels, dict) else tensor_proto(pixels)
     chunk = decode_pb2.FrameChunk(item_index=message["item"], frame_start=message["frame"], tensor=tensor)
@@ -91,7 +104,10 @@ def message_of_proto(msg) -> dict | None:
     kind = msg.WhichOneof("kind")
     if kind == "chunk":
         chunk = msg.chunk
-        return {"item": chunk.item_index, "frame": chunk.frame_start, "pixels": tensor_map_of_proto(chunk.tensor)}
+        where = {"item": chunk.item_index, "frame": chunk.frame_start}
+        if not chunk.HasField("tensor"):
+            return {**where, "fragment": chunk.fragment, "frames": chunk.frames}
+        return {**where, "pixels": tensor_map_of_proto(chunk.tensor)}
     if kind == "done":
         done = msg.done
         summary = {
@@ -101,6 +117,7 @@ def message_of_proto(msg) -> dict | None:
             "request_id": done.request_id or None,
             "timing": timing_of_proto(done.timing),
             "tiled": done.tiled,
+            "fallback": list(done.fallback),
         }
         if done.HasField("retried_from_frame"):
             summary["retried_from_frame"] = done.retried_from_frame
@@ -135,8 +152,8 @@ class MessageReader:
 
 @dataclass
 class StreamSummary:
-    """What the last message says: model, quality, precision, request_id, timing, tiled, and
-    retried_from_frame (None unless the decode was retried after frames went out)."""
+    """What the last message says: model, quality, precision, request_id, timing, tiled, fallback,
+    and retried_from_frame (None unless the decode was retried after frames went out)."""
 
     fields: dict = field(default_factory=dict)
 
@@ -151,14 +168,17 @@ class StreamSummary:
             raise AttributeError(name) from None
 
 
-def chunk_of(message: dict, summary: StreamSummary) -> FrameChunk | None:
-    """A frames message -> FrameChunk; the done message fills `summary`; an error message raises."""
+def chunk_of(message: dict, summary: StreamSummary) -> FrameChunk | Mp4Fragment | None:
+    """A frames message -> FrameChunk (an mp4 stream's: Mp4Fragment); the done message fills
+    `summary`; an error message raises."""
     if "error" in message:
         err = message["error"]
         raise make_error(err.get("type", "internal"), err.get("field"), err.get("message", ""))
     if "done" in message:
         summary.fields = message["done"]
         return None
+    if "fragment" in message:
+        return Mp4Fragment(message["frame"], message["frames"], message["fragment"])
     pixels = message["pixels"]  # a tensor map off the wire; an array from a Serve handle
     if not isinstance(pixels, np.ndarray):
         pixels = decode_tensor(pixels, "pixels").to_numpy()

@@ -5,13 +5,16 @@ errors and retries (unary calls only)."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import BinaryIO
 
 import grpc
 
 from vae_service_client.errors import VaeServiceError, error_from_grpc
-from vae_service_client.frames import AsyncFrameStream, FrameStream, message_of_proto
+from vae_service_client.frames import AsyncFrameStream, FrameStream, StreamSummary, message_of_proto
 from vae_service_client.grpc_gen import decode_pb2_grpc
 from vae_service_client.messages import DecodeResponse, request_proto
+from vae_service_client.mp4 import write_fragments, write_fragments_async
 from vae_service_client.retries import with_retries, with_retries_async
 
 _CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 512 * 2**20), ("grpc.max_send_message_length", 512 * 2**20)]
@@ -80,7 +83,8 @@ class VaeGrpcClient(_Base):
             raise _error(exc) from None
 
     def decode_frames(self, latents, quality: str = "lossless", output: str = "uint8", **options) -> FrameStream:
-        """Video frames as they are decoded (DecodeFrames; video models, uint8/float output)."""
+        """Video frames as they are decoded (DecodeFrames; video models, uint8/float output; mp4:
+        Mp4Fragments, see decode_mp4)."""
         request = request_proto(latents, quality, output, **options)
 
         def messages():
@@ -92,6 +96,13 @@ class VaeGrpcClient(_Base):
                 raise _error(exc) from None
 
         return FrameStream(messages())
+
+    def decode_mp4(self, latents, target: str | Path | BinaryIO, quality: str = "lossless", **options) -> StreamSummary:
+        """A video as a fragmented MP4 streamed into `target` (a path or a binary file) while it
+        decodes (DecodeFrames with output mp4); returns the summary (see VaeClient.decode_mp4)."""
+        stream = self.decode_frames(latents, quality, "mp4", **options)
+        write_fragments(stream, target)
+        return stream.summary
 
     def close(self) -> None:
         self._channel.close()
@@ -142,6 +153,13 @@ class AsyncVaeGrpcClient(_Base):
                 raise _error(exc) from None
 
         return AsyncFrameStream(messages())
+
+    async def decode_mp4(
+        self, latents, target: str | Path | BinaryIO, quality: str = "lossless", **options
+    ) -> StreamSummary:
+        stream = self.decode_frames(latents, quality, "mp4", **options)
+        await write_fragments_async(stream, target)
+        return stream.summary
 
     async def aclose(self) -> None:
         await self._channel.close()

@@ -1,12 +1,17 @@
-"""HTTP clients (sync and async) for `POST /decode` and `GET /health`, with retries on 429/503."""
+"""HTTP clients (sync and async) for `POST /decode` (whole answers, frame streams, streamed mp4) and
+`GET /health`, with retries on 429/503."""
 
 from __future__ import annotations
+
+from pathlib import Path
+from typing import BinaryIO
 
 import httpx
 
 from vae_service_client.errors import error_from_http
-from vae_service_client.frames import AsyncFrameStream, FrameStream, MessageReader
+from vae_service_client.frames import AsyncFrameStream, FrameStream, MessageReader, StreamSummary
 from vae_service_client.messages import MSGPACK, DecodeResponse, pack, request_map
+from vae_service_client.mp4 import write_chunks, write_chunks_async
 from vae_service_client.retries import with_retries, with_retries_async
 
 
@@ -67,16 +72,8 @@ class VaeClient(_Base):
         429/503 until the first frame; the request is sent when iteration starts."""
         body = pack(request_map(latents, quality, output, stream=True, **options))
 
-        def attempt() -> httpx.Response:
-            response = self._http.send(self._decode_request(body), stream=True)
-            if response.status_code != 200:
-                response.read()
-                response.close()
-                raise error_from_http(response.status_code, response.headers, response.content)
-            return response
-
         def messages():
-            response, reader = with_retries(attempt, self.retries, self.backoff_s), MessageReader()
+            response, reader = self._open_stream(body), MessageReader()
             try:
                 for data in response.iter_bytes():
                     yield from reader.feed(data)
@@ -85,6 +82,29 @@ class VaeClient(_Base):
             reader.close()
 
         return FrameStream(messages())
+
+    def decode_mp4(self, latents, target: str | Path | BinaryIO, quality: str = "lossless", **options) -> StreamSummary:
+        """A video as a fragmented MP4 streamed into `target` (a path or a binary file) while it
+        decodes, each fragment written and flushed as it arrives (a player can follow the file);
+        returns the summary. The file is the whole `mp4` answer of the same request."""
+        response = self._open_stream(pack(request_map(latents, quality, "mp4", stream=True, **options)))
+        try:
+            return StreamSummary(write_chunks(response.iter_bytes(), target))
+        finally:
+            response.close()
+
+    def _open_stream(self, body: bytes) -> httpx.Response:
+        """A streamed answer's response once it opened (200); retries 429/503 before that."""
+
+        def attempt() -> httpx.Response:
+            response = self._http.send(self._decode_request(body), stream=True)
+            if response.status_code != 200:
+                response.read()
+                response.close()
+                raise error_from_http(response.status_code, response.headers, response.content)
+            return response
+
+        return with_retries(attempt, self.retries, self.backoff_s)
 
     def health(self) -> dict:
         return _health(self._http.get("/health"))
@@ -114,16 +134,8 @@ class AsyncVaeClient(_Base):
         """Like VaeClient.decode_frames; iterate with `async for`."""
         body = pack(request_map(latents, quality, output, stream=True, **options))
 
-        async def attempt() -> httpx.Response:
-            response = await self._http.send(self._decode_request(body), stream=True)
-            if response.status_code != 200:
-                await response.aread()
-                await response.aclose()
-                raise error_from_http(response.status_code, response.headers, response.content)
-            return response
-
         async def messages():
-            response, reader = await with_retries_async(attempt, self.retries, self.backoff_s), MessageReader()
+            response, reader = await self._open_stream(body), MessageReader()
             try:
                 async for data in response.aiter_bytes():
                     for message in reader.feed(data):
@@ -133,6 +145,27 @@ class AsyncVaeClient(_Base):
             reader.close()
 
         return AsyncFrameStream(messages())
+
+    async def decode_mp4(
+        self, latents, target: str | Path | BinaryIO, quality: str = "lossless", **options
+    ) -> StreamSummary:
+        """Like VaeClient.decode_mp4."""
+        response = await self._open_stream(pack(request_map(latents, quality, "mp4", stream=True, **options)))
+        try:
+            return StreamSummary(await write_chunks_async(response.aiter_bytes(), target))
+        finally:
+            await response.aclose()
+
+    async def _open_stream(self, body: bytes) -> httpx.Response:
+        async def attempt() -> httpx.Response:
+            response = await self._http.send(self._decode_request(body), stream=True)
+            if response.status_code != 200:
+                await response.aread()
+                await response.aclose()
+                raise error_from_http(response.status_code, response.headers, response.content)
+            return response
+
+        return await with_retries_async(attempt, self.retries, self.backoff_s)
 
     async def health(self) -> dict:
         return _health(await self._http.get("/health"))

@@ -190,6 +190,9 @@ class DecodeResponse:
     # (out of device memory: in tiles); every item's frames before this index came from the first
     # attempt, later ones from the retry (`high`, whose items advance together: all of them)
     retried_from_frame: int | None = None
+    # the items decoded again in fp32: their output overflowed the deployment's fp16/bf16
+    # (`precision` is "fp32" when every item was); empty when none
+    fallback: list[int] = field(default_factory=list)
 
     def summary(self) -> dict:
         """Everything but the output (the last message of a frame stream)."""
@@ -200,6 +203,7 @@ class DecodeResponse:
             "request_id": self.request_id,
             "timing": {k: self.timing.get(k, 1) if k == "replicas" else self.timing[k] for k in TIMING_KEYS},
             "tiled": self.tiled,
+            "fallback": list(self.fallback),
         }
         if self.retried_from_frame is not None:
             summary["retried_from_frame"] = self.retried_from_frame
@@ -223,6 +227,7 @@ class DecodeResponse:
             {"replicas": 1, **obj["timing"]},  # servers before timing.replicas: one replica
             tiled=bool(obj.get("tiled", False)),
             retried_from_frame=obj.get("retried_from_frame"),
+            fallback=list(obj.get("fallback", [])),  # servers before the fp32 fallback: none
         )
 
     def to_proto(self):
@@ -236,6 +241,7 @@ class DecodeResponse:
             item_index=self.item_index,
             timing=timing_proto(self.timing),
             tiled=self.tiled,
+            fallback=self.fallback,
         )
         if isinstance(self.output, list):
             msg.files.extend(self.output)
@@ -258,6 +264,7 @@ class DecodeResponse:
             timing_of_proto(msg.timing),
             msg.item_index,
             msg.tiled,
+            fallback=list(msg.fallback),
         )
 
     def images(self) -> list:

@@ -140,6 +140,6 @@ def test_response_is_plain_msgpack(kl_url):
     r = post(kl_url, good(request_id="abc"))
     assert r.headers["content-type"] == "application/msgpack"
     obj = msgpack.unpackb(r.content, raw=False)
-    assert set(obj) == {"output", "model", "quality", "precision", "request_id", "timing", "tiled"}
-    assert obj["tiled"] is False
+    assert set(obj) == {"output", "model", "quality", "precision", "request_id", "timing", "tiled", "fallback"}
+    assert obj["tiled"] is False and obj["fallback"] == []
     assert obj["output"]["dtype"] == "uint8" and obj["output"]["shape"] == [1, 32, 32, 3]

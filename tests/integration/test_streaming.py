@@ -83,7 +83,7 @@ def test_grpc_decode_frames_is_one_message_per_chunk_then_done(grpc_target, wan_
     "app_name, kwargs, field, text",
     [
         ("wan", {"quality": "ultra"}, "quality", "allowed"),
-        ("wan", {"output": "mp4"}, "stream", "not 'mp4'"),
+        ("wan", {"output": "jpeg"}, "stream", "not 'jpeg'"),
         ("kl", {}, "stream", "decodes images"),
     ],
 )
@@ -119,7 +119,7 @@ def test_streaming_handle(ray_cluster, wan_url):
 @pytest.mark.parametrize(
     "url_fixture, kwargs, text",
     [
-        ("wan_url", {"output": "mp4"}, "not 'mp4'"),
+        ("wan_url", {"output": "png"}, "not 'png'"),
         ("kl_url", {}, "decodes images"),
         ("wan_url", {"quality": "ultra"}, "allowed"),
     ],

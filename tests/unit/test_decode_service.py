@@ -333,7 +333,7 @@ async def test_slow_encoding_never_holds_the_device(kl_dir):
                 eight_decoded.set()
         return out
 
-    def held_encode(item, fmt, settings):
+    def held_encode(item, fmt, settings, fragments):
         with lock:
             encoding[0] += 1
             widest[0] = max(widest[0], encoding[0])
@@ -342,7 +342,7 @@ async def test_slow_encoding_never_holds_the_device(kl_dir):
         release.wait(30)
         with lock:
             encoding[0] -= 1
-        return encode_item(item, fmt, settings)
+        return encode_item(item, fmt, settings, fragments)
 
     service.batcher.run_batch, service.encoders.encode_item = counted_decode, held_encode
     gen = torch.Generator().manual_seed(14)
@@ -367,10 +367,10 @@ async def test_a_failed_encode_fails_only_its_request_and_nothing_is_decoded_aga
         calls.append(len(batch))
         return decode(batch, abandoned)
 
-    def encode_or_break(item, fmt, settings):
+    def encode_or_break(item, fmt, settings, fragments):
         if np.array_equal(item, bad_pixels):
             raise OSError("injected: the encoder broke")
-        return encode_item(item, fmt, settings)
+        return encode_item(item, fmt, settings, fragments)
 
     service.batcher.run_batch, service.encoders.encode_item = counting, encode_or_break
     gen = torch.Generator().manual_seed(15)

@@ -13,18 +13,21 @@ import torch
 from tests.models import reference_decode
 from vae_service.config import Limits, ServiceConfig
 from vae_service.engine import DecodeEngine, DecodeRequest, DecodeResult, Timing
+from vae_service.engine.encoding import Mp4Fragment
 from vae_service.engine.video import FrameChunk
 from vae_service.protocol.requests import parse_decode_body, request_from_call, request_from_proto
 from vae_service.protocol.responses import (
     grpc_frame_message,
     grpc_item_responses,
     grpc_response,
+    handle_frame_message,
     handle_response,
     msgpack_response,
 )
-from vae_service_client.frames import message_of_proto
+from vae_service_client.frames import StreamSummary, chunk_of, message_of_proto
 from vae_service_client.grpc_gen import decode_pb2
 from vae_service_client.messages import MSGPACK, UNSET, DecodeResponse, pack, request_map, request_proto
+from vae_service_client.mp4 import Mp4Fragment as ClientMp4Fragment
 
 Z = torch.randn(1, 4, 2, 2)
 
@@ -116,6 +119,7 @@ def result(output=None, retried_from_frame=None) -> DecodeResult:
         timing=Timing(queue_ms=1.0, decode_ms=2.0, batch_size=3, encode_ms=0.5),
         tiled=True,
         retried_from_frame=retried_from_frame,
+        fallback=(0, 2),
     )
 
 
@@ -126,6 +130,7 @@ SUMMARY = {
     "request_id": "r",
     "timing": {"queue_ms": 1.0, "decode_ms": 2.0, "encode_ms": 0.5, "batch_size": 3, "replicas": 1},
     "tiled": True,
+    "fallback": [0, 2],
 }
 
 
@@ -165,6 +170,15 @@ def test_decode_frames_messages_are_a_chunk_or_done(retried_from_frame):
     assert done.WhichOneof("kind") == "done"
     expected = {**SUMMARY, **({} if retried_from_frame is None else {"retried_from_frame": retried_from_frame})}
     assert message_of_proto(decode_pb2.FrameMessage.FromString(done.SerializeToString())) == {"done": expected}
+
+
+def test_an_mp4_streams_fragments_cross_grpc_and_handles_as_bytes():
+    fragment = Mp4Fragment(5, 4, b"\x00\x00\x00\x08moof")
+    read = message_of_proto(decode_pb2.FrameMessage.FromString(grpc_frame_message(fragment).SerializeToString()))
+    assert read == {"item": 0, "frame": 5, "frames": 4, "fragment": fragment.data}
+    assert handle_frame_message(fragment) == read
+    summary = StreamSummary()
+    assert chunk_of(read, summary) == ClientMp4Fragment(5, 4, fragment.data) and not summary.fields
 
 
 def test_the_empty_message_that_carries_a_stream_error_reads_as_nothing():

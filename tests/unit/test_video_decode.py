@@ -208,7 +208,7 @@ def test_streamed_and_whole_requests_share_one_decode(wan_engine):
 @pytest.mark.parametrize(
     "kw, text",
     [
-        ({"output": "mp4"}, "not 'mp4'"),
+        ({"output": "jpeg"}, "not 'jpeg'"),
         ({"output": "png"}, "not 'png'"),
     ],
 )

@@ -39,6 +39,7 @@ class DecodeCall:
     decoded_by: set = field(default_factory=set)  # ids of the replicas that decoded tiles of it
     running_members: tuple[int, ...] = ()  # the requests of the run being decoded
     tiled: set = field(default_factory=set)  # the requests decoded in tiles (an optional tiling may not be)
+    fell_back: dict = field(default_factory=dict)  # request -> its items decoded again in fp32 (engine/fallback.py)
 
     @property
     def replicas(self) -> int:

@@ -81,7 +81,9 @@ class RealChunks:
 
 
 class CostModel:
-    def __init__(self, runtime: Runtime, disabled: tuple[str, ...], probes: ProbeCache | None = None):
+    def __init__(
+        self, runtime: Runtime, disabled: tuple[str, ...], probes: ProbeCache | None = None, fallback_bytes: int = 0
+    ):
         self.runtime, self.spec = runtime, runtime.spec
         probes = ProbeCache.process() if probes is None else probes  # an empty cache is falsy
         self.facts = ModelFacts.of(self.spec, runtime.dtype)
@@ -125,7 +127,8 @@ class CostModel:
                 if quality == "lossless" or tier is not self.tiers["lossless"]:
                     calibrate_on_cuda(tier, RealChunks(runtime, quality), runtime.device)
         weights = sum(t.numel() * t.element_size() for t in (*runtime.vae.parameters(), *runtime.vae.buffers()))
-        self.budget: MemoryBudget = memory_budget(runtime.device, weights, folded)  # fixed for the engine's life
+        # fixed for the engine's life
+        self.budget: MemoryBudget = memory_budget(runtime.device, weights, folded, fallback_bytes)
 
     @property
     def class_tiled(self) -> ClassTiledPrice | None:

@@ -36,9 +36,10 @@ from vae_service.config import Limits, ServiceConfig
 from vae_service.engine.call import DecodeCall, checkpoint_hook
 from vae_service.engine.context import RequestContext
 from vae_service.engine.cost_model import CostModel
-from vae_service.engine.encoding import ENCODED_OUTPUTS, EncodeSettings, encode_all
+from vae_service.engine.encoding import ENCODED_OUTPUTS, EncodeSettings, encode_all, fragment_frames
 from vae_service.engine.errors import DecodeFailed, WrongFingerprint
 from vae_service.engine.executor import Executor
+from vae_service.engine.fallback import FALLBACK_PRECISION, Fp32Fallback
 from vae_service.engine.latents import PreparedRequest, check_finite, check_output, decoder_latents
 from vae_service.engine.planner import plan_batch, plan_request, retry_plan
 from vae_service.engine.preview import build_preview
@@ -55,15 +56,22 @@ from vae_service.models.spec import jsonable_config, pipeline_statistics
 class DecodeEngine:
     def __init__(self, config: ServiceConfig, loaded: LoadedVae | None = None, probes: ProbeCache | None = None):
         self.runtime = Runtime(config, loaded)
-        self.cost = CostModel(self.runtime, config.fast_path.disable, probes)
+        self.fallback = Fp32Fallback(config, self.runtime)
+        self.cost = CostModel(self.runtime, config.fast_path.disable, probes, self.fallback.weight_bytes)
         self.limits: Limits = config.limits  # the live limits of callers without a context (reconfigure)
         self.share_from_pixels = config.parallel.min_output_pixels
+        encoding = config.encoding
         self.encode_settings = EncodeSettings(
-            config.encoding.png_compress_level, config.encoding.jpeg_quality, config.encoding.mp4_fps
+            encoding.png_compress_level,
+            encoding.jpeg_quality,
+            encoding.mp4_fps,
+            encoding.mp4_crf,
+            encoding.mp4_bitrate,
+            encoding.mp4_preset,
         )
         runtime = self.runtime
         self.preview = build_preview(config, runtime.spec, runtime.scaling, runtime.device, runtime.whole_batch)
-        self.executor = Executor(runtime, self.preview)
+        self.executor = Executor(runtime, self.preview, self.fallback)
         # every decoder forward checks the running call (the walk, which calls the decoder's
         # modules one by one, checks before each latent frame in engine/video.py)
         getattr(runtime.vae, "decoder", runtime.vae).register_forward_pre_hook(checkpoint_hook)
@@ -122,6 +130,7 @@ class DecodeEngine:
             "config": jsonable_config(runtime.vae),
             "statistics": pipeline_statistics(runtime.vae),
             "fast_path": runtime.fast_path.describe(),
+            "precision_fallback": self.fallback.describe(),
             # lossless above the bound: whether other replicas can take its decoder's tiles
             "class_tiles_shared": runtime.replay_unsupported or True,
             "limits": self.limits.model_dump(),
@@ -212,7 +221,7 @@ class DecodeEngine:
                 outputs = self.executor.run(plan, batch, latents, call)
         timing = Timing(0.0, (time.perf_counter() - start) * 1e3, sum(r.items for r in batch), replicas=call.replicas)
         results = [
-            o if isinstance(o, Exception) else self._result(o, r, timing, i in call.tiled)
+            o if isinstance(o, Exception) else self._result(o, r, timing, i in call.tiled, call.fell_back.get(i, ()))
             for i, (o, r) in enumerate(zip(outputs, batch, strict=True))
         ]
         if not call.host_copies:
@@ -232,12 +241,29 @@ class DecodeEngine:
                 raise
         return None
 
-    def _result(self, output, prepared: PreparedRequest, timing: Timing, tiled: bool) -> DecodeResult:
+    def _result(self, output, prepared: PreparedRequest, timing: Timing, tiled: bool, fell_back) -> DecodeResult:
+        """`fell_back`: the items decoded again in fp32; the answer's precision is fp32 when all were."""
         request = prepared.request
-        encode_as = request.output if request.output in ENCODED_OUTPUTS else None
+        # a streamed answer was handed over as it decoded: nothing left to encode
+        encode_as = request.output if request.output in ENCODED_OUTPUTS and not request.stream else None
+        precision = FALLBACK_PRECISION if len(fell_back) == prepared.items else self.precision
         return DecodeResult(
-            output, self.spec.name, self.precision, request.quality, request.request_id, timing, encode_as, tiled
+            output,
+            self.spec.name,
+            precision,
+            request.quality,
+            request.request_id,
+            timing,
+            encode_as,
+            tiled,
+            fragments=self.mp4_fragments(prepared) if request.output == "mp4" else (),
+            fallback=tuple(fell_back),
         )
+
+    def mp4_fragments(self, prepared: PreparedRequest) -> tuple[int, ...]:
+        """Frames per fragment of this request's mp4 answer, streamed or whole alike."""
+        frames = self.spec.geometry.frames
+        return fragment_frames(prepared.frames, prepared.latent_frames, frames.law if frames else None)
 
     # ---- tiles of other replicas' requests -----------------------------------------------
     def decodes_otherwise(self, fingerprint: str) -> str | None:
@@ -264,12 +290,14 @@ class DecodeEngine:
         if result.encode_as is None:
             return result
         start = time.perf_counter()
-        files = encode_all(result.output.numpy(), result.encode_as, self.encode_settings)
+        files = encode_all(result.output.numpy(), result.encode_as, self.encode_settings, result.fragments)
         timing = replace(result.timing, encode_ms=(time.perf_counter() - start) * 1e3)
         return replace(result, output=files, encode_as=None, timing=timing)
 
     def release_folded(self) -> int:
-        return self.runtime.release_folded()
+        """The fast path's folded weights and the fp32 fallback's weights (both made again when
+        needed); bytes freed."""
+        return self.runtime.release_folded() + self.fallback.release()
 
     def check_device(self) -> None:
         self.runtime.check_device()

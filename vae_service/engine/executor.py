@@ -24,6 +24,7 @@ import torch
 
 from vae_service.engine.call import DecodeCall
 from vae_service.engine.errors import DecodeAbandoned, DecodeFailed, DecodeTimeout, Unavailable
+from vae_service.engine.fallback import Fp32Fallback
 from vae_service.engine.latents import PreparedRequest
 from vae_service.engine.planner import BatchPlan, ClassTiles, Run
 from vae_service.engine.postprocess import postprocess
@@ -40,8 +41,8 @@ TILE_FAILURES = (Unavailable, TileBug)  # a request's own: answered as its resul
 
 
 class Executor:
-    def __init__(self, runtime: Runtime, preview: Preview):
-        self.runtime, self.preview = runtime, preview
+    def __init__(self, runtime: Runtime, preview: Preview, fallback: Fp32Fallback):
+        self.runtime, self.preview, self.fallback = runtime, preview, fallback
         self.local = LocalTiles(runtime)
         self._decoder_shapes: DecoderShapes | None = None  # the replay's meta answers, kept for this model
 
@@ -80,7 +81,8 @@ class Executor:
         if self.runtime.chunked:
             return self._video(quality, run, members, requests, zs, call)
         pixels = self._images(quality, run, members, requests, zs, call)
-        return [self._finish(d, r, call) for d, r in zip(pixels, requests, strict=True)]
+        fallback = None if quality == "preview" else self.fallback
+        return [self._finish(d, r, call, i, fallback) for d, r, i in zip(pixels, requests, members, strict=True)]
 
     # ---- images ------------------------------------------------------------------------------
     def _images(
@@ -133,10 +135,32 @@ class Executor:
                 decoded.append(runtime.pixels(view, item) if pixels is None else pixels)
         return decoded[0] if len(decoded) == 1 else torch.cat(decoded)
 
-    def _finish(self, decoded: torch.Tensor, prepared: PreparedRequest, call: DecodeCall):
+    def _finish(
+        self, decoded: torch.Tensor, prepared: PreparedRequest, call: DecodeCall, i: int, fallback: Fp32Fallback | None
+    ):
         if not bool(torch.isfinite(decoded).all()):
-            return DecodeFailed("latents", NON_FINITE)
+            if fallback is None or not fallback.enabled:
+                return DecodeFailed("latents", NON_FINITE)
+            decoded = self._fall_back(decoded, prepared, call, i, fallback)
+            if decoded is None:
+                return DecodeFailed("latents", NON_FINITE)
         return postprocess(decoded, prepared.request.output, call.host_copies, self.runtime.spec.entry.pixels)
+
+    @staticmethod
+    def _fall_back(decoded: torch.Tensor, prepared: PreparedRequest, call: DecodeCall, i: int, fallback: Fp32Fallback):
+        """`decoded` with every item that is not finite decoded again in fp32 (all of it fp32 now:
+        exact for the others); None when not even fp32 gives finite pixels."""
+        z, items, again = fallback.latents(prepared), [], []
+        for n, item in enumerate(decoded.split(1)):
+            if not bool(torch.isfinite(item).all()):
+                item = fallback.image(z[n : n + 1], prepared.timestep, i in call.tiled)
+                if not bool(torch.isfinite(item).all()):
+                    return None
+                again.append(n)
+            items.append(item.float())
+        fallback.items += len(again)
+        call.fell_back[i] = again
+        return torch.cat(items)
 
     # ---- video -------------------------------------------------------------------------------
     def _video(
@@ -152,7 +176,10 @@ class Executor:
             chunks = _TiledChunks(self, quality, first.timestep, run, call, members[0])
         else:
             chunks = runtime.chunks(quality, first.timestep)
-        outputs = decode_video(requests, latents, run.together, chunks, call, runtime.spec.entry.pixels)
+        fallback = None if quality == "preview" else self.fallback
+        outputs = decode_video(
+            requests, latents, run.together, chunks, call, members, fallback, runtime.spec.entry.pixels
+        )
         return outputs if runtime.video else [_one_frame(o) for o in outputs]
 
 

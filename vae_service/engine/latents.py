@@ -100,6 +100,7 @@ def _timestep(request: DecodeRequest, spec: ModelSpec) -> float | None:
 # What the encoders can write, checked before any decode (PIL refuses wider JPEGs; x264 with
 # yuv420p needs even sides, which an 8x VAE always gives).
 MAX_JPEG_SIDE = 65_500
+STREAMED_OUTPUTS = ("uint8", "float", "mp4")  # mp4: one fragmented video (serving/mp4_stream.py)
 
 
 def check_output(request: DecodeRequest, spec: ModelSpec, frames: int, z: torch.Tensor) -> None:
@@ -112,11 +113,17 @@ def check_output(request: DecodeRequest, spec: ModelSpec, frames: int, z: torch.
             f"'jpeg' holds at most {MAX_JPEG_SIDE} px per side; these latents decode to "
             f"{height}x{width}: use 'png', 'uint8' or 'float'",
         )
-    if request.stream and (spec.family != "video" or request.output not in ("uint8", "float")):
+    if request.stream and (spec.family != "video" or request.output not in STREAMED_OUTPUTS):
         raise InvalidInput(
             "stream",
-            "streams frames of video models as 'uint8' or 'float'; "
+            f"streams frames of video models as {' or '.join(map(repr, STREAMED_OUTPUTS))}; "
             + (f"model '{spec.name}' decodes images" if spec.family != "video" else f"not '{request.output}'"),
+        )
+    if request.stream and request.output == "mp4" and z.shape[0] > 1:
+        raise InvalidInput(
+            "output",
+            f"a streamed 'mp4' is one video; these latents hold {z.shape[0]} items: send one per request, "
+            "or stream 'uint8'/'float' frames, or ask for whole 'mp4' answers (one file per item)",
         )
     if request.output in ("png", "jpeg") and frames > 1:
         raise InvalidInput(

@@ -2,11 +2,12 @@
 once per engine from the device, never from what is allocated when a request arrives (a request
 then gets the same plan whatever else runs):
 
-- CUDA: the device's memory x DEVICE_FRACTION, less the weights, the fast path's folded weights
-  and CUDA_RESERVE (the CUDA context and allocator fragmentation);
+- CUDA: the device's memory x DEVICE_FRACTION, less the weights, the fast path's folded weights,
+  the fp32 fallback's weights (engine/fallback.py: reserved while it is on, loaded or not) and
+  CUDA_RESERVE (the CUDA context and allocator fragmentation);
 - CPU: the host's RAM or the container's cgroup limit (`memory.max`), whichever is smaller,
   x HOST_FRACTION (the encoders, Ray's object store and the process itself share it), less the
-  weights and folded weights.
+  weights, folded weights and the fp32 fallback's weights.
 
 Replicas that share one GPU (fractional `num_gpus`) each assume the whole device: give them
 `limits.max_decode_bytes`.
@@ -35,10 +36,12 @@ class MemoryBudget:
     weights: int  # parameters and buffers
     folded: int  # the fast path's folded weights, built by the first `high` decode and kept
     reserve: int
+    fallback: int = 0  # the fp32 fallback's weights (engine/fallback.py), reserved while it is on
 
     @property
     def default_bound(self) -> int:
-        return max(0, int(self.capacity * self.fraction) - self.weights - self.folded - self.reserve)
+        held = self.weights + self.folded + self.fallback + self.reserve
+        return max(0, int(self.capacity * self.fraction) - held)
 
     def describe(self) -> dict:
         return {
@@ -48,17 +51,18 @@ class MemoryBudget:
             "weights_bytes": self.weights,
             "folded_bytes": self.folded,
             "reserve_bytes": self.reserve,
+            "fallback_bytes": self.fallback,
             "default_bound_bytes": self.default_bound,
         }
 
 
-def memory_budget(device: torch.device, weights: int, folded: int) -> MemoryBudget:
+def memory_budget(device: torch.device, weights: int, folded: int, fallback: int = 0) -> MemoryBudget:
     if device.type == "cuda":
         total = torch.cuda.get_device_properties(device).total_memory
         name = f"{torch.cuda.get_device_name(device)} memory"
-        return MemoryBudget(total, name, DEVICE_FRACTION, weights, folded, CUDA_RESERVE)
+        return MemoryBudget(total, name, DEVICE_FRACTION, weights, folded, CUDA_RESERVE, fallback)
     capacity, source = host_memory()
-    return MemoryBudget(capacity, source, HOST_FRACTION, weights, folded, 0)
+    return MemoryBudget(capacity, source, HOST_FRACTION, weights, folded, 0, fallback)
 
 
 def host_memory(cgroup_root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_CGROUP) -> tuple[int, str]:

@@ -23,7 +23,7 @@ class Timing:
 class DecodeResult:
     # uint8 [B,(T,)H,W,3] or float [B,3,(T,)H,W] on the CPU; or files; None once streamed
     output: torch.Tensor | list[bytes] | None
-    model: str  # the model and precision that decoded it
+    model: str  # the model and precision that decoded it (fp32 where every item fell back)
     precision: str
     quality: str
     request_id: str | None
@@ -31,6 +31,8 @@ class DecodeResult:
     encode_as: str | None = None  # png | jpeg | mp4 while `output` still holds the pixels to encode
     tiled: bool = False  # decoded in overlapping spatial tiles to stay within limits.max_decode_bytes
     retried_from_frame: int | None = None  # streams: every item's frames before it: the first attempt's
+    fragments: tuple[int, ...] = ()  # mp4: frames per fragment (engine/encoding.py's fragment_frames)
+    fallback: tuple[int, ...] = ()  # items decoded again in fp32: their output overflowed `precision` (fallback.py)
 
 
 @dataclass(frozen=True)

@@ -1,16 +1,23 @@
 """Video decode chunk by chunk (one latent frame per decoder call, as diffusers does): each chunk's
 frames are checked, converted to the request's output and either handed to the request's sink
-at once (streaming) or kept for its whole answer. A streamed request keeps nothing."""
+at once (streaming) or kept for its whole answer. A streamed request keeps nothing.
+
+An item whose frames are not finite (fp16/bf16 overflow) stops there; with the fp32 fallback on
+(engine/fallback.py) it is decoded again in fp32 from its first frame once its run ends, and its
+frames handed over again: a stream passes on only those it has not sent (serving/frame_stream.py,
+`retried_from_frame`), a whole answer is overwritten (a `float` one becomes fp32)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from contextlib import closing
 from dataclasses import dataclass
 
 import torch
 
 from vae_service.engine.call import DecodeCall
 from vae_service.engine.errors import DecodeFailed
+from vae_service.engine.fallback import Fp32Fallback
 from vae_service.engine.latents import PreparedRequest
 from vae_service.engine.postprocess import convert, to_host
 from vae_service.models.catalog import PixelRange
@@ -52,12 +59,16 @@ class _Answer:
     """One request's frames as they come: streamed to its sink (on the host at once) or written
     into its whole output on the device, copied to the host once at the end."""
 
-    def __init__(self, prepared: PreparedRequest, pending: list | None, pixels: PixelRange):
+    def __init__(
+        self, prepared: PreparedRequest, pending: list | None, pixels: PixelRange, fallback: Fp32Fallback | None
+    ):
         self.prepared, self.pending, self.pixels = prepared, pending, pixels
         self.output, self.sink = prepared.request.output, prepared.sink
+        self.fallback = fallback
         self.whole: torch.Tensor | None = None
         self.failed: DecodeFailed | None = None
         self.written = [0] * prepared.items  # frames handed over per item, in order
+        self.overflowed: list[int] = []  # items whose output was not finite: decoded again in fp32
 
     def _account(self, item: int, frame: int, count: int, frames: int) -> None:
         for i in range(item, item + count):
@@ -68,13 +79,30 @@ class _Answer:
                 )
             self.written[i] = frame + frames
 
+    def stopped(self, item: int, count: int) -> bool:
+        """Whether items item..item+count-1 need no more frames of this run."""
+        return self.failed is not None or all(i in self.overflowed for i in range(item, item + count))
+
     def add(self, item: int, frame: int, decoded: torch.Tensor) -> None:
         if self.failed is not None:
             return
-        self._account(item, frame, decoded.shape[0], decoded.shape[2])
-        if not bool(torch.isfinite(decoded).all()):
-            self.failed = DecodeFailed("latents", NON_FINITE)
+        if bool(torch.isfinite(decoded).all()) and not self.overflowed:
+            self._account(item, frame, decoded.shape[0], decoded.shape[2])
+            self._hand_over(item, frame, decoded)
             return
+        for row in range(decoded.shape[0]):  # row by row: only some items may have overflowed
+            if item + row in self.overflowed:
+                continue
+            self._account(item + row, frame, 1, decoded.shape[2])
+            if bool(torch.isfinite(decoded[row]).all()):
+                self._hand_over(item + row, frame, decoded[row : row + 1])
+            elif self.fallback is not None and self.fallback.enabled:
+                self.overflowed.append(item + row)
+            else:
+                self.failed = DecodeFailed("latents", NON_FINITE)
+                return
+
+    def _hand_over(self, item: int, frame: int, decoded: torch.Tensor) -> None:
         chunk = FrameChunk(item, frame, convert(decoded, self.output, self.pixels))
         if self.sink is not None:
             self.sink(FrameChunk(item, frame, to_host(chunk.pixels)))
@@ -83,8 +111,26 @@ class _Answer:
             shape = list(chunk.pixels.shape)
             shape[0], shape[chunk.frame_axis] = self.prepared.items, self.prepared.frames
             self.whole = chunk.pixels.new_empty(shape)
+        if self.whole.dtype != chunk.pixels.dtype:  # an fp32 item in a float answer: all of it fp32
+            self.whole = self.whole.float()
         rows = self.whole[item : item + chunk.pixels.shape[0]]
-        rows.narrow(chunk.frame_axis, frame, chunk.frames).copy_(chunk.pixels)
+        rows.narrow(chunk.frame_axis, frame, chunk.frames).copy_(chunk.pixels.to(self.whole.dtype))
+
+    def fall_back(self, tiled: bool) -> None:
+        """Every overflowed item decoded again in fp32 from its first frame, handed over again."""
+        if self.failed is not None or not self.overflowed:
+            return
+        z = self.fallback.latents(self.prepared)
+        for item in self.overflowed:
+            self.written[item], frame = 0, 0
+            for decoded in self.fallback.chunks(z[item : item + 1], self.prepared.timestep, tiled):
+                self._account(item, frame, 1, decoded.shape[2])
+                if not bool(torch.isfinite(decoded).all()):  # not even fp32 decodes these latents
+                    self.failed = DecodeFailed("latents", NON_FINITE)
+                    return
+                self._hand_over(item, frame, decoded)
+                frame += decoded.shape[2]
+        self.fallback.items += len(self.overflowed)
 
     def result(self) -> torch.Tensor | DecodeFailed | None:
         """The whole output; None when it was streamed."""
@@ -111,12 +157,16 @@ def decode_video(
     together: bool,
     chunks: ChunkDecoder,
     call: DecodeCall,
+    members: list[int],
+    fallback: Fp32Fallback | None,
     pixels: PixelRange = "signed",
 ) -> list[torch.Tensor | DecodeFailed | None]:
-    """One run of a batch plan: `latents`, its requests' decoder inputs. `together`: their items
-    share one decoder run (high); otherwise every item runs alone (lossless). The call's checkpoint
-    runs before each chunk; its host copies: see postprocess.to_host. `pixels`: the decoder's range."""
-    answers = [_Answer(r, call.host_copies, pixels) for r in batch]
+    """One run of a batch plan: `latents`, its requests' decoder inputs (`members`: their indices
+    in the call). `together`: their items share one decoder run (high); otherwise every item runs
+    alone (lossless). The call's checkpoint runs before each chunk; its host copies: see
+    postprocess.to_host. `pixels`: the decoder's range. Items that overflowed fall back here (None: no
+    fallback, they fail)."""
+    answers = [_Answer(r, call.host_copies, pixels, fallback) for r in batch]
     if together:
         rows, start = [], 0
         for answer, z in zip(answers, latents, strict=True):
@@ -129,12 +179,19 @@ def decode_video(
             for answer, z in zip(answers, latents, strict=True)
             for i, item in enumerate(z.split(1))
         ]
-    for z, members in runs:
+    for z, members_of_run in runs:
         frame = 0
-        for out in _checked(chunks(z), call.checkpoint):
-            for m in members:
-                m.answer.add(m.item, frame, out[m.lo : m.hi])
-            frame += out.shape[2]
+        with closing(_checked(chunks(z), call.checkpoint)) as outputs:
+            for out in outputs:
+                for m in members_of_run:
+                    m.answer.add(m.item, frame, out[m.lo : m.hi])
+                frame += out.shape[2]
+                if all(m.answer.stopped(m.item, m.hi - m.lo) for m in members_of_run):
+                    break  # every item of this run overflowed (or failed): nothing more to decode
+    for answer, i in zip(answers, members, strict=True):
+        answer.fall_back(tiled=i in call.tiled)
+        if answer.overflowed and answer.failed is None:
+            call.fell_back[i] = sorted(answer.overflowed)
     return [a.result() for a in answers]
 
 

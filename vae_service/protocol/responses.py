@@ -7,12 +7,14 @@ from __future__ import annotations
 
 from dataclasses import fields
 
+from vae_service.engine.encoding import Mp4Fragment
 from vae_service.engine.result import DecodeResult
 from vae_service.engine.video import FrameChunk
 from vae_service.protocol.errors import WireErrorInfo
 from vae_service.protocol.tensors import to_numpy
 from vae_service_client.frames import frame_message_proto, framed, frames_message
 from vae_service_client.messages import MSGPACK, DecodeResponse, pack
+from vae_service_client.mp4 import DONE_TAG, ERROR_TAG, trailer
 
 CONTENT_TYPE = MSGPACK  # of a whole /decode answer
 
@@ -37,6 +39,7 @@ def response_of(result: DecodeResult, output=None, item_index: int = 0) -> Decod
         item_index,
         result.tiled,
         result.retried_from_frame,
+        list(result.fallback),
     )
 
 
@@ -64,14 +67,31 @@ def handle_response(result: DecodeResult) -> dict:
 
 
 # ---- streamed frames: chunks as decoded, then the result (output None) -------------------------
-def stream_message(event: FrameChunk | DecodeResult) -> dict:
-    """The HTTP stream's map (vae_service_client.frames) for an event."""
+StreamEvent = FrameChunk | Mp4Fragment | DecodeResult
+
+
+def stream_message(event: StreamEvent) -> dict:
+    """The HTTP stream's map (vae_service_client.frames) for an event; an mp4 stream's fragment
+    as the map of a DecodeFrames chunk that carries one."""
     if isinstance(event, FrameChunk):
         return frames_message(event.item, event.frame, event.pixels)
+    if isinstance(event, Mp4Fragment):
+        return {"item": 0, "frame": event.frame, "frames": event.frames, "fragment": event.data}
     return {"done": response_of(event).summary()}
 
 
-def http_frame_message(event: FrameChunk | DecodeResult) -> bytes:
+def mp4_stream_bytes(event: Mp4Fragment | DecodeResult) -> bytes:
+    """An HTTP mp4 stream's next bytes (vae_service_client.mp4): a fragment, or the summary box."""
+    if isinstance(event, Mp4Fragment):
+        return event.data
+    return trailer(DONE_TAG, response_of(event).summary())
+
+
+def mp4_error_bytes(info: WireErrorInfo) -> bytes:
+    return trailer(ERROR_TAG, {"type": info.type, "field": info.field, "message": info.message})
+
+
+def http_frame_message(event: StreamEvent) -> bytes:
     return framed(stream_message(event))
 
 
@@ -79,13 +99,14 @@ def http_error_message(info: WireErrorInfo) -> bytes:
     return framed({"error": {"type": info.type, "field": info.field, "message": info.message}})
 
 
-def handle_frame_message(event: FrameChunk | DecodeResult) -> dict:
-    """A streaming handle's item: {item, frame, pixels (numpy)} or {done: summary}."""
+def handle_frame_message(event: StreamEvent) -> dict:
+    """A streaming handle's item: {item, frame, pixels (numpy)}, an mp4 stream's {item, frame,
+    frames, fragment (bytes)}, or {done: summary}."""
     if isinstance(event, FrameChunk):
         return {"item": event.item, "frame": event.frame, "pixels": to_numpy(event.pixels)}
     return stream_message(event)
 
 
-def grpc_frame_message(event: FrameChunk | DecodeResult):
+def grpc_frame_message(event: StreamEvent):
     """DecodeFrames: a vae_service.v1.FrameMessage (`chunk` or `done`)."""
     return frame_message_proto(stream_message(event))

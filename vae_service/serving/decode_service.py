@@ -31,6 +31,7 @@ from vae_service.engine.tile_jobs import TileJob
 from vae_service.serving.batcher import BatcherLimits, BatchStats, DeadlineExceeded, KeyedBatcher, QueueFull
 from vae_service.serving.encoders import EncoderPool
 from vae_service.serving.frame_stream import FrameStream
+from vae_service.serving.mp4_stream import Mp4Stream
 
 # Inputs above this size are parsed and checked off the event loop, where they cannot stall other
 # requests. Measured here: a thread hop ~0.07 ms; parsing and checking a 64 KiB body inline
@@ -122,15 +123,19 @@ class DecodeService:
             raise InvalidInput("stream", "this call answers whole outputs; stream frames with the streaming call")
         return await self._decode_prepared(prepared)
 
-    async def submit(self, parse: Callable[[], DecodeRequest], size: int) -> DecodeResult | FrameStream:
-        """Like decode_from, but a request with `stream` set comes back as a FrameStream once its
-        first frames are decoded (errors before them are raised here)."""
+    async def submit(self, parse: Callable[[], DecodeRequest], size: int) -> DecodeResult | FrameStream | Mp4Stream:
+        """Like decode_from, but a request with `stream` set comes back as a FrameStream (output
+        mp4: an Mp4Stream) once its first frames are decoded (errors before them are raised here)."""
         arrived = time.perf_counter()
         prepared = await self._prepare(parse, size, self.admit())
         if not prepared.request.stream:
             return await self._decode_prepared(prepared)
-        stream = FrameStream(prepared.items, prepared.context)
-        await stream.start(asyncio.ensure_future(self._decode_prepared(replace(prepared, sink=stream.sink))))
+        frames = FrameStream(prepared.items, prepared.context)
+        decode = asyncio.ensure_future(self._decode_prepared(replace(prepared, sink=frames.sink)))
+        stream = frames
+        if prepared.request.output == "mp4":
+            stream = Mp4Stream(frames, self.encoders, self.engine.mp4_fragments(prepared), prepared.context)
+        await stream.start(decode)
         if self.on_first_frames is not None:
             self.on_first_frames(prepared.request.quality, (time.perf_counter() - arrived) * 1e3)
         return stream

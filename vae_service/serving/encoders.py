@@ -29,19 +29,24 @@ class EncoderPool:
             return result
         loop, fmt, start = asyncio.get_running_loop(), result.encode_as, time.perf_counter()
         work = [
-            loop.run_in_executor(self.executor, self.encode_item, item, fmt, self.settings)
+            loop.run_in_executor(self.executor, self.encode_item, item, fmt, self.settings, result.fragments)
             for item in items(result.output.numpy(), fmt)
         ]
         try:
             files = await asyncio.gather(*work)
         except Exception as exc:
-            error_id = uuid.uuid4().hex[:12]
-            log.error("encoding %s failed, error id %s", fmt, error_id, exc_info=exc)
-            raise EncodeFailed(
-                "output", f"encoding the decoded pixels as {fmt} failed (error id {error_id}, see the server log)"
-            ) from None
+            raise failed_encode(fmt, exc) from None
         timing = replace(result.timing, encode_ms=(time.perf_counter() - start) * 1e3)
         return replace(result, output=list(files), encode_as=None, timing=timing)
 
     def shutdown(self) -> None:
         self.executor.shutdown(wait=False)
+
+
+def failed_encode(fmt: str, exc: BaseException) -> EncodeFailed:
+    """What a failed encode answers (its own request only); the cause goes to the server log."""
+    error_id = uuid.uuid4().hex[:12]
+    log.error("encoding %s failed, error id %s", fmt, error_id, exc_info=exc)
+    return EncodeFailed(
+        "output", f"encoding the decoded pixels as {fmt} failed (error id {error_id}, see the server log)"
+    )

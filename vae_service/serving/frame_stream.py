@@ -60,6 +60,15 @@ class FrameStream:
             await self._events.aclose()
             raise
 
+    @property
+    def first_chunk(self) -> FrameChunk:
+        """The first frames (after `start`), still to come out of `events`."""
+        return self._first
+
+    async def close(self) -> None:
+        """Leave without reading `events` (cancels the decode)."""
+        await self._events.aclose()
+
     async def events(self) -> AsyncIterator[FrameChunk | DecodeResult]:
         """FrameChunks, then the DecodeResult (output None); a failure mid-stream raises."""
         try:

@@ -3,7 +3,7 @@ ingress can forward raw bodies and return the decoder's answer), and the FastAPI
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI
@@ -15,11 +15,22 @@ from vae_service.engine.result import DecodeResult
 from vae_service.protocol.errors import ANSWERABLE, Unauthenticated, internal_error, wire_error
 from vae_service.protocol.hf_remote import parse_remote_decode, remote_decode_reply
 from vae_service.protocol.requests import parse_decode_body
-from vae_service.protocol.responses import CONTENT_TYPE, http_error_message, http_frame_message, msgpack_response
+from vae_service.protocol.responses import (
+    CONTENT_TYPE,
+    http_error_message,
+    http_frame_message,
+    mp4_error_bytes,
+    mp4_stream_bytes,
+    msgpack_response,
+)
 from vae_service.serving.admission import Admission
 from vae_service.serving.decode_service import DecodeService
 from vae_service.serving.frame_stream import FrameStream
+from vae_service.serving.mp4_stream import Mp4Stream
 from vae_service_client.frames import STREAM_MEDIA_TYPE
+from vae_service_client.mp4 import MP4_MEDIA_TYPE
+
+STREAM_HEADER = "x-vae-stream"  # on a streamed answer: what it streams ("frames" or "mp4")
 
 
 @dataclass
@@ -49,8 +60,8 @@ async def decode_answer(service: DecodeService, body: bytes, content_type: str |
 
 async def decode_events(service: DecodeService, body: bytes, content_type: str | None) -> AsyncIterator:
     """The answer to a /decode body: one HttpAnswer; for `stream: true`, an HttpAnswer that opens
-    the stream (200, STREAM_MEDIA_TYPE, no body) and then the stream's bytes, message by message.
-    Plain data, so a routing ingress can relay it from a streaming handle."""
+    the stream (200, its media type, no body) and then the stream's bytes: message by message, or
+    an mp4 stream's fragments. Plain data, so a routing ingress can relay it from a streaming handle."""
     max_bytes = service.config.limits.max_request_bytes
     try:
         outcome = await service.submit(lambda: parse_decode_body(body, content_type, max_bytes), len(body))
@@ -60,25 +71,32 @@ async def decode_events(service: DecodeService, body: bytes, content_type: str |
     if isinstance(outcome, DecodeResult):
         yield HttpAnswer(200, msgpack_response(outcome), CONTENT_TYPE)
         return
-    yield HttpAnswer(200, b"", STREAM_MEDIA_TYPE)
-    async for data in _stream_bytes(service, outcome):
+    if isinstance(outcome, Mp4Stream):
+        yield HttpAnswer(200, b"", f'{MP4_MEDIA_TYPE}; codecs="{outcome.codecs}"', {STREAM_HEADER: "mp4"})
+        async for data in _stream_bytes(service, outcome, mp4_stream_bytes, mp4_error_bytes):
+            yield data
+        return
+    yield HttpAnswer(200, b"", STREAM_MEDIA_TYPE, {STREAM_HEADER: "frames"})
+    async for data in _stream_bytes(service, outcome, http_frame_message, http_error_message):
         yield data
 
 
-async def _stream_bytes(service: DecodeService, stream: FrameStream) -> AsyncIterator[bytes]:
+async def _stream_bytes(
+    service: DecodeService, stream: FrameStream | Mp4Stream, encode: Callable, encode_error: Callable
+) -> AsyncIterator[bytes]:
     try:
         async for event in stream.events():
-            yield http_frame_message(event)
+            yield encode(event)
     except ANSWERABLE as exc:  # after frames went out: the stream's last message says why
-        yield http_error_message(wire_error(service.rejected(exc)))
+        yield encode_error(wire_error(service.rejected(exc)))
     except Exception as exc:
-        yield http_error_message(internal_error(exc, "an HTTP frame stream"))
+        yield encode_error(internal_error(exc, "an HTTP frame stream"))
 
 
 async def respond(events: AsyncIterator) -> Response:
     """decode_events -> a FastAPI response (streaming when the first event opens a stream)."""
     first = await anext(events)
-    if first.media_type != STREAM_MEDIA_TYPE:
+    if STREAM_HEADER not in first.headers:
         await events.aclose()
         return first.response()
 
@@ -89,7 +107,7 @@ async def respond(events: AsyncIterator) -> Response:
         finally:  # a client that went away: cancel its request
             await events.aclose()
 
-    return StreamingResponse(rest(), media_type=STREAM_MEDIA_TYPE, headers=first.headers)
+    return StreamingResponse(rest(), media_type=first.media_type, headers=first.headers)
 
 
 async def remote_decode_answer(

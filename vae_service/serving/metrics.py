@@ -48,6 +48,11 @@ def _metrics() -> dict:
             description="requests decoded in spatial tiles (limits.max_decode_bytes, or out of memory)",
             tag_keys=("model",),
         ),
+        "fallback": Counter(
+            "vae_precision_fallbacks",
+            description="items decoded again in fp32: their fp16/bf16 output was not finite (precision_fallback)",
+            tag_keys=("model",),
+        ),
         "first_frames": Histogram(
             "vae_stream_first_frames_ms",
             description="streamed requests: arrival to the first frames handed over, per tier",
@@ -84,6 +89,10 @@ def report_folded_bytes(engine) -> None:
 
 def report_tiled(model: str) -> None:
     _metrics()["tiled"].inc(tags={"model": model})
+
+
+def report_fallback(model: str, items: int) -> None:
+    _metrics()["fallback"].inc(items, tags={"model": model})
 
 
 def report_first_frames(model: str, quality: str, ms: float) -> None:

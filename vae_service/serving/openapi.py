@@ -7,6 +7,7 @@ from __future__ import annotations
 from vae_service.engine.request import QUALITIES
 from vae_service_client.frames import STREAM_MEDIA_TYPE
 from vae_service_client.messages import REQUEST_KEYS
+from vae_service_client.mp4 import MP4_MEDIA_TYPE
 
 _ERRORS = {
     str(code): {"description": text, "content": {"application/json": {"schema": {"type": "object"}}}}
@@ -31,11 +32,14 @@ DECODE = {
     },
     "responses": {
         "200": {
-            "description": "msgpack map: output, model, quality, precision, request_id, timing, tiled; with "
-            "`stream: true` (video), length-prefixed msgpack messages: frames as they are decoded, then `done`",
+            "description": "msgpack map: output, model, quality, precision, request_id, timing, tiled, fallback; "
+            "with `stream: true` (video), length-prefixed msgpack messages: frames as they are decoded, then "
+            "`done`; with `stream: true, output: mp4`, a fragmented MP4 (`codecs` in the media type) written as "
+            "it decodes, ending with a `free` box holding `done`",
             "content": {
                 "application/msgpack": {"schema": {"type": "string", "format": "binary"}},
                 STREAM_MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}},
+                MP4_MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}},
             },
         },
         **_ERRORS,

@@ -145,6 +145,8 @@ class DecoderReplica:
     def _observe_result(self, result) -> None:
         if result.tiled:
             metrics.report_tiled(self.model)
+        if result.fallback:
+            metrics.report_fallback(self.model, len(result.fallback))
 
     def _observe_first_frames(self, quality: str, ms: float) -> None:
         metrics.report_first_frames(self.model, quality, ms)

@@ -68,8 +68,9 @@ class VaeDecoderServicer:
         raise NotImplementedError('Method not implemented!')
 
     def DecodeFrames(self, request, context):
-        """Video models, uint8/float output: one chunk per decoded latent frame as soon as it is
-        decoded, then `done`. Other models and outputs: INVALID_ARGUMENT before any message.
+        """Video models, uint8/float/mp4 output: one chunk per decoded latent frame as soon as it is
+        decoded (mp4: one fragment), then `done`. Other models and outputs: INVALID_ARGUMENT before
+        any message.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

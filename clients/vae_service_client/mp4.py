@@ -1,0 +1,154 @@
+"""Streamed `mp4` answers: the wire format of `POST /decode` with `stream: true, output: "mp4"`
+and how a client writes one to a file as it arrives.
+
+HTTP body (`Content-Type: video/mp4; codecs="avc1.…"`): a fragmented MP4, written as the frames
+decode: the init segment (`ftyp`, `moov`), then one `moof` + `mdat` fragment per latent frame's
+worth of frames, each starting with a keyframe; then one top-level `free` box (which players skip)
+whose payload is `vae-service:done` followed by the stream's summary as JSON (model, quality,
+precision, request_id, timing, tiled, fallback[, retried_from_frame]), or `vae-service:error`
+followed by `{type, field, message}` when the decode failed after the first fragment went out.
+Everything before that box, appended to a MediaSource SourceBuffer or written to a file, is the
+whole `mp4` answer of the same request, byte for byte.
+
+gRPC `DecodeFrames` carries the same bytes in its chunks (`fragment`: the first one begins with the
+init segment), then `done`.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import AsyncIterable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+from vae_service_client.errors import make_error
+
+MP4_MEDIA_TYPE = "video/mp4"
+TRAILER_BOX = b"free"
+DONE_TAG, ERROR_TAG = b"vae-service:done", b"vae-service:error"
+_HEADER = struct.Struct(">I4s")
+
+
+def trailer(tag: bytes, fields: dict) -> bytes:
+    """The stream's last box: `tag` (DONE_TAG or ERROR_TAG) and `fields` as JSON."""
+    payload = tag + json.dumps(fields, separators=(",", ":")).encode()
+    return _HEADER.pack(_HEADER.size + len(payload), TRAILER_BOX) + payload
+
+
+@dataclass(frozen=True)
+class Mp4Fragment:
+    """One DecodeFrames chunk of an mp4 stream: frames `frame`.. (`frames` of them) as bytes to
+    append (the first one begins with the init segment)."""
+
+    frame: int
+    frames: int
+    data: bytes
+
+
+class BoxReader:
+    """Top-level ISO BMFF boxes out of byte chunks of any size: media bytes are passed on as soon as
+    a box is whole; the trailing vae-service box is kept apart as the summary (or raised)."""
+
+    def __init__(self) -> None:
+        self._buffer = bytearray()
+        self.summary: dict | None = None
+
+    def feed(self, data: bytes) -> bytes:
+        """The media bytes of every box `data` completes."""
+        self._buffer += data
+        media, start = bytearray(), 0
+        while len(self._buffer) - start >= _HEADER.size:
+            size, kind = _HEADER.unpack_from(self._buffer, start)
+            header = _HEADER.size
+            if size == 1:  # a 64-bit size follows the type
+                if len(self._buffer) - start < 16:
+                    break
+                (size,) = struct.unpack_from(">Q", self._buffer, start + 8)
+                header = 16
+            if size < header:
+                raise ValueError(f"a {kind!r} box of {size} bytes: not an mp4 stream")
+            if len(self._buffer) - start < size:
+                break
+            box = bytes(self._buffer[start : start + size])
+            start += size
+            if kind == TRAILER_BOX and box[header:].startswith((DONE_TAG, ERROR_TAG)):
+                self._trailer(box[header:])
+            else:
+                media += box
+        del self._buffer[:start]
+        return bytes(media)
+
+    def _trailer(self, payload: bytes) -> None:
+        if payload.startswith(ERROR_TAG):
+            err = json.loads(payload[len(ERROR_TAG) :])
+            raise make_error(err.get("type", "internal"), err.get("field"), err.get("message", ""))
+        self.summary = json.loads(payload[len(DONE_TAG) :])
+
+    def close(self) -> dict:
+        """The summary; raises if the stream ended before it (cut off, or inside a box)."""
+        if self._buffer:
+            raise make_error("unavailable", None, f"the mp4 stream ended inside a box ({len(self._buffer)} bytes left)")
+        if self.summary is None:
+            raise make_error("unavailable", None, "the mp4 stream ended before its summary")
+        return self.summary
+
+
+def _open(target: str | Path | BinaryIO) -> tuple[BinaryIO, bool]:
+    if isinstance(target, str | Path):
+        return open(target, "wb"), True  # closed by the caller
+    return target, False
+
+
+def write_chunks(chunks: Iterable[bytes], target: str | Path | BinaryIO) -> dict:
+    """An mp4 stream's body chunks -> `target` (a path or a binary file), each box written and
+    flushed as soon as it is whole; returns the summary."""
+    out, owned = _open(target)
+    reader = BoxReader()
+    try:
+        for data in chunks:
+            _write(out, reader.feed(data))
+        return reader.close()
+    finally:
+        if owned:
+            out.close()
+
+
+async def write_chunks_async(chunks: AsyncIterable[bytes], target: str | Path | BinaryIO) -> dict:
+    out, owned = _open(target)
+    reader = BoxReader()
+    try:
+        async for data in chunks:
+            _write(out, reader.feed(data))
+        return reader.close()
+    finally:
+        if owned:
+            out.close()
+
+
+def _write(out: BinaryIO, media: bytes) -> None:
+    if media:
+        out.write(media)
+        out.flush()  # a player reading the file follows the decode
+
+
+def write_fragments(fragments: Iterable[Mp4Fragment], target: str | Path | BinaryIO) -> None:
+    """gRPC DecodeFrames' Mp4Fragments -> `target`, each written and flushed as it arrives."""
+    out, owned = _open(target)
+    try:
+        for fragment in fragments:
+            _write(out, fragment.data)
+    finally:
+        if owned:
+            out.close()
+
+
+async def write_fragments_async(fragments: AsyncIterable[Mp4Fragment], target: str | Path | BinaryIO) -> None:
+    out, owned = _open(target)
+    try:
+        async for fragment in fragments:
+            _write(out, fragment.data)
+    finally:
+        if owned:
+            out.close()

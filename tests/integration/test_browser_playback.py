@@ -1,0 +1,57 @@
+"""A real browser plays the service's streamed mp4: headless Chromium feeds `POST /decode` with
+`stream: true, output: "mp4"` into a <video> element through Media Source Extensions
+(tests/browser.py, tests/browser_page.html), buffers frames while the answer is still open (the
+page's relay holds the rest of the answer until the browser says so), and plays to the clip's
+duration."""
+
+import contextlib
+
+import httpx
+import pytest
+import torch
+
+from tests.browser import avc1_codecs, browser_page, require_chromium, split_boxes
+from vae_service.config import Encoding
+from vae_service_client.messages import MSGPACK, pack, request_map
+from vae_service_client.mp4 import BoxReader
+
+pytestmark = pytest.mark.integration
+FPS = Encoding().mp4_fps  # the wan app's default
+
+
+@pytest.mark.parametrize("quality", ["lossless", "high"])
+def test_chromium_buffers_the_stream_while_it_is_open_and_plays_it_to_the_end(wan_url, quality):
+    require_chromium()
+    latent_frames = 4
+    z = torch.randn(1, 4, latent_frames, 4, 6, generator=torch.Generator().manual_seed(7))
+    frames = 1 + 4 * (latent_frames - 1)
+    body = pack(request_map(z, quality, "mp4", stream=True, request_id="browser"))
+
+    @contextlib.contextmanager
+    def source():
+        headers = {"content-type": MSGPACK}
+        with (
+            httpx.Client(timeout=120) as client,
+            client.stream("POST", f"{wan_url}/decode", content=body, headers=headers) as r,
+        ):
+            assert r.status_code == 200, r.read()
+            yield r.headers["content-type"], r.iter_raw()
+
+    with browser_page(source) as page:
+        assert page.wait_for("type")["supported"], page.explain()
+        buffered = page.wait_for("buffered", timeout=60)
+        done = page.wait_for("done", timeout=60)["summary"]
+        ended = page.wait_for("ended", timeout=60)
+        assert page.find("failure") is None, page.explain()
+        relay = page.relay
+    assert buffered["open"], page.explain()  # frames in the element before the answer was over
+    assert relay.held_at <= buffered["received_at"] <= relay.released_at, page.explain()
+    assert abs(ended["duration"] - frames / FPS) < 0.5 / FPS, page.explain()
+    assert abs(ended["currentTime"] - ended["duration"]) < 0.5 / FPS, page.explain()
+    assert (done["request_id"], done["quality"]) == ("browser", quality)
+    # what the browser got: the init segment and one fragment per latent frame, as the header says
+    reader = BoxReader()
+    media = reader.feed(bytes(relay.body))
+    pieces = split_boxes(media)
+    assert len(pieces) == 2 + 2 * latent_frames and reader.close()["request_id"] == "browser"
+    assert relay.content_type == f'video/mp4; codecs="{avc1_codecs(media)}"'

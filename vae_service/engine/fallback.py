@@ -1,0 +1,109 @@
+"""fp16/bf16 decodes whose output is not finite, decoded again in fp32.
+
+Activations that overflow the decode precision are the most reported decode failure of image UIs
+(SDXL's VAE in fp16; ComfyUI and AUTOMATIC1111 re-decode such latents in fp32). An engine decoding
+in fp16 or bf16 answers an item whose output holds NaN/Inf with that item decoded by an fp32 copy
+of its model, the way the fp32 deployment of the same model answers `lossless`: the same runtime
+(engine/runtime.py) built at fp32 from the same source and seed, its latents scaled in fp32, and
+its class's own decode (whole, or its class's own tiled decode where this request was tiled). So
+an item that fell back is bit-identical to the fp32 deployment's `lossless` answer for it.
+
+The fp32 copy is loaded once, when the first item needs it (most deployments never do). Its
+weights are reserved in the memory plan from start-up whenever the fallback is on (a decode plan
+that fits before it is loaded still fits after), and released on scale-down with the fast path's
+folded weights. Only an output that fails the finite check the engine runs on every answer pays
+anything: a finite answer costs nothing more.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import torch
+
+from vae_service.config import ServiceConfig
+from vae_service.engine.call import checkpoint_hook
+from vae_service.engine.latents import LatentScaling, PreparedRequest
+from vae_service.models.diffusers_tiling import tiled_view
+
+FALLBACK_PRECISION = "fp32"
+
+
+class Fp32Fallback:
+    def __init__(self, config: ServiceConfig, runtime):
+        self.config, self.runtime = config, runtime
+        self.needed = runtime.dtype != torch.float32  # an fp32 deployment has nothing to fall back to
+        self.enabled = self.needed and config.precision_fallback
+        # what the fp32 copy will hold, reserved in the memory plan while the fallback is on
+        self.weight_bytes = sum(t.numel() * 4 for t in _floating(runtime.vae)) if self.enabled else 0
+        self._fp32 = None  # Runtime at fp32, loaded by the first item that needs it
+        self._scaling: LatentScaling | None = None
+        self._lock = threading.Lock()  # replicas' tile threads and the device thread may both need it
+        self.items = 0  # items answered by the fallback since start-up
+
+    @property
+    def loaded(self) -> bool:
+        return self._fp32 is not None
+
+    def _runtime(self):
+        from vae_service.engine.runtime import Runtime  # the runtime builds its own; no cycle at import
+
+        with self._lock:
+            if self._fp32 is None:
+                fp32 = Runtime(self.config.model_copy(update={"decode_precision": FALLBACK_PRECISION}))
+                # the checkpoint of the call running on this thread, as for the engine's own decoder
+                getattr(fp32.vae, "decoder", fp32.vae).register_forward_pre_hook(checkpoint_hook)
+                self._scaling, self._fp32 = fp32.scaling, fp32
+            return self._fp32
+
+    def latents(self, prepared: PreparedRequest) -> torch.Tensor:
+        """The request's decoder input as the fp32 deployment scales it."""
+        fp32 = self._runtime()
+        return self._scaling.to_decoder_input(prepared, fp32.device)
+
+    def image(self, z: torch.Tensor, timestep: float | None, tiled: bool) -> torch.Tensor:
+        """One item's fp32 `lossless` decode: its class's own decode, or its tiled decode."""
+        fp32 = self._runtime()
+        with fp32.gate("lossless"):
+            return fp32.each_alone(self._decoder(fp32, tiled), z, timestep)
+
+    def chunks(self, z: torch.Tensor, timestep: float | None, tiled: bool) -> Iterator[torch.Tensor]:
+        """One video item's fp32 `lossless` decode, chunk by chunk as the fp32 deployment hands
+        them over (the class's tiled decode: the whole clip at once)."""
+        fp32 = self._runtime()
+        with fp32.gate("lossless"):
+            if tiled and tiled_view(fp32.vae) is not None:
+                yield fp32.each_alone(tiled_view(fp32.vae), z, timestep)
+                return
+            yield from fp32.chunks("lossless", timestep)(z)
+
+    @staticmethod
+    def _decoder(fp32, tiled: bool) -> torch.nn.Module:
+        view = tiled_view(fp32.vae) if tiled else None
+        return fp32.vae if view is None else view
+
+    def release(self) -> int:
+        """Drop the fp32 copy (loaded again by the next item that needs it); bytes freed."""
+        with self._lock:
+            if self._fp32 is None:
+                return 0
+            freed = sum(t.numel() * t.element_size() for t in _floating(self._fp32.vae))
+            self._fp32 = self._scaling = None
+        self.runtime.release_device_cache()
+        return freed
+
+    def describe(self) -> dict:
+        if not self.needed:
+            return {"enabled": False, "why": "this deployment decodes in fp32"}
+        return {
+            "enabled": self.enabled,
+            "to": FALLBACK_PRECISION,
+            "loaded": self.loaded,
+            "reserved_bytes": self.weight_bytes,
+            "items": self.items,
+        }
+
+
+def _floating(module: torch.nn.Module) -> list[torch.Tensor]:
+    return [t for t in (*module.parameters(), *module.buffers()) if t.is_floating_point()]
