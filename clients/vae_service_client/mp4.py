@@ -49,11 +49,13 @@ class Mp4Fragment:
 
 class BoxReader:
     """Top-level ISO BMFF boxes out of byte chunks of any size: media bytes are passed on as soon as
-    a box is whole; the trailing vae-service box is kept apart as the summary (or raised)."""
+    a box is whole; the trailing vae-service box is kept apart as the summary, or the error that
+    `close` raises (after every media byte before it was passed on)."""
 
     def __init__(self) -> None:
         self._buffer = bytearray()
         self.summary: dict | None = None
+        self._error: dict | None = None
 
     def feed(self, data: bytes) -> bytes:
         """The media bytes of every box `data` completes."""
@@ -73,21 +75,22 @@ class BoxReader:
                 break
             box = bytes(self._buffer[start : start + size])
             start += size
-            if kind == TRAILER_BOX and box[header:].startswith((DONE_TAG, ERROR_TAG)):
-                self._trailer(box[header:])
+            payload = box[header:]
+            if kind == TRAILER_BOX and payload.startswith(ERROR_TAG):
+                self._error = json.loads(payload[len(ERROR_TAG) :])
+            elif kind == TRAILER_BOX and payload.startswith(DONE_TAG):
+                self.summary = json.loads(payload[len(DONE_TAG) :])
             else:
                 media += box
         del self._buffer[:start]
         return bytes(media)
 
-    def _trailer(self, payload: bytes) -> None:
-        if payload.startswith(ERROR_TAG):
-            err = json.loads(payload[len(ERROR_TAG) :])
-            raise make_error(err.get("type", "internal"), err.get("field"), err.get("message", ""))
-        self.summary = json.loads(payload[len(DONE_TAG) :])
-
     def close(self) -> dict:
-        """The summary; raises if the stream ended before it (cut off, or inside a box)."""
+        """The summary; raises the stream's error, or if it ended before its summary (cut off, or
+        inside a box)."""
+        if self._error is not None:
+            err = self._error
+            raise make_error(err.get("type", "internal"), err.get("field"), err.get("message", ""))
         if self._buffer:
             raise make_error("unavailable", None, f"the mp4 stream ended inside a box ({len(self._buffer)} bytes left)")
         if self.summary is None:

@@ -170,10 +170,12 @@ async def test_an_encode_that_fails_mid_stream_ends_with_an_error_box(wan_dir, m
     assert opened.status == 200 and opened.media_type.startswith('video/mp4; codecs="avc1.')
     body = b"".join([data async for data in events])
     reader = BoxReader()
+    media = reader.feed(body)  # what went out before the failure is passed on, then the error raised
     with pytest.raises(VaeServiceError, match="encoding the decoded pixels as mp4 failed") as err:
-        reader.feed(body)
+        reader.close()
     assert err.value.field == "output"
     assert boxes(body) == [b"ftyp", b"moov", b"moof", b"mdat", b"free"]
+    assert boxes(media) == [b"ftyp", b"moov", b"moof", b"mdat"] and len(decoded_frames(media)) == 1
 
 
 def test_a_streamed_mp4_is_one_video_of_a_video_model(service, kl_dir):

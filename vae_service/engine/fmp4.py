@@ -130,7 +130,8 @@ class FragmentedMp4:
 
     def fragment(self, frames: np.ndarray) -> bytes:
         """uint8 [T, H, W, 3] RGB, T >= 1 -> moof + mdat holding exactly these T frames, the first an IDR."""
-        if self._codec is None:
+        codec = self._codec  # held for the whole fragment: a close meanwhile lets it finish
+        if codec is None:
             raise RuntimeError("this FragmentedMp4 is closed")
         expected = (self.height, self.width, 3)
         if not isinstance(frames, np.ndarray) or frames.dtype != np.uint8:
@@ -140,7 +141,7 @@ class FragmentedMp4:
 
         samples = []
         for index, rgb in enumerate(frames):
-            packets = self._codec.encode(self._yuv_frame(rgb, self._frames_written + index, key=index == 0))
+            packets = codec.encode(self._yuv_frame(rgb, self._frames_written + index, key=index == 0))
             samples.extend(bytes(packet) for packet in packets)
         if len(samples) != len(frames):
             # a lagging encoder would put one chunk's frames into another's fragment, with wrong timestamps

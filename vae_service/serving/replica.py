@@ -231,7 +231,8 @@ class DecoderReplica:
             yield message
 
     def release_folded(self) -> int:
-        """Drop the fast path's folded weights now (the next `high` decode rebuilds them)."""
+        """Drop the fast path's folded weights and the fp32 fallback's weights now (the next decode
+        that needs them makes them again)."""
         freed = self.service.release_folded()
         metrics.report_folded_bytes(self.service.engine)
         return freed
@@ -246,5 +247,8 @@ class DecoderReplica:
         drained = await self.service.drain(drain_timeout_s(self.service.live, self.serve_options))
         freed = self.release_folded()
         log.info(
-            "replica %s shutting down: drained=%s, released %d bytes of folded buffers", replica_id(), drained, freed
+            "replica %s shutting down: drained=%s, released %d bytes of folded buffers and fp32 fallback weights",
+            replica_id(),
+            drained,
+            freed,
         )
