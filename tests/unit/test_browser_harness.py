@@ -6,7 +6,6 @@ says it buffered (or a timeout passes). Skipped without Chromium unless VAE_SERV
 import contextlib
 import fractions
 import io
-import json
 import threading
 import time
 
@@ -24,6 +23,7 @@ from tests.browser import (
     require_chromium,
     split_boxes,
 )
+from vae_service_client.mp4 import DONE_TAG, ERROR_TAG, trailer
 
 FRAMES, FPS = 9, 16
 
@@ -50,8 +50,8 @@ def fragmented_mp4(frames=FRAMES, fps=FPS, width=64, height=48, keyframe_every=3
 
 
 def closing_box(kind: str, summary: dict) -> bytes:
-    payload = f"vae-service:{kind}".encode() + json.dumps(summary).encode()
-    return (8 + len(payload)).to_bytes(4, "big") + b"free" + payload
+    """The service's last box (vae_service_client.mp4): `done` or `error` and its JSON."""
+    return trailer(DONE_TAG if kind == "done" else ERROR_TAG, summary)
 
 
 @pytest.fixture(scope="module")

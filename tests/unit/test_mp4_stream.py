@@ -87,6 +87,24 @@ async def test_the_stream_is_the_whole_answer_byte_for_byte_one_fragment_per_lat
     assert result.output is None and result.timing.encode_ms > 0
 
 
+@pytest.mark.parametrize("model, per_latent_frame", [("tiny-ltx-video", 8), ("tiny-hunyuan-video", 4)])
+async def test_a_decoder_that_hands_the_whole_clip_over_still_streams_a_fragment_per_latent_frame(
+    model, per_latent_frame
+):
+    """Classes decoded through their own `decode` hand the clip over at once: the stream still cuts
+    it into one fragment per latent frame (their temporal law), the whole answer's bytes."""
+    service = DecodeService(ServiceConfig(model=model, cpu_threads=1, serving={"fit_prices_at_start": False}))
+    z = torch.randn(1, service.engine.spec.latent_channels, 3, 4, 6, generator=torch.Generator().manual_seed(3))
+    whole = await service.decode(DecodeRequest(z, output="mp4"))
+    _, events = await stream_events(service, z)
+    assert [(f.frame, f.frames) for f in events[:-1]] == [
+        (0, 1),
+        (1, per_latent_frame),
+        (1 + per_latent_frame, per_latent_frame),
+    ]
+    assert b"".join(f.data for f in events[:-1]) == whole.output[0]
+
+
 async def test_the_first_fragment_leaves_before_the_second_latent_frame_is_decoded(wan_dir):
     """The decoder's mid-block attention runs once per latent frame: the second run waits until
     the first fragment reached the caller. Were the fragment made only after the second latent

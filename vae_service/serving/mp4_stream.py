@@ -61,20 +61,22 @@ class Mp4Stream:
         try:
             async for event in self._frames.events():
                 if isinstance(event, FrameChunk):
-                    for fragment in await self._take(event.pixels[0].numpy()):
+                    async for fragment in self._take(event.pixels[0].numpy()):
                         yield fragment
                     continue
-                if self._pending:  # fewer frames than planned: a decoder bug, never a short video
-                    raise RuntimeError(f"the stream ended {sum(self._fragments)} frames short of its fragments")
+                if self._fragments:  # fewer frames than planned: a decoder bug, never a short video
+                    short = sum(self._fragments) - self._gathered
+                    raise RuntimeError(f"the stream ended {short} frames short of its fragments")
                 timing = replace(event.timing, encode_ms=self._encode_s * 1e3)
                 yield replace(event, timing=timing)
         finally:
             if self._writer is not None:
                 self._writer.close()
 
-    async def _take(self, frames: np.ndarray) -> list[Mp4Fragment]:
-        """Frames [t, H, W, 3] in order -> the fragments they complete."""
-        done, start = [], 0
+    async def _take(self, frames: np.ndarray) -> AsyncIterator[Mp4Fragment]:
+        """Frames [t, H, W, 3] in order -> the fragments they complete, each as soon as it is
+        encoded (a decoder that hands a whole clip over at once still streams fragment by fragment)."""
+        start = 0
         while start < len(frames):
             if not self._fragments:
                 raise RuntimeError("the stream handed over more frames than its fragments hold")
@@ -83,8 +85,7 @@ class Mp4Stream:
             self._gathered += take
             start += take
             if self._gathered == self._fragments[0]:
-                done.append(await self._encode_pending())
-        return done
+                yield await self._encode_pending()
 
     async def _encode_pending(self) -> Mp4Fragment:
         frames = np.concatenate(self._pending) if len(self._pending) > 1 else self._pending[0]
