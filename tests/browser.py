@@ -156,7 +156,7 @@ class RelayRecord:
     content_type: str | None = None
     started_at: float | None = None
     boxes: list[str] = dataclasses.field(default_factory=list)  # top-level box types, in order
-    held_at: float | None = None  # when it stopped, just past the first fragment
+    held_at: float | None = None  # when the first fragment began to leave; the rest is held from then on
     held_bytes: int | None = None  # bytes relayed before the hold
     released_at: float | None = None
     released_by: str | None = None  # "buffered" (the page's report), "timeout", or "closing" (the server stopped)
@@ -315,9 +315,11 @@ class PageServer:
                             hold_at = box.end
                     if hold_at is not None:
                         held = True
+                        # stamped before the send: the page may report the fragment buffered before
+                        # send() returns to this thread
+                        record.held_at, record.held_bytes = time.monotonic(), hold_at
                         send(received[sent:hold_at])
                         sent = hold_at
-                        record.held_at, record.held_bytes = time.monotonic(), sent
                         record.released_by = self._wait_buffered()
                         record.released_at = time.monotonic()
                     send(received[sent:])
