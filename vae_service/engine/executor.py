@@ -81,8 +81,13 @@ class Executor:
         if self.runtime.chunked:
             return self._video(quality, run, members, requests, zs, call)
         pixels = self._images(quality, run, members, requests, zs, call)
-        fallback = None if quality == "preview" else self.fallback
+        fallback = self._fallback_for(quality)
         return [self._finish(d, r, call, i, fallback) for d, r, i in zip(pixels, requests, members, strict=True)]
+
+    def _fallback_for(self, quality: str) -> Fp32Fallback | None:
+        """What answers this tier's items that overflow: the fp32 fallback, or None (they fail).
+        `preview` is approximate by contract and never falls back."""
+        return self.fallback if self.fallback.enabled and quality != "preview" else None
 
     # ---- images ------------------------------------------------------------------------------
     def _images(
@@ -139,7 +144,7 @@ class Executor:
         self, decoded: torch.Tensor, prepared: PreparedRequest, call: DecodeCall, i: int, fallback: Fp32Fallback | None
     ):
         if not bool(torch.isfinite(decoded).all()):
-            if fallback is None or not fallback.enabled:
+            if fallback is None:
                 return DecodeFailed("latents", NON_FINITE)
             decoded = self._fall_back(decoded, prepared, call, i, fallback)
             if decoded is None:
@@ -176,7 +181,7 @@ class Executor:
             chunks = _TiledChunks(self, quality, first.timestep, run, call, members[0])
         else:
             chunks = runtime.chunks(quality, first.timestep)
-        fallback = None if quality == "preview" else self.fallback
+        fallback = self._fallback_for(quality)
         outputs = decode_video(
             requests, latents, run.together, chunks, call, members, fallback, runtime.spec.entry.pixels
         )

@@ -65,23 +65,20 @@ class Fp32Fallback:
     def image(self, z: torch.Tensor, timestep: float | None, tiled: bool) -> torch.Tensor:
         """One item's fp32 `lossless` decode: its class's own decode, or its tiled decode."""
         fp32 = self._runtime()
+        view = _tiled_decode(fp32, tiled)
         with fp32.gate("lossless"):
-            return fp32.each_alone(self._decoder(fp32, tiled), z, timestep)
+            return fp32.each_alone(fp32.vae if view is None else view, z, timestep)
 
     def chunks(self, z: torch.Tensor, timestep: float | None, tiled: bool) -> Iterator[torch.Tensor]:
         """One video item's fp32 `lossless` decode, chunk by chunk as the fp32 deployment hands
         them over (the class's tiled decode: the whole clip at once)."""
         fp32 = self._runtime()
+        view = _tiled_decode(fp32, tiled)
         with fp32.gate("lossless"):
-            if tiled and tiled_view(fp32.vae) is not None:
-                yield fp32.each_alone(tiled_view(fp32.vae), z, timestep)
+            if view is not None:
+                yield fp32.each_alone(view, z, timestep)
                 return
             yield from fp32.chunks("lossless", timestep)(z)
-
-    @staticmethod
-    def _decoder(fp32, tiled: bool) -> torch.nn.Module:
-        view = tiled_view(fp32.vae) if tiled else None
-        return fp32.vae if view is None else view
 
     def release(self) -> int:
         """Drop the fp32 copy (loaded again by the next item that needs it); bytes freed."""
@@ -103,6 +100,11 @@ class Fp32Fallback:
             "reserved_bytes": self.weight_bytes,
             "items": self.items,
         }
+
+
+def _tiled_decode(fp32, tiled: bool) -> torch.nn.Module | None:
+    """The class's own tiled decode where the request was tiled; None: its whole decode."""
+    return tiled_view(fp32.vae) if tiled else None
 
 
 def _floating(module: torch.nn.Module) -> list[torch.Tensor]:

@@ -96,7 +96,7 @@ class _Answer:
             self._account(item + row, frame, 1, decoded.shape[2])
             if bool(torch.isfinite(decoded[row]).all()):
                 self._hand_over(item + row, frame, decoded[row : row + 1])
-            elif self.fallback is not None and self.fallback.enabled:
+            elif self.fallback is not None:
                 self.overflowed.append(item + row)
             else:
                 self.failed = DecodeFailed("latents", NON_FINITE)
