@@ -39,8 +39,8 @@ def trailer(tag: bytes, fields: dict) -> bytes:
 
 @dataclass(frozen=True)
 class Mp4Fragment:
-    """One DecodeFrames chunk of an mp4 stream: frames `frame`.. (`frames` of them) as bytes to
-    append (the first one begins with the init segment)."""
+    """Frames `frame`.. (`frames` of them) of an mp4 stream as bytes to append (the first one
+    begins with the init segment): a DecodeFrames chunk, or a replica's Mp4Stream event."""
 
     frame: int
     frames: int

@@ -17,7 +17,6 @@ from pydantic import ValidationError
 
 from vae_service.config import ServiceConfig
 from vae_service.engine import DecodeRequest, InvalidInput
-from vae_service.engine.encoding import Mp4Fragment
 from vae_service.engine.result import DecodeResult
 from vae_service.protocol.responses import mp4_stream_bytes
 from vae_service.serving import mp4_stream
@@ -26,7 +25,7 @@ from vae_service.serving.frame_stream import CHUNKS_AHEAD
 from vae_service.serving.http_routes import decode_events
 from vae_service_client import VaeServiceError
 from vae_service_client.messages import MSGPACK, pack, request_map
-from vae_service_client.mp4 import BoxReader, write_chunks
+from vae_service_client.mp4 import BoxReader, Mp4Fragment, write_chunks
 
 WAN_FRAMES = [1, 4, 4, 4, 4, 4, 4, 4, 4, 4]  # frames per latent frame (Wan: 1, then 4 each)
 

@@ -13,7 +13,6 @@ import torch
 from tests.models import reference_decode
 from vae_service.config import Limits, ServiceConfig
 from vae_service.engine import DecodeEngine, DecodeRequest, DecodeResult, Timing
-from vae_service.engine.encoding import Mp4Fragment
 from vae_service.engine.video import FrameChunk
 from vae_service.protocol.requests import parse_decode_body, request_from_call, request_from_proto
 from vae_service.protocol.responses import (
@@ -27,7 +26,7 @@ from vae_service.protocol.responses import (
 from vae_service_client.frames import StreamSummary, chunk_of, message_of_proto
 from vae_service_client.grpc_gen import decode_pb2
 from vae_service_client.messages import MSGPACK, UNSET, DecodeResponse, pack, request_map, request_proto
-from vae_service_client.mp4 import Mp4Fragment as ClientMp4Fragment
+from vae_service_client.mp4 import Mp4Fragment
 
 Z = torch.randn(1, 4, 2, 2)
 
@@ -178,7 +177,7 @@ def test_an_mp4_streams_fragments_cross_grpc_and_handles_as_bytes():
     assert read == {"item": 0, "frame": 5, "frames": 4, "fragment": fragment.data}
     assert handle_frame_message(fragment) == read
     summary = StreamSummary()
-    assert chunk_of(read, summary) == ClientMp4Fragment(5, 4, fragment.data) and not summary.fields
+    assert chunk_of(read, summary) == Mp4Fragment(5, 4, fragment.data) and not summary.fields
 
 
 def test_the_empty_message_that_carries_a_stream_error_reads_as_nothing():

@@ -32,16 +32,6 @@ class EncodeSettings:
     mp4_preset: str = "veryfast"
 
 
-@dataclass(frozen=True)
-class Mp4Fragment:
-    """Frames `frame`.. (`frames` of them) of a streamed mp4 answer as bytes to append; the first
-    fragment's bytes begin with the init segment."""
-
-    frame: int
-    frames: int
-    data: bytes
-
-
 def fragment_frames(total: int, latent_frames: int, law: tuple[int, int] | None) -> tuple[int, ...]:
     """Frames per mp4 fragment: one latent frame's worth each (the decoder's own law, as the stream
     hands them over), so a player can start on the first latent frame's frames."""

@@ -7,14 +7,13 @@ from __future__ import annotations
 
 from dataclasses import fields
 
-from vae_service.engine.encoding import Mp4Fragment
 from vae_service.engine.result import DecodeResult
 from vae_service.engine.video import FrameChunk
 from vae_service.protocol.errors import WireErrorInfo
 from vae_service.protocol.tensors import to_numpy
 from vae_service_client.frames import frame_message_proto, framed, frames_message
 from vae_service_client.messages import MSGPACK, DecodeResponse, pack
-from vae_service_client.mp4 import DONE_TAG, ERROR_TAG, trailer
+from vae_service_client.mp4 import DONE_TAG, ERROR_TAG, Mp4Fragment, trailer
 
 CONTENT_TYPE = MSGPACK  # of a whole /decode answer
 

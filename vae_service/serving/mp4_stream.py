@@ -22,12 +22,13 @@ from dataclasses import replace
 import numpy as np
 
 from vae_service.engine.context import RequestContext
-from vae_service.engine.encoding import Mp4Fragment, mp4_writer
+from vae_service.engine.encoding import mp4_writer
 from vae_service.engine.errors import DecodeTimeout
 from vae_service.engine.result import DecodeResult
 from vae_service.engine.video import FrameChunk
 from vae_service.serving.encoders import EncoderPool, failed_encode
 from vae_service.serving.frame_stream import FrameStream
+from vae_service_client.mp4 import Mp4Fragment
 
 
 class Mp4Stream:
