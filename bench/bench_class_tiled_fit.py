@@ -1,4 +1,4 @@
-"""What the class tiled decode's fit costs (engine/class_tiled_price.py): the fit run as it is, each
+"""What the class tiled decode's fit costs (engine/pricing/class_tiled_price.py): the fit run as it is, each
 decoder call of a shape run once and answered after, vs every call of its probes run on the meta
 twin. Side by side in one run, one process, probe store off; the two fits are checked to agree.
 A replica runs the fit beside start-up (`serving.fit_prices_at_start`) unless its store has it.

@@ -14,7 +14,7 @@ import torch
 from bench._common import print_table
 from vae_service.config import Limits, ServiceConfig
 from vae_service.engine import DecodeEngine, DecodeRequest
-from vae_service.engine.memory import LiveBytes
+from vae_service.engine.pricing.memory import LiveBytes
 
 MIB = 2**20
 

@@ -29,7 +29,7 @@ from _common import print_table
 
 from vae_service.config import ServiceConfig
 from vae_service.engine import DecodeRequest
-from vae_service.engine.result import DecodeResult
+from vae_service.engine.request.result import DecodeResult
 from vae_service.serving.decode_service import DecodeService
 from vae_service_client.mp4 import Mp4Fragment
 

@@ -1,7 +1,7 @@
 """One request across replicas or devices, side by side in one run (answers checked bit for bit):
 
 - Serve (default): one tiled `high` request on one replica vs the same plan shared over N replicas
-  of its deployment (engine/tile_executor.py; every replica single-threaded, cpu_threads 1), with
+  of its deployment (engine/execution/tile_executor.py; every replica single-threaded, cpu_threads 1), with
   the request untiled as a baseline. The plan is forced by `limits.max_decode_bytes` (tiles of
   about --tile-px), the same on both sides.
 - `--saturation`: C clients sending large `high` requests at once to N replicas, tiles shared
@@ -41,7 +41,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from _common import local_serve, print_table
 
-from vae_service.engine.tiling import MIN_TILE, TileGrid
+from vae_service.engine.planning.tiling import MIN_TILE, TileGrid
 
 # Serve mode builds latents without loading the model here: presets with 8x spatial latents
 LATENT_CHANNELS = {"sd": 4, "sdxl": 4, "flux": 16, "tiny-kl": 4, "wan2.1": 16, "tiny-wan": 4, "qwen-image": 16}
@@ -103,7 +103,7 @@ def forced_bound(model: str, z: torch.Tensor, tile_px: int) -> tuple[int, TileGr
     tile_px (a replica of `model` at cpu_threads 1 plans them alike), and that plan."""
     from vae_service.config import ServiceConfig
     from vae_service.engine import DecodeEngine, DecodeRequest
-    from vae_service.engine.planner import tiles_within
+    from vae_service.engine.planning.planner import tiles_within
 
     engine = DecodeEngine(ServiceConfig(model=model, device="cpu", cpu_threads=1))
     prepared = engine.check(DecodeRequest(z, quality="high", latents_scaled=True))
@@ -312,7 +312,7 @@ class DeviceTile:
         threading.Thread(target=self._decode, args=(peers, k, job, fingerprint), daemon=True).start()
 
     def _decode(self, peers: DevicePeers, k: int, job, fingerprint: str) -> None:
-        from vae_service.engine.tile_executor import Accepted, Chunk, End
+        from vae_service.engine.execution.tile_executor import Accepted, Chunk, End
 
         engine = peers.engines[k]
         try:
@@ -335,7 +335,7 @@ class DeviceTile:
             peers.slots[k].release()
 
     def poll(self, timeout_s: float):
-        from vae_service.engine.tile_executor import TileRefused
+        from vae_service.engine.execution.tile_executor import TileRefused
 
         try:
             item = self.messages.get(timeout=timeout_s) if timeout_s > 0 else self.messages.get_nowait()

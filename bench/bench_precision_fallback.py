@@ -1,4 +1,4 @@
-"""What the fp32 fallback of fp16/bf16 deployments costs (engine/fallback.py), in one process.
+"""What the fp32 fallback of fp16/bf16 deployments costs (engine/execution/fallback.py), in one process.
 
 1. Nothing overflows: an fp16/bf16 engine checks every output for NaN/Inf whether the fallback is
    on or off (it did before the fallback existed), so the fallback should add nothing until that
@@ -42,7 +42,7 @@ from _common import print_table
 from tests.models import OVERFLOW_LATENTS, overflowing_vae, save_vae
 from vae_service.config import ServiceConfig
 from vae_service.engine import DecodeEngine, DecodeRequest
-from vae_service.engine.result import DecodeResult
+from vae_service.engine.request.result import DecodeResult
 
 
 def parse_case(case: str) -> tuple[str, str, int, int, int | None]:

@@ -23,7 +23,7 @@ from _common import print_table
 
 from vae_service.config import Limits, ServiceConfig
 from vae_service.engine import DecodeEngine, DecodeRequest
-from vae_service.engine.memory import LiveBytes
+from vae_service.engine.pricing.memory import LiveBytes
 from vae_service.models.wan_internals import diffusers_chunks
 
 

@@ -16,7 +16,7 @@ from ray.exceptions import RayTaskError
 
 from vae_service.config import ServiceConfig
 from vae_service.engine import DecodeEngine
-from vae_service.engine.tiling import TileGrid
+from vae_service.engine.planning.tiling import TileGrid
 from vae_service.serving.decode_service import DecodeService
 from vae_service.serving.tile_peers import RemoteStream
 

@@ -11,7 +11,7 @@ import torch
 from tests.models import build_full_vae, reference_decode
 from vae_service.config import ServiceConfig
 from vae_service.engine import DecodeEngine, DecodeRequest
-from vae_service.engine.result import DecodeResult, PendingResult
+from vae_service.engine.request.result import DecodeResult, PendingResult
 from vae_service.fastpath.fused_norms import GroupNormSiLU, WanRMSNormSiLU
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -120,7 +120,7 @@ def test_wan_chunk_walk_is_bit_identical_on_cuda(config, shape):
     """The walk serves lossless on CUDA only with this: cuDNN gives the same bits with
     spatial conv padding as on diffusers' pre-padded input."""
     from tests.unit.test_video_decode import latents, wan
-    from vae_service.engine.wan_walk import WalkOptions, walk_chunks
+    from vae_service.engine.runtime.wan_walk import WalkOptions, walk_chunks
 
     vae = wan(config).to("cuda", torch.bfloat16)
     z = latents(vae, shape).to("cuda", torch.bfloat16)

@@ -10,8 +10,8 @@ import torch
 from tests.models import torch_threads
 from vae_service.config import ServiceConfig
 from vae_service.engine import DecodeEngine
-from vae_service.engine.tile_executor import Accepted, Chunk, End, Refused
-from vae_service.engine.tile_jobs import TierTile
+from vae_service.engine.execution.tile_executor import Accepted, Chunk, End, OfferRefused
+from vae_service.engine.runtime.tile_jobs import TierTile
 
 pytestmark = pytest.mark.integration
 
@@ -50,5 +50,5 @@ def test_a_replica_refuses_a_tile_from_an_engine_that_decodes_other_bits(ray_clu
     assert isinstance(accepted[0], Accepted) and accepted[-1] == End(len(here))
     assert all(isinstance(m, Chunk) for m in accepted[1:-1])
     assert all(torch.equal(m.pixels, h) for m, h in zip(accepted[1:-1], here, strict=True))  # the same bits
-    assert all(len(r) == 1 and isinstance(r[0], Refused) and "decodes as" in r[0].reason for r in refused)
+    assert all(len(r) == 1 and isinstance(r[0], OfferRefused) and "decodes as" in r[0].reason for r in refused)
     assert len(late) == 1 and "deadline" in late[0].reason

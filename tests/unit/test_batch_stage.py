@@ -17,7 +17,7 @@ from tests.models import reference_decode, torch_threads
 from vae_service.batch.job import BatchSummary, Progress
 from vae_service.batch.outputs import OutputFolder, check_name
 from vae_service.batch.stage import DecodeStage
-from vae_service.engine.postprocess import to_uint8
+from vae_service.engine.media.postprocess import to_uint8
 
 
 def rows(*files: Path) -> dict:

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from vae_service.engine.flops import fit_flops
+from vae_service.engine.pricing.flops import fit_flops
 from vae_service.models.presets import PRESETS
 from vae_service.models.spec import inspect_vae, twin_of
 
@@ -45,7 +45,7 @@ def test_a_1024_px_price_is_constant_work(kl_dir):
     (bench/bench_admission.py times it)."""
     from vae_service.config import ServiceConfig
     from vae_service.engine import DecodeEngine, DecodeRequest
-    from vae_service.engine.memory import TwinRun
+    from vae_service.engine.pricing.memory import TwinRun
 
     engine = DecodeEngine(
         ServiceConfig(model=str(kl_dir), device="cpu", cpu_threads=1, limits={"max_decode_bytes": 64 * 2**20})

@@ -13,8 +13,8 @@ import torch
 from tests.models import load_reference, reference_decode, torch_threads
 from vae_service.config import Batching, Limits, LiveConfig, ServiceConfig
 from vae_service.engine import DecodeRequest, DecodeTimeout, LimitExceeded
-from vae_service.engine.encoding import encode_item
-from vae_service.engine.errors import DecodeAbandoned
+from vae_service.engine.media.encoding import encode_item
+from vae_service.engine.request.errors import DecodeAbandoned
 from vae_service.serving.decode_service import DecodeService
 from vae_service.serving.http_routes import decode_answer
 from vae_service.serving.replica import parse_live

@@ -9,8 +9,8 @@ import torch
 
 from vae_service.config import ServiceConfig
 from vae_service.engine import DecodeEngine, DecodeRequest
-from vae_service.engine.errors import DecodeAbandoned
-from vae_service.engine.result import DecodeResult
+from vae_service.engine.request.errors import DecodeAbandoned
+from vae_service.engine.request.result import DecodeResult
 
 STEP_TIMEOUT_S = 60
 

@@ -10,7 +10,7 @@ from diffusers.models.resnet import ResnetBlock2D
 from torch import nn
 
 from tests.models import build_full_vae
-from vae_service.engine.wan_walk import walk_chunks, walk_options
+from vae_service.engine.runtime.wan_walk import walk_chunks, walk_options
 from vae_service.fastpath import install_fast_path
 from vae_service.fastpath.fused_norms import GroupNormSiLU, WanRMSNormSiLU
 from vae_service.fastpath.gate import FastPathGate
@@ -83,7 +83,9 @@ def test_high_is_within_the_documented_bound(kind, precision, seed, hw, batch):
     lossless = decode(fast, z.to(dtype), fp, high=False)
     high = decode(fast, z.to(dtype), fp, high=True)
     assert high.shape == lossless.shape and high.dtype == lossless.dtype
-    assert high.is_contiguous() or kind == "wan"  # the walk's chunks are copied into the answer (engine/video.py)
+    assert (
+        high.is_contiguous() or kind == "wan"
+    )  # the walk's chunks are copied into the answer (engine/execution/video.py)
     assert psnr_uint8(high, lossless) >= MIN_PSNR_DB[dtype]
     if dtype == torch.float32:
         assert (high - lossless).abs().max().item() <= FP32_MAX_ABS

@@ -10,7 +10,7 @@ import av
 import numpy as np
 import pytest
 
-from vae_service.engine.fmp4 import FragmentedMp4
+from vae_service.engine.media.fmp4 import FragmentedMp4
 
 W, H, FPS = 64, 48, 16
 CONTAINERS = {b"moov", b"trak", b"mdia", b"minf", b"stbl", b"mvex", b"moof", b"traf", b"dinf"}

@@ -13,9 +13,9 @@ import torch
 from tests.unit.test_decode_service import hold_in_frame
 from vae_service.config import ServiceConfig
 from vae_service.engine import DecodeRequest, InvalidInput
-from vae_service.engine.errors import DecodeAbandoned
-from vae_service.engine.result import DecodeResult
-from vae_service.engine.video import FrameChunk
+from vae_service.engine.execution.video import FrameChunk
+from vae_service.engine.request.errors import DecodeAbandoned
+from vae_service.engine.request.result import DecodeResult
 from vae_service.serving.decode_service import DecodeService
 from vae_service.serving.frame_stream import FrameStream
 from vae_service.serving.http_routes import decode_events

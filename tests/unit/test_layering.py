@@ -1,6 +1,7 @@
 """The layering of docs/architecture.md, read from the source: imports point down only."""
 
 import ast
+import sys
 from pathlib import Path
 
 import pytest
@@ -155,9 +156,71 @@ def test_diffusers_wan_internals_are_read_in_one_place():
     reads them through it and imports nothing from diffusers."""
     readers = [str(p.relative_to(ROOT)) for p in sorted((ROOT / "vae_service").rglob("*.py")) if reads_wan_internals(p)]
     assert readers == ["vae_service/models/wan_internals.py"]
-    assert not [n for n in imports_of("vae_service/engine/wan_walk.py") if n.startswith("diffusers")]
+    assert not [n for n in imports_of("vae_service/engine/runtime/wan_walk.py") if n.startswith("diffusers")]
 
 
 def test_the_checker_sees_imports():
     """The scan above would catch a violation: it finds the serving layer's own imports."""
     assert offenders("vae_service/serving", ("vae_service.protocol",))
+
+
+# the decode core's stage rooms, bottom to top (docs/architecture.md's layer table): each imports
+# only rooms before it in this list; media sits beside the stages and imports only the requests
+STAGE_ROOMS = ("request", "media", "runtime", "pricing", "planning", "execution")
+ENGINE = ROOT / "vae_service/engine"
+
+
+def room_of(module: str) -> str | None:
+    """`vae_service.engine.pricing.memory` -> "pricing"; the facade (engine.py, __init__) -> "engine"."""
+    parts = module.split(".")
+    if parts[:2] != ["vae_service", "engine"]:
+        return None
+    return parts[2] if len(parts) > 3 and parts[2] in STAGE_ROOMS else "engine"
+
+
+def stage_offenders() -> list[str]:
+    order = {room: i for i, room in enumerate((*STAGE_ROOMS, "engine"))}
+    found = []
+    for file, names in imported_modules(ENGINE).items():
+        module = file.removesuffix(".py").replace("/", ".")
+        room = room_of(module)
+        for name in sorted(names):
+            target = room_of(name)
+            if target is None or target == room:
+                continue
+            if order[target] > order[room] or (room == "media" and target != "request"):
+                found.append(f"{file} ({room}) imports {name} ({target})")
+    return found
+
+
+def test_the_engine_is_stage_rooms_that_import_downwards():
+    assert stage_offenders() == []
+
+
+def test_every_engine_module_sits_in_a_stage_room():
+    """Only the facade lives at the engine's top; everything else in one room."""
+    loose = sorted(p.name for p in ENGINE.glob("*.py"))
+    assert loose == ["__init__.py", "engine.py"]
+    assert sorted(p.name for p in ENGINE.iterdir() if p.is_dir() and p.name != "__pycache__") == sorted(STAGE_ROOMS)
+
+
+def test_no_room_holds_more_than_a_sixth_of_the_code():
+    """No room over 15% of the package's lines: a room that grows past it hides a second stage."""
+    total = sum(
+        len(p.read_text().splitlines()) for p in (ROOT / "vae_service").rglob("*.py") if "grpc_gen" not in p.parts
+    )
+    for room in STAGE_ROOMS:
+        lines = sum(len(p.read_text().splitlines()) for p in (ENGINE / room).rglob("*.py"))
+        assert lines <= 0.15 * total, (room, lines, total)
+
+
+def test_the_stage_checker_sees_an_upward_import(tmp_path, monkeypatch):
+    """A runtime module importing the executor is caught (the check above could otherwise pass on nothing)."""
+    assert room_of("vae_service.engine.execution.executor") == "execution"
+    assert room_of("vae_service.engine.engine") == "engine"
+    assert room_of("vae_service.engine.runtime.runtime") == "runtime"
+    fake = {"vae_service/engine/runtime/x.py": {"vae_service.engine.execution.executor"}}
+    monkeypatch.setattr(sys.modules[__name__], "imported_modules", lambda _dir, *a: fake)
+    assert stage_offenders() == [
+        "vae_service/engine/runtime/x.py (runtime) imports vae_service.engine.execution.executor (execution)"
+    ]

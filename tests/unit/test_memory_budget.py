@@ -10,7 +10,7 @@ import torch
 
 from vae_service.config import Limits, ServiceConfig
 from vae_service.engine import DecodeEngine, DecodeRequest
-from vae_service.engine.memory_budget import HOST_FRACTION, cgroup_limit, host_memory
+from vae_service.engine.pricing.memory_budget import HOST_FRACTION, cgroup_limit, host_memory
 from vae_service.serving.decode_service import DecodeService
 
 RAM = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

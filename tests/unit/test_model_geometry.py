@@ -12,7 +12,7 @@ from tests.models import torch_threads
 from tests.zoo import BY_NAME, Case, build, decode_alone, latents
 from vae_service.config import Limits, ServiceConfig
 from vae_service.engine import DecodeEngine, DecodeRequest, InvalidInput, LimitExceeded
-from vae_service.engine.video import IncompleteOutput
+from vae_service.engine.execution.video import IncompleteOutput
 from vae_service.models import PRESETS, ModelLoadError
 from vae_service.models.loading import LoadedVae
 from vae_service.models.spec import geometry_of, inspect_vae

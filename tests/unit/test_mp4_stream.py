@@ -17,7 +17,7 @@ from pydantic import ValidationError
 
 from vae_service.config import ServiceConfig
 from vae_service.engine import DecodeRequest, InvalidInput
-from vae_service.engine.result import DecodeResult
+from vae_service.engine.request.result import DecodeResult
 from vae_service.protocol.responses import mp4_stream_bytes
 from vae_service.serving import mp4_stream
 from vae_service.serving.decode_service import DecodeService

@@ -1,4 +1,4 @@
-"""fp16 decodes whose output overflows, decoded again in fp32 (engine/fallback.py): an item that
+"""fp16 decodes whose output overflows, decoded again in fp32 (engine/execution/fallback.py): an item that
 falls back is bit-identical to the fp32 deployment's `lossless` answer for its latent, items that
 did not overflow keep their fp16 answer, the answer names which items fell back, streams hand the
 fp32 frames over from the chunk that failed, and the fp32 weights are counted, made once and
@@ -13,9 +13,9 @@ import torch
 from tests.models import OVERFLOW_LATENTS, load_reference, overflowing_vae, save_vae, torch_threads
 from vae_service.config import ServiceConfig
 from vae_service.engine import DecodeEngine, DecodeRequest
-from vae_service.engine.errors import DecodeFailed
-from vae_service.engine.postprocess import to_uint8
-from vae_service.engine.video import FrameChunk
+from vae_service.engine.execution.video import FrameChunk
+from vae_service.engine.media.postprocess import to_uint8
+from vae_service.engine.request.errors import DecodeFailed
 from vae_service.serving.decode_service import DecodeService
 
 KINDS = ["kl", "flux", "wan"]

@@ -14,7 +14,8 @@ from tests.models import torch_threads
 from tests.zoo import BY_NAME, build, latents
 from vae_service.config import ServiceConfig
 from vae_service.engine import DecodeEngine, DecodeRequest
-from vae_service.engine.preview import LinearPreview, fit_linear_preview, frame_counts
+from vae_service.engine.media.frames import frame_counts
+from vae_service.engine.runtime.preview import LinearPreview, fit_linear_preview
 from vae_service.models import ModelLoadError
 from vae_service.models.loading import LoadedVae
 from vae_service.serving.decode_service import DecodeService

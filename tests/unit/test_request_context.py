@@ -12,8 +12,8 @@ import torch
 from tests.models import torch_threads
 from vae_service.config import Limits, LiveConfig, ServiceConfig
 from vae_service.engine import DecodeEngine, DecodeRequest
-from vae_service.engine.context import WAIT_SLICE_S, RequestContext
-from vae_service.engine.errors import DecodeAbandoned, DecodeTimeout, LimitExceeded, Overloaded
+from vae_service.engine.request.context import WAIT_SLICE_S, RequestContext
+from vae_service.engine.request.errors import DecodeAbandoned, DecodeTimeout, LimitExceeded, Overloaded
 from vae_service.models.loading import LoadedVae
 from vae_service.serving.decode_service import DecodeService
 

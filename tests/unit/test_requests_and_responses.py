@@ -13,7 +13,7 @@ import torch
 from tests.models import reference_decode
 from vae_service.config import Limits, ServiceConfig
 from vae_service.engine import DecodeEngine, DecodeRequest, DecodeResult, Timing
-from vae_service.engine.video import FrameChunk
+from vae_service.engine.execution.video import FrameChunk
 from vae_service.protocol.requests import parse_decode_body, request_from_call, request_from_proto
 from vae_service.protocol.responses import (
     grpc_frame_message,

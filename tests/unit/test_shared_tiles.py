@@ -1,4 +1,4 @@
-"""One tile mechanism shared with the deployment's replicas (engine/tile_executor.py's SharedTiles,
+"""One tile mechanism shared with the deployment's replicas (engine/execution/tile_executor.py's SharedTiles,
 serving/decode_service.py's `tile`): replicas are real DecodeServices of the same model on threads
 of their own (tests/peers.py), only the transport between them stands in for Serve's.
 
@@ -27,12 +27,12 @@ from tests.models import build_full_vae, save_vae, torch_threads
 from tests.peers import Deployment, Fault, Replica, here_only
 from vae_service.config import Limits, LiveConfig, ServiceConfig
 from vae_service.engine import DecodeEngine, DecodeRequest, tile_executor
-from vae_service.engine.context import WAIT_SLICE_S
-from vae_service.engine.errors import DecodeAbandoned, DecodeTimeout, Unavailable
-from vae_service.engine.planner import ClassTiles
-from vae_service.engine.tile_executor import Accepted, Chunk, End, TileBug
-from vae_service.engine.tile_jobs import TierTile
-from vae_service.engine.tiling import TileGrid
+from vae_service.engine.execution.tile_executor import Accepted, Chunk, End, TileBug
+from vae_service.engine.planning.planner import ClassTiles
+from vae_service.engine.planning.tiling import TileGrid
+from vae_service.engine.request.context import WAIT_SLICE_S
+from vae_service.engine.request.errors import DecodeAbandoned, DecodeTimeout, Unavailable
+from vae_service.engine.runtime.tile_jobs import TierTile
 
 SPREAD = {"min_output_pixels": 48 * 48}  # tiles of 8 latent pixels (64x64 output pixels) and more
 
@@ -219,7 +219,7 @@ def test_an_offer_carries_the_requests_fingerprint_and_the_time_left(models):
 
 @pytest.mark.parametrize("ahead", [0, 2, 5])
 def test_no_more_finished_tiles_wait_for_the_blend_than_the_plan_left_room_for(models, monkeypatch, ahead):
-    """`TileGrid.ahead`: what the bound left beside one tile's decode (engine/tiling.py's tile_for);
+    """`TileGrid.ahead`: what the bound left beside one tile's decode (engine/planning/tiling.py's tile_for);
     none: the tiles stay here, one at a time. Watched when nothing decodes here: the blend's next
     output may be among those waiting, in place of the tile this device would be decoding."""
     here, replicas = models["kl"]
@@ -573,8 +573,8 @@ def test_a_taken_video_tile_decodes_only_a_few_chunks_ahead_of_what_was_sent(mod
 
 
 async def test_a_frame_stream_holds_a_few_chunks_its_reader_has_not_taken():
-    from vae_service.engine.context import RequestContext
-    from vae_service.engine.video import FrameChunk
+    from vae_service.engine.execution.video import FrameChunk
+    from vae_service.engine.request.context import RequestContext
     from vae_service.serving.frame_stream import CHUNKS_AHEAD, FrameStream
 
     context = RequestContext.admit(60, Limits())

@@ -11,12 +11,13 @@ from tests import zoo
 from tests.models import load_reference, save_vae, torch_threads
 from vae_service.config import Limits, ServiceConfig
 from vae_service.engine import DecodeEngine, DecodeRequest, InvalidInput, LimitExceeded
-from vae_service.engine.class_tiled_price import _Probe, _with_decoder
-from vae_service.engine.memory import LiveBytes
-from vae_service.engine.planner import ClassTiles
-from vae_service.engine.postprocess import to_uint8
-from vae_service.engine.tile_executor import TILE_WINDOW, LocalTiles
-from vae_service.engine.tiling import MIN_TILE, Blender, TileGrid, blended, tier_tiles
+from vae_service.engine.execution.tile_executor import LocalTiles
+from vae_service.engine.media.postprocess import to_uint8
+from vae_service.engine.planning.planner import ClassTiles
+from vae_service.engine.planning.tiling import MIN_TILE, Blender, TileGrid, blended, tier_tiles
+from vae_service.engine.pricing.class_tiled_price import _Probe, _with_decoder
+from vae_service.engine.pricing.memory import LiveBytes
+from vae_service.engine.runtime.tile_jobs import TILE_WINDOW
 from vae_service.models.diffusers_tiling import tiled_view
 from vae_service.models.loading import LoadedVae
 from vae_service.models.spec import meta_twin
@@ -329,7 +330,7 @@ def test_a_class_tiled_decode_of_1024_px_is_priced_without_running_the_twin(engi
     """A 1024 px tiny-kl request above the bound: 484 tiles of 8 latent px, each of which the twin
     would run (32 s here before); priced from the grid instead, the twin never called."""
     engine = engines["kl"]
-    from vae_service.engine.memory import TwinRun
+    from vae_service.engine.pricing.memory import TwinRun
 
     def no_twin(*args, **kwargs):
         raise AssertionError("the twin ran for a request's price")

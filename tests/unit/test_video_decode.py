@@ -13,8 +13,8 @@ from diffusers import AutoencoderKLQwenImage, AutoencoderKLWan
 from tests.models import torch_threads
 from vae_service.config import ServiceConfig
 from vae_service.engine import DecodeEngine, DecodeRequest, InvalidInput
-from vae_service.engine.video import FrameChunk
-from vae_service.engine.wan_walk import WalkOptions, walk_chunks
+from vae_service.engine.execution.video import FrameChunk
+from vae_service.engine.runtime.wan_walk import WalkOptions, walk_chunks
 from vae_service.models.loading import LoadedVae
 from vae_service.models.wan_internals import diffusers_chunks
 

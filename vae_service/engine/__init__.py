@@ -1,5 +1,6 @@
 from vae_service.engine.engine import DecodeEngine
-from vae_service.engine.errors import (
+from vae_service.engine.request.decode_request import OUTPUTS, QUALITIES, DecodeRequest
+from vae_service.engine.request.errors import (
     DecodeError,
     DecodeFailed,
     DecodeTimeout,
@@ -8,9 +9,8 @@ from vae_service.engine.errors import (
     OutOfMemory,
     Overloaded,
 )
-from vae_service.engine.latents import BatchKey, PreparedRequest
-from vae_service.engine.request import OUTPUTS, QUALITIES, DecodeRequest
-from vae_service.engine.result import DecodeResult, Timing
+from vae_service.engine.request.latents import BatchKey, PreparedRequest
+from vae_service.engine.request.result import DecodeResult, Timing
 
 __all__ = [
     "OUTPUTS",

@@ -1,11 +1,11 @@
 """DecodeEngine: one VAE on one device at one precision, fixed for its lifetime; prepares requests
 and decodes homogeneous batches. A facade over four parts, each with one job:
 
-- the runtime (engine/runtime.py): the model on its device, its fast path and the decode primitives;
-- the cost model (engine/cost_model.py): a request's limits and peak memory, from numbers fixed
+- the runtime (engine/runtime/runtime.py): the model on its device, its fast path and the decode primitives;
+- the cost model (engine/pricing/cost_model.py): a request's limits and peak memory, from numbers fixed
   at start-up, in constant work per request;
-- the planner (engine/planner.py): how a request decodes within the bound, and how a batch runs;
-- the executor (engine/executor.py): the plan's decode, with the call's own state.
+- the planner (engine/planning/planner.py): how a request decodes within the bound, and how a batch runs;
+- the executor (engine/execution/executor.py): the plan's decode, with the call's own state.
 
 Tiers:
 - `lossless` decodes every latent alone (a batch of one) with diffusers' own modules, so each
@@ -16,11 +16,11 @@ Tiers:
   without a fast path answers `high` requests with `lossless`, and says so in the answer. Above
   the bound: spatial tiles.
 - `preview` maps the batch's latents to pixels with a linear map or a tiny decoder
-  (engine/preview.py), never tiled, never with the VAE.
+  (engine/runtime/preview.py), never tiled, never with the VAE.
 
 A request's way: `check` (constant work: layout, geometry, limits, output), then `price` (its memory
 plan; work that grows with the request only where `needs_shape_work` says so), then `decode` of the
-batch it joined. Each carries its RequestContext (engine/context.py) from admission.
+batch it joined. Each carries its RequestContext (engine/request/context.py) from admission.
 """
 
 from __future__ import annotations
@@ -33,21 +33,21 @@ from dataclasses import replace
 import torch
 
 from vae_service.config import Limits, ServiceConfig
-from vae_service.engine.call import DecodeCall, checkpoint_hook
-from vae_service.engine.context import RequestContext
-from vae_service.engine.cost_model import CostModel
-from vae_service.engine.encoding import ENCODED_OUTPUTS, EncodeSettings, encode_all, fragment_frames
-from vae_service.engine.errors import DecodeFailed, WrongFingerprint
-from vae_service.engine.executor import Executor
-from vae_service.engine.fallback import FALLBACK_PRECISION, Fp32Fallback
-from vae_service.engine.latents import PreparedRequest, check_finite, check_output, decoder_latents
-from vae_service.engine.planner import plan_batch, plan_request, retry_plan
-from vae_service.engine.preview import build_preview
-from vae_service.engine.request import QUALITIES, DecodeRequest
-from vae_service.engine.result import DecodeResult, PendingResult, Timing
-from vae_service.engine.runtime import Runtime
-from vae_service.engine.tile_executor import TilePeers
-from vae_service.engine.tile_jobs import TileJob
+from vae_service.engine.execution.call import DecodeCall, checkpoint_hook
+from vae_service.engine.execution.executor import Executor
+from vae_service.engine.execution.fallback import FALLBACK_PRECISION, Fp32Fallback
+from vae_service.engine.execution.tile_executor import TilePeers
+from vae_service.engine.media.encoding import ENCODED_OUTPUTS, EncodeSettings, encode_all, fragment_frames
+from vae_service.engine.planning.planner import plan_batch, plan_request, retry_plan
+from vae_service.engine.pricing.cost_model import CostModel
+from vae_service.engine.request.context import RequestContext
+from vae_service.engine.request.decode_request import QUALITIES, DecodeRequest
+from vae_service.engine.request.errors import DecodeFailed, WrongFingerprint
+from vae_service.engine.request.latents import PreparedRequest, check_finite, check_output, decoder_latents
+from vae_service.engine.request.result import DecodeResult, PendingResult, Timing
+from vae_service.engine.runtime.preview import build_preview
+from vae_service.engine.runtime.runtime import Runtime
+from vae_service.engine.runtime.tile_jobs import TileJob
 from vae_service.models import LoadedVae
 from vae_service.models.probe_cache import ProbeCache
 from vae_service.models.spec import jsonable_config, pipeline_statistics
@@ -73,7 +73,7 @@ class DecodeEngine:
         self.preview = build_preview(config, runtime.spec, runtime.scaling, runtime.device, runtime.whole_batch)
         self.executor = Executor(runtime, self.preview, self.fallback)
         # every decoder forward checks the running call (the walk, which calls the decoder's
-        # modules one by one, checks before each latent frame in engine/video.py)
+        # modules one by one, checks before each latent frame in engine/execution/video.py)
         getattr(runtime.vae, "decoder", runtime.vae).register_forward_pre_hook(checkpoint_hook)
 
     # ---- what it is --------------------------------------------------------------------------
@@ -202,7 +202,7 @@ class DecodeEngine:
         decode stops before its next decoder call (DecodeAbandoned). `defer_host_copy` (CUDA):
         outputs whose copy to the host is still running come back as PendingResults. `peers`: the
         deployment's replicas, which take tiles of tiled requests while they are free
-        (engine/tile_executor.py), blended here as if decoded here. Safe to call from several
+        (engine/execution/tile_executor.py), blended here as if decoded here. Safe to call from several
         threads at once."""
         runtime, cost = self.runtime, self.cost
         contexts = [r.context or self.context() for r in batch]
@@ -273,8 +273,8 @@ class DecodeEngine:
         return f"this replica decodes as {self.fingerprint}, the request's replica as {fingerprint}"
 
     def run_tile(self, job: TileJob, fingerprint: str) -> Iterator[torch.Tensor]:
-        """A tile of another replica's request (engine/tile_jobs.py): its output chunk by chunk, as
-        that replica's own plan would decode it here. Refused (WrongFingerprint) where this engine
+        """A tile of another replica's request (engine/runtime/tile_jobs.py): its output chunk by chunk, as
+        that replica's own plan would decode it here. OfferRefused (WrongFingerprint) where this engine
         would decode other bits. Run it and close it on one thread: the job's tier and inference
         mode hold on it throughout, and only that thread may restore them."""
         if why := self.decodes_otherwise(fingerprint):

@@ -50,7 +50,7 @@ MIN_CHANNELS = 64  # below this the tile GEMMs are too thin to beat the direct c
 
 
 def winograd_applies(conv: nn.Conv2d, x: torch.Tensor) -> bool:
-    # meta: the memory model prices a CPU engine's `high` graph on a meta twin (engine/memory.py)
+    # meta: the memory model prices a CPU engine's `high` graph on a meta twin (engine/pricing/memory.py)
     return (
         x.device.type in ("cpu", "meta")
         and x.dtype == torch.float32

@@ -1,7 +1,7 @@
 """Every diffusers internal the service reads about a class's own tiled decode (`enable_tiling()`,
 then `decode`), in one place: the spatial tile grid it cuts the latents into, and where it tiles time
 as well. The cost model prices a `lossless` decode above the memory bound from this grid (its few
-distinct tile shapes and its blend buffers, engine/class_tiled_price.py) instead of running it.
+distinct tile shapes and its blend buffers, engine/pricing/class_tiled_price.py) instead of running it.
 
 Three ways the classes of diffusers 0.35-0.42 keep their tile settings (attributes set by
 `__init__` and `enable_tiling`):

@@ -3,7 +3,7 @@ causal decoders (AutoencoderKLWan: Wan2.1, Wan2.2; AutoencoderKLQwenImage), the 
 conv's cache holds (`CACHE_T`), how a causal conv stores its padding (`_padding`), the decoder's
 per-frame forward with its feature cache, Wan2.2's `unpatchify` and its shortcut's `first_chunk`.
 
-The engine's walk (engine/wan_walk.py) calls these modules one by one; `walk_unsupported_because`
+The engine's walk (engine/runtime/wan_walk.py) calls these modules one by one; `walk_unsupported_because`
 checks, on each loaded model, every assumption it makes about them. A diffusers release that
 changes one makes the model load with diffusers' own per-frame forward (`diffusers_chunks`) in
 both tiers, with the reason logged and shown in /health; it never decodes differently.

@@ -8,7 +8,7 @@ import logging
 import uuid
 from dataclasses import dataclass
 
-from vae_service.engine.errors import (
+from vae_service.engine.request.errors import (
     DecodeError,
     DecodeFailed,
     DecodeTimeout,

@@ -13,9 +13,9 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
-from vae_service.engine.errors import InvalidInput
-from vae_service.engine.request import DecodeRequest
-from vae_service.engine.result import DecodeResult
+from vae_service.engine.request.decode_request import DecodeRequest
+from vae_service.engine.request.errors import InvalidInput
+from vae_service.engine.request.result import DecodeResult
 from vae_service.protocol.errors import UnsupportedMediaType
 from vae_service.protocol.tensors import to_torch
 from vae_service_client.tensors import LATENT_DTYPES, decode_tensor, encode_tensor

@@ -11,8 +11,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from vae_service.engine.errors import InvalidInput
-from vae_service.engine.request import DecodeRequest
+from vae_service.engine.request.decode_request import DecodeRequest
+from vae_service.engine.request.errors import InvalidInput
 from vae_service.protocol.msgpack_body import check_content_type, unpack_body
 from vae_service.protocol.tensors import from_numpy, to_torch
 from vae_service_client.errors import did_you_mean

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from dataclasses import fields
 
-from vae_service.engine.result import DecodeResult
-from vae_service.engine.video import FrameChunk
+from vae_service.engine.execution.video import FrameChunk
+from vae_service.engine.request.result import DecodeResult
 from vae_service.protocol.errors import WireErrorInfo
 from vae_service.protocol.tensors import to_numpy
 from vae_service_client.frames import frame_message_proto, framed, frames_message

@@ -16,7 +16,7 @@ travels there as one variable, ADMISSION_ENV: its fields, taken from ServiceConf
 be readable on every node that runs a proxy).
 
 Serve's proxy imports this module: it imports neither torch nor the engine (nor vae_service.config,
-which imports the fast path). Its checks raise `Refused`, which the proxy answers from the wire's
+which imports the fast path). Its checks raise `AdmissionRefused`, which the proxy answers from the wire's
 error table; `check`, `check_grpc` and `admit` (replicas, router) raise the protocol's errors
 instead, which their callers catch as ANSWERABLE.
 """
@@ -62,7 +62,7 @@ def load_token(token_file: str | None) -> str | None:
 BODY_ADMITTED_HEADER = "x-vae-body-admitted"
 
 
-class Refused(Exception):
+class AdmissionRefused(Exception):
     """A request refused at admission, as the wire's error type, field and message."""
 
     def __init__(self, type_: str, field: str, message: str):
@@ -83,7 +83,7 @@ class Refused(Exception):
     def answerable(self) -> Exception:
         """The protocol's error for it (what replicas and the router catch as ANSWERABLE).
         Imported here, not at the top: the proxy, which never calls this, must not load the engine."""
-        from vae_service.engine.errors import InvalidInput, LimitExceeded
+        from vae_service.engine.request.errors import InvalidInput, LimitExceeded
         from vae_service.protocol.errors import BodyTimeout, Unauthenticated
 
         cls = {
@@ -181,16 +181,16 @@ class Admission:
         return self._expected is not None
 
     def refuse_token(self, authorization: str | None) -> None:
-        """Raise Refused unless `authorization` is `Bearer <token>` (or no token is configured).
+        """Raise AdmissionRefused unless `authorization` is `Bearer <token>` (or no token is configured).
         Constant time; a missing token gets the same answer as a wrong one."""
         if self._expected is not None and not hmac.compare_digest((authorization or "").encode(), self._expected):
-            raise Refused("unauthenticated", "Authorization", TOKEN_REQUIRED)
+            raise AdmissionRefused("unauthenticated", "Authorization", TOKEN_REQUIRED)
 
     def check(self, authorization: str | None) -> None:
         """Raise the protocol's Unauthenticated unless `authorization` is `Bearer <token>`."""
         try:
             self.refuse_token(authorization)
-        except Refused as exc:
+        except AdmissionRefused as exc:
             raise exc.answerable() from None
 
     def check_grpc(self, grpc_context) -> None:
@@ -211,12 +211,12 @@ class Admission:
         if content_length is None:
             return
         if not content_length.isdigit():
-            raise Refused("invalid_request", "Content-Length", f"must be an integer, got {content_length!r}")
+            raise AdmissionRefused("invalid_request", "Content-Length", f"must be an integer, got {content_length!r}")
         self._refuse_size(int(content_length))
 
     def _refuse_size(self, size: int) -> None:
         if size > self.max_request_bytes:
-            raise Refused(
+            raise AdmissionRefused(
                 "payload_too_large",
                 "body",
                 f"{size} bytes is over the limit of {self.max_request_bytes} (max_request_bytes)",
@@ -233,14 +233,14 @@ class Admission:
                     self._refuse_size(size)  # longer than declared: cut off too
                     parts.append(chunk)
         except TimeoutError:
-            raise Refused(
+            raise AdmissionRefused(
                 "body_timeout", "body", f"did not arrive within {self.body_timeout_s:g} s (body_timeout_s)"
             ) from None
         return b"".join(parts)
 
     async def screen(self, request: Request, authenticate: bool = True) -> bytes:
         """A request's body once it passed: token (before any body byte), declared size, body.
-        Raises Refused; a client that goes away meanwhile, starlette's ClientDisconnect."""
+        Raises AdmissionRefused; a client that goes away meanwhile, starlette's ClientDisconnect."""
         if authenticate:
             self.refuse_token(request.headers.get("authorization"))
         self.refuse_declared(request.headers.get("content-length"))
@@ -254,7 +254,7 @@ class Admission:
         blames the client."""
         try:
             return await self.screen(request)
-        except Refused as exc:
+        except AdmissionRefused as exc:
             if exc.type == "body_timeout" and request.headers.get(BODY_ADMITTED_HEADER) == "1":
                 from vae_service.protocol.errors import Unavailable  # not at the top: see `answerable`
 

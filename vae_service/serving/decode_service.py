@@ -2,7 +2,7 @@
 for the replica's life), tier-keyed batching with serialised device work off the event loop,
 timing, and the live settings (limits, batching). The Serve deployment and the tests drive it.
 
-Each request gets its RequestContext (engine/context.py) when it arrives here: its deadline from the
+Each request gets its RequestContext (engine/request/context.py) when it arrives here: its deadline from the
 live `batching.request_timeout_s` of that moment, its live limits, the engine's fingerprint. Every
 stage after it (parsing and checking, pricing, the queue, the device, the host copy, the encoders)
 keeps to that one deadline, and a caller that goes away marks it abandoned, which stops them.
@@ -22,12 +22,12 @@ import torch
 
 from vae_service.config import LiveConfig, ServiceConfig
 from vae_service.engine import DecodeEngine, DecodeRequest, DecodeResult, PreparedRequest
-from vae_service.engine.call import DecodeCall
-from vae_service.engine.context import WAIT_SLICE_S, RequestContext
-from vae_service.engine.errors import DecodeTimeout, InvalidInput, LimitExceeded, OutOfMemory, Overloaded
-from vae_service.engine.result import PendingResult
-from vae_service.engine.tile_executor import Accepted, Chunk, End, Lost, Refused, TilePeers
-from vae_service.engine.tile_jobs import TileJob
+from vae_service.engine.execution.call import DecodeCall
+from vae_service.engine.execution.tile_executor import Accepted, Chunk, End, Lost, OfferRefused, TilePeers
+from vae_service.engine.request.context import WAIT_SLICE_S, RequestContext
+from vae_service.engine.request.errors import DecodeTimeout, InvalidInput, LimitExceeded, OutOfMemory, Overloaded
+from vae_service.engine.request.result import PendingResult
+from vae_service.engine.runtime.tile_jobs import TileJob
 from vae_service.serving.batcher import BatcherLimits, BatchStats, DeadlineExceeded, KeyedBatcher, QueueFull
 from vae_service.serving.encoders import EncoderPool
 from vae_service.serving.frame_stream import FrameStream
@@ -221,7 +221,7 @@ class DecodeService:
 
     # ---- a tile of another replica's request -------------------------------------------------
     async def tile(self, job: TileJob, fingerprint: str, remaining_s: float, replica: str) -> AsyncIterator:
-        """A tile another replica offers (engine/tile_executor.py's SharedTiles): `Refused` at once
+        """A tile another replica offers (engine/execution/tile_executor.py's SharedTiles): `OfferRefused` at once
         unless this replica is free for it, else `Accepted`, the job's output chunk by chunk, `End`.
 
         Free: the same fingerprint (else it would decode other bits), time left, no tile of any
@@ -233,7 +233,7 @@ class DecodeService:
         call."""
         why = self._cannot_take(job, fingerprint, remaining_s)
         if why is not None:
-            yield Refused(why)
+            yield OfferRefused(why)
             return
         self._tile_taken = True
         context = RequestContext(time.monotonic() + remaining_s, self.config.limits, fingerprint)

@@ -11,9 +11,9 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
-from vae_service.engine.encoding import EncodeSettings, encode_item, items
-from vae_service.engine.errors import EncodeFailed
-from vae_service.engine.result import DecodeResult
+from vae_service.engine.media.encoding import EncodeSettings, encode_item, items
+from vae_service.engine.request.errors import EncodeFailed
+from vae_service.engine.request.result import DecodeResult
 
 log = logging.getLogger("ray.serve")
 

@@ -22,9 +22,9 @@ import threading
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
-from vae_service.engine.context import RequestContext
-from vae_service.engine.result import DecodeResult
-from vae_service.engine.video import FrameChunk
+from vae_service.engine.execution.video import FrameChunk
+from vae_service.engine.request.context import RequestContext
+from vae_service.engine.request.result import DecodeResult
 
 CHUNKS_AHEAD = 4  # chunks handed over and not yet taken by the stream's reader
 

@@ -11,7 +11,7 @@ from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import Request
 
-from vae_service.engine.result import DecodeResult
+from vae_service.engine.request.result import DecodeResult
 from vae_service.protocol.errors import ANSWERABLE, Unauthenticated, internal_error, wire_error
 from vae_service.protocol.hf_remote import parse_remote_decode, remote_decode_reply
 from vae_service.protocol.requests import parse_decode_body

@@ -9,7 +9,7 @@ from functools import lru_cache
 
 from ray.serve.metrics import Counter, Gauge, Histogram
 
-from vae_service.engine.request import QUALITIES
+from vae_service.engine.request.decode_request import QUALITIES
 from vae_service.protocol.errors import error_type
 from vae_service.serving.batcher import BatchStats, KeyedBatcher
 

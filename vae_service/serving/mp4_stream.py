@@ -1,5 +1,5 @@
 """A streamed `mp4` answer inside a replica: the request's frames, as its FrameStream hands them
-over, cut into the answer's fragments (engine/encoding.py's `fragment_frames`: one latent frame's
+over, cut into the answer's fragments (engine/media/encoding.py's `fragment_frames`: one latent frame's
 worth each) and each encoded in the encoder pool as soon as its frames are in: off the device
 thread and the event loop, so a slow encode never stalls the device.
 
@@ -21,11 +21,11 @@ from dataclasses import replace
 
 import numpy as np
 
-from vae_service.engine.context import RequestContext
-from vae_service.engine.encoding import mp4_writer
-from vae_service.engine.errors import DecodeTimeout
-from vae_service.engine.result import DecodeResult
-from vae_service.engine.video import FrameChunk
+from vae_service.engine.execution.video import FrameChunk
+from vae_service.engine.media.encoding import mp4_writer
+from vae_service.engine.request.context import RequestContext
+from vae_service.engine.request.errors import DecodeTimeout
+from vae_service.engine.request.result import DecodeResult
 from vae_service.serving.encoders import EncoderPool, failed_encode
 from vae_service.serving.frame_stream import FrameStream
 from vae_service_client.mp4 import Mp4Fragment

@@ -46,7 +46,7 @@ from vae_service.serving.admission import (
     ADMISSION_ENV,
     BODY_ADMITTED_HEADER,
     Admission,
-    Refused,
+    AdmissionRefused,
     admission_settings,
     settings_env,
 )
@@ -79,7 +79,7 @@ class ProxyGuard:
         carries_body = request.headers.get("content-length", "0") != "0" or "transfer-encoding" in request.headers
         try:
             body = await admission.screen(request, authenticate=self.protects(scope["path"], carries_body))
-        except Refused as exc:
+        except AdmissionRefused as exc:
             await _answer(send, exc.http_status, exc.http_body(), exc.http_headers())
             return
         except ClientDisconnect:

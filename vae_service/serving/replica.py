@@ -224,8 +224,8 @@ class DecoderReplica:
             yield message
 
     async def decode_tile_job(self, job, fingerprint: str, remaining_s: float):
-        """A tile of another replica's request (engine/tile_jobs.py), through a streaming handle:
-        `Refused` at once unless this replica is free for it, else `Accepted`, its output chunk by
+        """A tile of another replica's request (engine/runtime/tile_jobs.py), through a streaming handle:
+        `OfferRefused` at once unless this replica is free for it, else `Accepted`, its output chunk by
         chunk on the device thread, `End` (DecodeService.tile)."""
         async for message in self.service.tile(job, fingerprint, remaining_s, replica_id()):
             yield message

@@ -1,7 +1,7 @@
-"""The deployment's replicas as the engine's TilePeers (engine/tile_executor.py): a tile offered to
+"""The deployment's replicas as the engine's TilePeers (engine/execution/tile_executor.py): a tile offered to
 the deployment goes through its own handle (Serve's router picks the least loaded replica) to the
 replica's `decode_tile_job`, a streaming method that answers at once whether it takes the tile
-(`Accepted`, or `Refused` and why), then the tile's output chunk by chunk and `End`. What a replica
+(`Accepted`, or `OfferRefused` and why), then the tile's output chunk by chunk and `End`. What a replica
 takes and how it decodes it is DecodeService.tile's (serving/decode_service.py): one tile at a time,
 only while its device is idle, on its device thread.
 
@@ -28,9 +28,9 @@ from ray import serve
 from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, RequestCancelledError
 
-from vae_service.engine.call import TileCall
-from vae_service.engine.tile_executor import Accepted, Chunk, End, Lost, Refused, TileLost, TileRefused
-from vae_service.engine.tile_jobs import TileJob, on_host
+from vae_service.engine.execution.call import TileCall
+from vae_service.engine.execution.tile_executor import Accepted, Chunk, End, Lost, OfferRefused, TileLost, TileRefused
+from vae_service.engine.runtime.tile_jobs import TileJob, on_host
 
 log = logging.getLogger("ray.serve")
 
@@ -79,7 +79,7 @@ class RemoteStream:
         try:
             response = send()
         except Exception as error:  # no controller, no replica: nobody takes it
-            self._messages.put(Refused(f"{type(error).__name__}: {error}"))
+            self._messages.put(OfferRefused(f"{type(error).__name__}: {error}"))
             return
         try:
             async for message in response:
@@ -102,7 +102,7 @@ class RemoteStream:
             self._room.release()
             self._ended = self._ended or isinstance(item, End)
             return item
-        if isinstance(item, Refused):
+        if isinstance(item, OfferRefused):
             raise TileRefused(item.reason)
         if isinstance(item, Lost):
             raise TileLost(item.reason)

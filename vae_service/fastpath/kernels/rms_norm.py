@@ -5,7 +5,7 @@ contiguous, channels-last(-3d), or [N, T, C, H, W] as Wan's spatial resampler le
 kernel takes the strides of the [N, C, T, H*W] view, so no activation is ever copied to fit it.
 One program normalises a [BLOCK_S, C] tile in registers, in fp32, and writes once.
 
-Epilogues of the Wan walk (engine/wan_walk.py): `in_bias`, the preceding conv's bias, is
+Epilogues of the Wan walk (engine/runtime/wan_walk.py): `in_bias`, the preceding conv's bias, is
 added to x in registers (that conv runs without it: one pass fewer), and `out` is any view whose
 H and W merge, e.g. the next causal conv's input buffer after its history frames (the norm's
 output is written there directly instead of being copied in).

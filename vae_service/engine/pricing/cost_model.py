@@ -6,9 +6,9 @@ law, a class tiled decode the formula does not cover); the service runs those of
 within the request's deadline.
 
 Start-up (each probe once per architecture and process, models/probe_cache.py): each tier's graph
-on the meta twin (engine/memory.py), the FLOP curve (engine/flops.py), the class tiled decode's fit
-(engine/class_tiled_price.py); on CUDA each tier checked against real decodes
-(engine/calibration.py); the memory bound (engine/memory_budget.py).
+on the meta twin (engine/pricing/memory.py), the FLOP curve (engine/pricing/flops.py), the class tiled decode's fit
+(engine/pricing/class_tiled_price.py); on CUDA each tier checked against real decodes
+(engine/pricing/calibration.py); the memory bound (engine/pricing/memory_budget.py).
 
 The peak of a whole decode: video converts and keeps frames while the decode goes on; an image is
 decoded, then converted (its decoded pixels are in both phases), and `lossless` decodes its items
@@ -23,15 +23,23 @@ import threading
 import torch
 
 from vae_service.config import Limits
-from vae_service.engine.calibration import calibrate_on_cuda
-from vae_service.engine.class_tiled_price import ClassTiledPrice, class_tiled_codec, fit_class_tiled
-from vae_service.engine.errors import LimitExceeded
-from vae_service.engine.flops import FLOPS_CODEC, FlopModel, fit_flops
-from vae_service.engine.latents import PreparedRequest
-from vae_service.engine.memory import FIT_CODEC, AffineTier, ModelFacts, PerShapeTier, TierPrice, TwinRun, fit_lines
-from vae_service.engine.memory_budget import MemoryBudget, memory_budget
-from vae_service.engine.runtime import ChunkDecoder, Runtime
-from vae_service.engine.tile_jobs import TileJob
+from vae_service.engine.pricing.calibration import calibrate_on_cuda
+from vae_service.engine.pricing.class_tiled_price import ClassTiledPrice, class_tiled_codec, fit_class_tiled
+from vae_service.engine.pricing.flops import FLOPS_CODEC, FlopModel, fit_flops
+from vae_service.engine.pricing.memory import (
+    FIT_CODEC,
+    AffineTier,
+    ModelFacts,
+    PerShapeTier,
+    TierPrice,
+    TwinRun,
+    fit_lines,
+)
+from vae_service.engine.pricing.memory_budget import MemoryBudget, memory_budget
+from vae_service.engine.request.errors import LimitExceeded
+from vae_service.engine.request.latents import PreparedRequest
+from vae_service.engine.runtime.runtime import ChunkDecoder, Runtime
+from vae_service.engine.runtime.tile_jobs import TileJob
 from vae_service.fastpath import install_fast_path
 from vae_service.fastpath.rewrites import NORM_REWRITES
 from vae_service.models import ModelLoadError
@@ -236,7 +244,7 @@ class CostModel:
 
     # ---- memory ------------------------------------------------------------------------------
     def bound(self, limits: Limits) -> int:
-        """limits.max_decode_bytes, or the engine's fixed default (engine/memory_budget.py)."""
+        """limits.max_decode_bytes, or the engine's fixed default (engine/pricing/memory_budget.py)."""
         return limits.max_decode_bytes if limits.max_decode_bytes is not None else self.budget.default_bound
 
     def needs_shape_work(self, prepared: PreparedRequest, limits: Limits) -> bool:

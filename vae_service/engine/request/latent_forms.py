@@ -16,8 +16,8 @@ from typing import Literal
 
 import torch
 
-from vae_service.engine.errors import InvalidInput
-from vae_service.engine.request import DecodeRequest
+from vae_service.engine.request.decode_request import DecodeRequest
+from vae_service.engine.request.errors import InvalidInput
 from vae_service.models.spec import ModelSpec
 
 Form = Literal["decoder", "packed", "patchified"]

@@ -1,9 +1,9 @@
 """From a DecodeRequest to decoder input, in two steps:
 
 - before queueing (the engine's `check`): bring the latents into the decoder's layout
-  (engine/latent_forms.py) and check them against the model's traced geometry (`decoder_latents`),
+  (engine/request/latent_forms.py) and check them against the model's traced geometry (`decoder_latents`),
   the output they ask for (`check_output`) and for NaN/Inf (`check_finite`); the limits are the cost
-  model's (engine/cost_model.py), checked between the first and the last;
+  model's (engine/pricing/cost_model.py), checked between the first and the last;
 - `to_decoder_input` (on the device thread): move, cast, undo the latent normalisation.
 
 The normalisation is the model's pipeline's, op for op (models/normalisation.py), so that a
@@ -19,10 +19,10 @@ from typing import NamedTuple
 
 import torch
 
-from vae_service.engine.context import RequestContext
-from vae_service.engine.errors import InvalidInput
-from vae_service.engine.latent_forms import Form, to_decoder_layout
-from vae_service.engine.request import DecodeRequest
+from vae_service.engine.request.context import RequestContext
+from vae_service.engine.request.decode_request import DecodeRequest
+from vae_service.engine.request.errors import InvalidInput
+from vae_service.engine.request.latent_forms import Form, to_decoder_layout
 from vae_service.models.normalisation import Denormaliser, Normalisation, divide_and_shift
 from vae_service.models.spec import DEFAULT_DECODE_TIMESTEP, ModelSpec
 
@@ -44,7 +44,7 @@ class PreparedRequest:
     frames: int  # output frames per item (1 for images)
     form: Form = "decoder"  # how the latents were sent
     timestep: float | None = None  # the decode timestep (timestep-conditioned decoders only)
-    context: RequestContext | None = None  # deadline, abandonment, live limits (engine/context.py)
+    context: RequestContext | None = None  # deadline, abandonment, live limits (engine/request/context.py)
     sink: Callable | None = None  # streaming: gets each chunk's frames (engine.video.FrameChunk) at once
     tiling: object = None  # the planner's: a TileGrid, ClassTiles, or None (whole)
 

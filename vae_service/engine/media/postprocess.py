@@ -1,5 +1,5 @@
 """Decoder output ([-1, 1] floats, [B,3,H,W] or [B,3,T,H,W]) to the tensor a client gets, or the
-pixels an encoder turns into files (engine/encoding.py), and its copy to the host.
+pixels an encoder turns into files (engine/media/encoding.py), and its copy to the host.
 
 uint8 follows diffusers' VaeImageProcessor exactly: (x / 2 + 0.5).clamp(0, 1) * 255, rounded,
 computed in fp32, on the decoding device (a quarter of the bytes to copy to the host). Decoders

@@ -3,7 +3,7 @@ once per engine from the device, never from what is allocated when a request arr
 then gets the same plan whatever else runs):
 
 - CUDA: the device's memory x DEVICE_FRACTION, less the weights, the fast path's folded weights,
-  the fp32 fallback's weights (engine/fallback.py: reserved while it is on, loaded or not) and
+  the fp32 fallback's weights (engine/execution/fallback.py: reserved while it is on, loaded or not) and
   CUDA_RESERVE (the CUDA context and allocator fragmentation);
 - CPU: the host's RAM or the container's cgroup limit (`memory.max`), whichever is smaller,
   x HOST_FRACTION (the encoders, Ray's object store and the process itself share it), less the
@@ -36,7 +36,7 @@ class MemoryBudget:
     weights: int  # parameters and buffers
     folded: int  # the fast path's folded weights, built by the first `high` decode and kept
     reserve: int
-    fallback: int = 0  # the fp32 fallback's weights (engine/fallback.py), reserved while it is on
+    fallback: int = 0  # the fp32 fallback's weights (engine/execution/fallback.py), reserved while it is on
 
     @property
     def default_bound(self) -> int:

@@ -3,7 +3,7 @@
 the meta device (shapes only, no data, no compute) while a dispatch mode counts the bytes of live
 tensor storage. For the same graph it counts what a real CPU decode holds to within 0.1%
 (measured on the 64-channel test decoder); a request's estimate adds the answer's conversion
-(engine/cost_model.py) and is tested within 10% of a real decode's peak.
+(engine/pricing/cost_model.py) and is tested within 10% of a real decode's peak.
 
 - `working`: the peak while decoding one request's items (one latent frame at a time for the
   causal walk, its causal history included; per latent frame for video decoders that take a clip
@@ -185,7 +185,7 @@ class TierPrice:
     facts: ModelFacts
     constant_time = True
     # CUDA: what a real decode held beyond the count (allocator, cuDNN workspaces), per latent pixel
-    # and constant (engine/calibration.py)
+    # and constant (engine/pricing/calibration.py)
     correction: tuple[float, float] | None = None
 
     def peak(self, items: int, h: int, w: int) -> Peak:

@@ -31,7 +31,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import _disable_current_modes
 
-from vae_service.engine.memory import PRICED_SHAPES, LiveBytes, TwinRun
+from vae_service.engine.pricing.memory import PRICED_SHAPES, LiveBytes, TwinRun
 from vae_service.models.class_tiling import ClassGrid, class_grid
 from vae_service.models.decoder_shapes import META_ERRORS
 from vae_service.models.probe_store import Codec, integer, number, sized

@@ -7,7 +7,7 @@ batcher, the engine's call, every tile, here or on another replica.
 - `abandoned`: set when the caller went away (a client that disconnected, a cancelled handle call);
 - `limits`: the live limits it was admitted under (a `reconfigure` meanwhile does not change a
   request already admitted);
-- `fingerprint`: the engine's (engine/fingerprint.py), carried by its tiles offered to other
+- `fingerprint`: the engine's (engine/runtime/fingerprint.py), carried by its tiles offered to other
   replicas, so that one that would decode other bits refuses them.
 
 Every wait in the decode path waits in slices of at most `WAIT_SLICE_S` and checks both between
@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from vae_service.config import Limits
-from vae_service.engine.errors import DecodeAbandoned, DecodeTimeout
+from vae_service.engine.request.errors import DecodeAbandoned, DecodeTimeout
 
 WAIT_SLICE_S = 0.05  # how long any wait in the decode path goes without looking at the request
 UNBOUNDED_S = 10 * 365 * 86400.0  # "no deadline", as a time every timer and timeout accepts

@@ -3,7 +3,7 @@ frames are checked, converted to the request's output and either handed to the r
 at once (streaming) or kept for its whole answer. A streamed request keeps nothing.
 
 An item whose frames are not finite (fp16/bf16 overflow) stops there; with the fp32 fallback on
-(engine/fallback.py) it is decoded again in fp32 from its first frame once its run ends, and its
+(engine/execution/fallback.py) it is decoded again in fp32 from its first frame once its run ends, and its
 frames handed over again: a stream passes on only those it has not sent (serving/frame_stream.py,
 `retried_from_frame`), a whole answer is overwritten (a `float` one becomes fp32)."""
 
@@ -15,11 +15,11 @@ from dataclasses import dataclass
 
 import torch
 
-from vae_service.engine.call import DecodeCall
-from vae_service.engine.errors import DecodeFailed
-from vae_service.engine.fallback import Fp32Fallback
-from vae_service.engine.latents import PreparedRequest
-from vae_service.engine.postprocess import convert, to_host
+from vae_service.engine.execution.call import DecodeCall
+from vae_service.engine.execution.fallback import Fp32Fallback
+from vae_service.engine.media.postprocess import convert, to_host
+from vae_service.engine.request.errors import DecodeFailed
+from vae_service.engine.request.latents import PreparedRequest
 from vae_service.models.catalog import PixelRange
 
 NON_FINITE = (

@@ -1,6 +1,6 @@
 """What one tile of a request is: a typed job saying what to decode, which any replica with the
-request's fingerprint decodes to the same bits (engine/fingerprint.py). The executors
-(engine/tile_executor.py) run jobs here or on other replicas; `Runtime.run_job` is the one place a
+request's fingerprint decodes to the same bits (engine/runtime/fingerprint.py). The executors
+(engine/execution/tile_executor.py) run jobs here or on other replicas; `Runtime.run_job` is the one place a
 job becomes pixels.
 
 - `TierTile`: a spatial tile of a request's latents, decoded as its tier decodes (`high` tiles over
@@ -17,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+TILE_WINDOW = 8  # jobs from the blend's to the furthest decoding: at most this many held or out
 
 
 @dataclass(frozen=True)
@@ -52,3 +54,9 @@ def on_host(job: TileJob) -> TileJob:
     own = z.is_contiguous() and z.untyped_storage().nbytes() == z.numel() * z.element_size()
     fields = {**job.__dict__, "latents": z if own else z.clone()}
     return type(job)(**fields)
+
+
+@dataclass(frozen=True)
+class TileOutput:
+    job: int  # the job's index in the run
+    pixels: torch.Tensor  # on this device

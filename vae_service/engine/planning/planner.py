@@ -1,8 +1,8 @@
 """Deciding, before any tensor moves: how one request is decoded within the memory bound (whole, in
 spatial tiles, or by the class's own tiled decode; else 413), how a batch of requests that share a
 key is run (which decode together, which alone), and which tile executor each run's tiles go to
-(engine/tile_executor.py: here, or shared with the deployment's replicas: remote means lockstep).
-The executor (engine/executor.py) does what the plan says; nothing here decodes.
+(engine/execution/tile_executor.py: here, or shared with the deployment's replicas: remote means lockstep).
+The executor (engine/execution/executor.py) does what the plan says; nothing here decodes.
 
 Tiers:
 - `preview`: one run for the whole batch (the preview's map is per pixel, never tiled);
@@ -18,10 +18,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from vae_service.engine.cost_model import CostModel
-from vae_service.engine.errors import InvalidInput, LimitExceeded
-from vae_service.engine.latents import PreparedRequest
-from vae_service.engine.tiling import TileGrid, sharing_grid, tile_for
+from vae_service.engine.planning.tiling import TileGrid, sharing_grid, tile_for
+from vae_service.engine.pricing.cost_model import CostModel
+from vae_service.engine.request.errors import InvalidInput, LimitExceeded
+from vae_service.engine.request.latents import PreparedRequest
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ Tiling = TileGrid | ClassTiles | None  # None: decoded whole
 
 def plan_request(prepared: PreparedRequest, cost: CostModel, bound: int, share_pixels: int | None) -> Tiling:
     """How `prepared` decodes within `bound`: whole, tiled, or refused (LimitExceeded), as its
-    `tiling` asks (engine/request.py's TILINGS). "auto": as the bound decides, and a `high` request
+    `tiling` asks (engine/request/decode_request.py's TILINGS). "auto": as the bound decides, and a `high` request
     that fits whole is tiled anyway when it is large (`share_pixels`: tiles of about that many
     output pixels, for idle replicas to take). "model": the class's own tiled decode whatever the
     bound (what a caller whose local VAE has tiling on gets). "none": never tiled (a caller without

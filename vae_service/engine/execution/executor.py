@@ -1,14 +1,14 @@
-"""Runs a batch plan (engine/planner.py) with the runtime's primitives, in the call's own state
-(engine/call.py): one output per request, in order. Every run checks its requests' contexts: a
+"""Runs a batch plan (engine/planning/planner.py) with the runtime's primitives, in the call's own state
+(engine/execution/call.py): one output per request, in order. Every run checks its requests' contexts: a
 request nobody waits for any more is answered with its timeout or abandonment, the others go on.
 
 Images: untiled runs decode through `vae.decode` (high: the batch together) or the class's decode of
-each item alone (lossless). Tiled runs hand their tiles as jobs (engine/tile_jobs.py) to the run's
-tile executor (engine/tile_executor.py: here, or shared with the deployment's replicas, as the plan
-says) and blend what it yields (engine/tiling.py's `blended`, the one place tiles are blended);
+each item alone (lossless). Tiled runs hand their tiles as jobs (engine/runtime/tile_jobs.py) to the run's
+tile executor (engine/execution/tile_executor.py: here, or shared with the deployment's replicas, as the plan
+says) and blend what it yields (engine/planning/tiling.py's `blended`, the one place tiles are blended);
 `ClassTiles` runs the class's own tiled decode on a view, its decoder's calls made by the same
 executors where they are shared (models/diffusers_tiling.py replays it bit for bit). Video (and any
-video-latent decoder) goes chunk by chunk through engine/video.py, a tiled run's chunks blended the
+video-latent decoder) goes chunk by chunk through engine/execution/video.py, a tiled run's chunks blended the
 same way.
 
 A tile that failed elsewhere (lost twice: 503; a replica's bug: 500) fails its request alone, as its
@@ -22,18 +22,19 @@ from contextlib import ExitStack, closing
 
 import torch
 
-from vae_service.engine.call import DecodeCall
-from vae_service.engine.errors import DecodeAbandoned, DecodeFailed, DecodeTimeout, Unavailable
-from vae_service.engine.fallback import Fp32Fallback
-from vae_service.engine.latents import PreparedRequest
-from vae_service.engine.planner import BatchPlan, ClassTiles, Run
-from vae_service.engine.postprocess import postprocess
-from vae_service.engine.preview import Preview, frame_counts
-from vae_service.engine.runtime import Runtime
-from vae_service.engine.tile_executor import LocalTiles, NotShared, SharedTiles, TileBug, TileExecutor
-from vae_service.engine.tile_jobs import CausalTile, DecoderInput
-from vae_service.engine.tiling import TileGrid, blended, tier_tiles
-from vae_service.engine.video import NON_FINITE, decode_video
+from vae_service.engine.execution.call import DecodeCall
+from vae_service.engine.execution.fallback import Fp32Fallback
+from vae_service.engine.execution.tile_executor import LocalTiles, NotShared, SharedTiles, TileBug, TileExecutor
+from vae_service.engine.execution.video import NON_FINITE, decode_video
+from vae_service.engine.media.frames import frame_counts
+from vae_service.engine.media.postprocess import postprocess
+from vae_service.engine.planning.planner import BatchPlan, ClassTiles, Run
+from vae_service.engine.planning.tiling import TileGrid, blended, tier_tiles
+from vae_service.engine.request.errors import DecodeAbandoned, DecodeFailed, DecodeTimeout, Unavailable
+from vae_service.engine.request.latents import PreparedRequest
+from vae_service.engine.runtime.preview import Preview
+from vae_service.engine.runtime.runtime import Runtime
+from vae_service.engine.runtime.tile_jobs import CausalTile, DecoderInput
 from vae_service.models.decoder_shapes import DecoderShapes
 from vae_service.models.diffusers_tiling import tiled_decode_elsewhere, tiled_view
 

@@ -3,7 +3,7 @@ encode the items of a request in parallel while the device decodes the next batc
 with PIL on one 1024x1024 image: PNG 22-111 ms at the default level 6 (content-dependent), JPEG
 q95 2-7 ms; PNG level 1 (our default) writes ~10-30% larger files several times faster.
 
-MP4 is fragmented (engine/fmp4.py): an init segment, then one fragment per latent frame's worth of
+MP4 is fragmented (engine/media/fmp4.py): an init segment, then one fragment per latent frame's worth of
 frames, each starting with a keyframe (`fragment_frames`). A streamed answer writes the same
 fragments as its frames decode (serving/mp4_stream.py), so a whole answer and a stream of the same
 frames are the same bytes."""
@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image
 
-from vae_service.engine.fmp4 import FragmentedMp4
-from vae_service.engine.preview import frame_counts
+from vae_service.engine.media.fmp4 import FragmentedMp4
+from vae_service.engine.media.frames import frame_counts
 
 ENCODED_OUTPUTS = ("png", "jpeg", "mp4")
 

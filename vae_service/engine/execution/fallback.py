@@ -4,7 +4,7 @@ Activations that overflow the decode precision are the most reported decode fail
 (SDXL's VAE in fp16; ComfyUI and AUTOMATIC1111 re-decode such latents in fp32). An engine decoding
 in fp16 or bf16 answers an item whose output holds NaN/Inf with that item decoded by an fp32 copy
 of its model, the way the fp32 deployment of the same model answers `lossless`: the same runtime
-(engine/runtime.py) built at fp32 from the same source and seed, its latents scaled in fp32, and
+(engine/runtime/runtime.py) built at fp32 from the same source and seed, its latents scaled in fp32, and
 its class's own decode (whole, or its class's own tiled decode where this request was tiled). So
 an item that fell back is bit-identical to the fp32 deployment's `lossless` answer for it.
 
@@ -23,8 +23,9 @@ from collections.abc import Iterator
 import torch
 
 from vae_service.config import ServiceConfig
-from vae_service.engine.call import checkpoint_hook
-from vae_service.engine.latents import LatentScaling, PreparedRequest
+from vae_service.engine.execution.call import checkpoint_hook
+from vae_service.engine.request.latents import LatentScaling, PreparedRequest
+from vae_service.engine.runtime.runtime import Runtime
 from vae_service.models.diffusers_tiling import tiled_view
 
 FALLBACK_PRECISION = "fp32"
@@ -47,8 +48,6 @@ class Fp32Fallback:
         return self._fp32 is not None
 
     def _runtime(self):
-        from vae_service.engine.runtime import Runtime  # the runtime builds its own; no cycle at import
-
         with self._lock:
             if self._fp32 is None:
                 fp32 = Runtime(self.config.model_copy(update={"decode_precision": FALLBACK_PRECISION}))

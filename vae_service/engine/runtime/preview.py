@@ -23,24 +23,12 @@ import torch
 import torch.nn.functional as F
 
 from vae_service.config import ServiceConfig
-from vae_service.engine.latents import LatentScaling
+from vae_service.engine.request.latents import LatentScaling
 from vae_service.models import ModelLoadError, ModelSpec, load_vae
 from vae_service.models.spec import decoded_pixels
 
 RIDGE = 1e-4  # relative to the mean squared latent: keeps W defined with few calibration pixels
 CALIBRATION_SEED = 0
-
-
-def frame_counts(total: int, latent_frames: int, law: tuple[int, int] | None) -> list[int]:
-    """How many output frames each latent frame stands for: the decoder's own law where it has one
-    (Wan: 1, then 4 each), else the frames spread evenly with the remainder at the end."""
-    if latent_frames == 1:
-        return [total]
-    if law is not None:
-        a, b = law
-        return [a + b] + [a] * (latent_frames - 1)
-    base, extra = divmod(total, latent_frames)
-    return [base] * (latent_frames - extra) + [base + 1] * extra
 
 
 class LinearPreview:

@@ -4,7 +4,7 @@ covering a pixel sum to one). Video keeps its temporal chunking, in one of two o
 
 - lockstep: every tile runs its own chunk decoder (its own causal history) and all advance one
   latent frame at a time, so a tiled video still streams chunk by chunk; but every tile's history
-  is held at once, and Wan's history is about half its peak (engine/memory.py), so this bounds
+  is held at once, and Wan's history is about half its peak (engine/pricing/memory.py), so this bounds
   memory only down to about that;
 - tile after tile: one tile's history at a time, the blended clip held in fp32 until the last
   tile is done (frames are handed over only then). Chosen when lockstep cannot fit the bound.
@@ -22,9 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from vae_service.engine.memory import TierPrice
-from vae_service.engine.tile_executor import TILE_WINDOW, TileOutput
-from vae_service.engine.tile_jobs import TierTile
+from vae_service.engine.pricing.memory import TierPrice
+from vae_service.engine.runtime.tile_jobs import TILE_WINDOW, TierTile, TileOutput
 
 MIN_TILE = 8  # latent pixels per side
 
@@ -88,7 +87,7 @@ def sharing_grid(h: int, w: int, scale: int, pixels: int | None) -> TileGrid | N
 def tile_for(model: TierPrice, items: int, frames: int, h: int, w: int, held_bytes: int, bound: int) -> TileGrid | None:
     """The largest tiles whose decode fits `bound` with `held_bytes` beside it, lockstep first
     (None: nothing fits). Images: beside the tiles finished ahead of the blend where they are
-    shared (engine/tile_executor.py's window: `TILE_WINDOW - 1`, fewer where even the smallest
+    shared (engine/execution/tile_executor.py's window: `TILE_WINDOW - 1`, fewer where even the smallest
     tiles leave less room, none then meaning they stay here); a tile's need grows with its size,
     so a bisection finds it (a tier priced per shape runs its twin a few times, not once per size)."""
     scale_px = model.facts.scale**2
@@ -183,7 +182,7 @@ def tier_tiles(z: torch.Tensor, grid: TileGrid, quality: str, timestep: float | 
 
 
 def blended(grid: TileGrid, scale: int, outputs: Iterator[TileOutput], lockstep: bool = True) -> Iterator[torch.Tensor]:
-    """The one place tiles are blended: `outputs` in blend order (engine/tile_executor.py), here or
+    """The one place tiles are blended: `outputs` in blend order (engine/execution/tile_executor.py), here or
     from other replicas alike. Lockstep (images: their one step): each step's blended output once
     every tile's part of it arrived; tile after tile: every chunk's at the end. However the reading
     ends, `outputs` is closed (tiles still decoding elsewhere are cancelled)."""

@@ -1,10 +1,10 @@
 """The model on its device: one VAE at one precision with its fast path installed, fixed for its
 lifetime, and the decode primitives every plan is made of. Nothing here decides what to decode or
-at what price (engine/cost_model.py, engine/planner.py); the executor (engine/executor.py) calls
-these primitives for a plan.
+at what price (engine/pricing/cost_model.py, engine/planning/planner.py); the executor
+(engine/execution/executor.py) calls these primitives for a plan.
 
 Decode paths (models/catalog.py): `image_kl` through `vae.decode`; `causal_walk` one latent frame
-at a time by the engine's walk (engine/wan_walk.py) in both tiers, or diffusers' own per-frame
+at a time by the engine's walk (engine/runtime/wan_walk.py) in both tiers, or diffusers' own per-frame
 forward where the walk does not know the decoder; `generic` through the class's own `decode`.
 """
 
@@ -18,12 +18,12 @@ from contextlib import AbstractContextManager
 import torch
 
 from vae_service.config import ServiceConfig
-from vae_service.engine.errors import InvalidInput
-from vae_service.engine.fingerprint import Fingerprint
-from vae_service.engine.latents import LatentScaling
-from vae_service.engine.precision import PRECISION_NAMES, resolve_device, resolve_dtype
-from vae_service.engine.tile_jobs import DecoderInput, TierTile, TileJob
-from vae_service.engine.wan_walk import WalkOptions, walk_chunks, walk_options
+from vae_service.engine.request.errors import InvalidInput
+from vae_service.engine.request.latents import LatentScaling
+from vae_service.engine.runtime.fingerprint import Fingerprint
+from vae_service.engine.runtime.precision import PRECISION_NAMES, resolve_device, resolve_dtype
+from vae_service.engine.runtime.tile_jobs import DecoderInput, TierTile, TileJob
+from vae_service.engine.runtime.wan_walk import WalkOptions, walk_chunks, walk_options
 from vae_service.fastpath import install_fast_path
 from vae_service.fastpath.folded import FoldedBuffers
 from vae_service.fastpath.rewrites import RewritePlan
@@ -71,7 +71,7 @@ class Runtime:
         loaded = loaded or load_vae(config.model, name=config.served_name, seed=config.seed)
         self.spec = loaded.spec
         self.video = self.spec.family == "video"  # answers carry frames
-        self.chunked = self.spec.geometry.video_latents  # decoded through engine/video.py
+        self.chunked = self.spec.geometry.video_latents  # decoded through engine/execution/video.py
         # nn.Module.to, not ModelMixin.to: the latter warns about fp32-pinned modules these VAEs lack
         self.vae = torch.nn.Module.to(loaded.vae, device=self.device, dtype=self.dtype)
         self.fast_path = install_fast_path(self.vae, disabled=config.fast_path.disable)
@@ -88,7 +88,7 @@ class Runtime:
         )
 
     def _walks(self) -> dict[str, WalkOptions] | None:
-        """Causal decoders the walk knows (engine/wan_walk.py): each tier's walk options. Others
+        """Causal decoders the walk knows (engine/runtime/wan_walk.py): each tier's walk options. Others
         decode through their class's own forward."""
         if self.spec.path != "causal_walk":
             return None
@@ -145,7 +145,7 @@ class Runtime:
         return z.to(self.device, self.dtype)
 
     def run_job(self, job: TileJob) -> Iterator[torch.Tensor]:
-        """A tile job's output on this device (engine/tile_jobs.py), chunk by chunk, computed as
+        """A tile job's output on this device (engine/runtime/tile_jobs.py), chunk by chunk, computed as
         each is read; the same bits wherever it runs with the same fingerprint. The caller holds
         the job's gate (`job_tier`) and inference mode for the whole run."""
         z = self.to_device(job.latents)

@@ -10,7 +10,7 @@ from difflib import get_close_matches
 
 import torch
 
-from vae_service.engine.errors import InvalidInput
+from vae_service.engine.request.errors import InvalidInput
 
 QUALITIES = ("lossless", "high", "preview")
 OUTPUTS = ("uint8", "float", "png", "jpeg", "mp4")
@@ -41,7 +41,7 @@ class DecodeRequest:
     model: str | None = None  # when given, must name the served model
     stream: bool = False  # video: frames handed over chunk by chunk as they are decoded
     decode_timestep: float | None = None  # timestep-conditioned decoders (LTX); None: the pipeline's default
-    tiling: str = "auto"  # TILINGS; honoured by engine/planner.py's plan_request
+    tiling: str = "auto"  # TILINGS; honoured by engine/planning/planner.py's plan_request
 
     def __post_init__(self) -> None:
         _check_latents(self.latents)

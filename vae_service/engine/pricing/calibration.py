@@ -2,7 +2,7 @@
 allocator's peak (`max_memory_allocated`) over small decodes at two shapes, after a first run that
 builds the fast path's folded weights and lets cuDNN pick its algorithms. The live-bytes count on
 the meta twin cannot see cuDNN workspaces or the allocator's rounding; the difference, as a line
-in latent pixels, corrects the tier's price (engine/memory.py)."""
+in latent pixels, corrects the tier's price (engine/pricing/memory.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from vae_service.engine.memory import TierPrice, probe_shapes
+from vae_service.engine.pricing.memory import TierPrice, probe_shapes
 
 
 def calibrate_on_cuda(

@@ -11,11 +11,11 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from vae_service.engine.context import RequestContext
-from vae_service.engine.errors import DecodeAbandoned, DecodeTimeout
+from vae_service.engine.request.context import RequestContext
+from vae_service.engine.request.errors import DecodeAbandoned, DecodeTimeout
 
 if TYPE_CHECKING:
-    from vae_service.engine.tile_executor import TilePeers
+    from vae_service.engine.execution.tile_executor import TilePeers
 
 
 @dataclass
@@ -35,11 +35,13 @@ class DecodeCall:
     fingerprint: str
     batch_gone: threading.Event | None = None  # the batcher's: every caller of the batch left
     host_copies: list | None = None  # CUDA events of the copies queued; None: each copy waited for
-    peers: TilePeers | None = None  # the deployment's replicas, which take tiles (engine/tile_executor.py)
+    peers: TilePeers | None = None  # the deployment's replicas, which take tiles (engine/execution/tile_executor.py)
     decoded_by: set = field(default_factory=set)  # ids of the replicas that decoded tiles of it
     running_members: tuple[int, ...] = ()  # the requests of the run being decoded
     tiled: set = field(default_factory=set)  # the requests decoded in tiles (an optional tiling may not be)
-    fell_back: dict = field(default_factory=dict)  # request -> its items decoded again in fp32 (engine/fallback.py)
+    fell_back: dict = field(
+        default_factory=dict
+    )  # request -> its items decoded again in fp32 (engine/execution/fallback.py)
 
     @property
     def replicas(self) -> int:

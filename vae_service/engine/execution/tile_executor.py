@@ -1,4 +1,4 @@
-"""One tile mechanism: a request's tile jobs (engine/tile_jobs.py) decoded by an executor that yields
+"""One tile mechanism: a request's tile jobs (engine/runtime/tile_jobs.py) decoded by an executor that yields
 their outputs in the order the blend reads them, for images and video alike. Two executors:
 
 - `LocalTiles`: on this device, lazily: a job runs when the blend first reads it, so images and
@@ -19,13 +19,13 @@ this device holds only the blend.
 
 Bounds: at most a window of jobs (`TILE_WINDOW`, or fewer where the plan's bound leaves less room)
 between the blend and the furthest tile decoding; what is held meanwhile (at most `window - 1`
-finished outputs) is counted in the plan (engine/tiling.py's tile_for). Failures: a refusal (no
+finished outputs) is counted in the plan (engine/planning/tiling.py's tile_for). Failures: a refusal (no
 free slot, another fingerprint, no time left, over its bound) decodes the tile here; a lost tile
 (the replica went away, was overloaded, or its stream ended short) is decoded once more, by a
 replica that takes it or here, and a second loss answers 503 (`Unavailable`); anything else a
 replica raised is a bug, 500 (`TileBug`). None of these fails the batch: the request alone gets
 the error (the batcher never re-runs it). Every wait checks the request in slices
-(engine/context.py): a caller that leaves, or the deadline, stops it within one, and every tile
+(engine/request/context.py): a caller that leaves, or the deadline, stops it within one, and every tile
 still out is cancelled.
 """
 
@@ -40,24 +40,17 @@ from typing import Protocol
 
 import torch
 
-from vae_service.engine.call import TileCall
-from vae_service.engine.context import WAIT_SLICE_S
-from vae_service.engine.errors import Unavailable
-from vae_service.engine.runtime import Runtime
-from vae_service.engine.tile_jobs import TileJob, gives_chunks
+from vae_service.engine.execution.call import TileCall
+from vae_service.engine.request.context import WAIT_SLICE_S
+from vae_service.engine.request.errors import Unavailable
+from vae_service.engine.runtime.runtime import Runtime
+from vae_service.engine.runtime.tile_jobs import TILE_WINDOW, TileJob, TileOutput, gives_chunks
 
 log = logging.getLogger(__name__)
 
-TILE_WINDOW = 8  # jobs from the blend's to the furthest decoding: at most this many held or out
 OFFER_WAIT_S = 0.5  # an offer no replica has taken by then (Serve still routing it) is decoded here
 STREAM_REFUSALS = 2  # video tiles are offered at the start until this many were refused
 DISPATCH_POLL_S = 0.005  # how often the dispatcher looks for replicas' answers while none comes
-
-
-@dataclass(frozen=True)
-class TileOutput:
-    job: int  # the job's index in the run
-    pixels: torch.Tensor  # on this device
 
 
 class TileExecutor(Protocol):
@@ -87,7 +80,7 @@ class End:
 
 
 @dataclass(frozen=True)
-class Refused:
+class OfferRefused:
     """The replica did not take the tile, and why (the transport raises TileRefused for it)."""
 
     reason: str
