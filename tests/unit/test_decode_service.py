@@ -140,7 +140,7 @@ def test_the_class_tiled_price_is_fitted_beside_start_up_unless_configured_not_t
     )  # fmt: skip
     engine = DecodeEngine(config, probes=ProbeCache())  # nothing fitted by another test
     service = DecodeService(config, engine)
-    service.pricing.submit(lambda: None).result()  # after what start-up queued on the pricing thread
+    service.pricing.pricing.submit(lambda: None).result()  # after what start-up queued on the pricing thread
     assert (engine.cost.class_tiled_fitted is not None) == at_start
     request = DecodeRequest(torch.zeros(1, 4, 40, 40), latents_scaled=True)  # lossless above the bound
     checked = engine.check(request)

@@ -195,7 +195,7 @@ def test_waits_check_the_request_between_slices():
 
 
 async def test_prices_waiting_for_the_pricing_thread_are_bounded_then_429_with_retry_after(kl_dir):
-    from vae_service.serving.decode_service import PRICING_QUEUE
+    from vae_service.serving.request_pricing import PRICING_QUEUE
 
     config = ServiceConfig(model=str(kl_dir), device="cpu", cpu_threads=1, serving={"retry_after_s": 3})
     service = DecodeService(config)
@@ -218,3 +218,36 @@ async def test_prices_waiting_for_the_pricing_thread_are_bounded_then_429_with_r
         release.set()
     assert refused.value.retry_after_s == 3
     assert len(await asyncio.gather(*waiting)) == PRICING_QUEUE  # those admitted are answered
+
+
+async def test_a_price_its_caller_gave_up_on_holds_its_place_in_the_queue_until_its_thread_stops(kl_dir):
+    """The pricing queue counts running work: a caller that timed out frees nothing while the
+    thread still runs its price, so later requests are refused (429), not queued behind it; a
+    price cancelled before it began frees its place at once."""
+    from vae_service.serving.request_pricing import PRICING_QUEUE
+
+    config = ServiceConfig(model=str(kl_dir), device="cpu", cpu_threads=1, batching={"request_timeout_s": 0.3})
+    service = DecodeService(config)
+    engine, release = service.engine, threading.Event()
+    price = engine.price
+
+    def held(prepared):  # injected: a price whose work outlives its caller's deadline
+        release.wait(30)
+        return price(prepared)
+
+    engine.needs_shape_work, engine.price = (lambda prepared: True), held
+    z = torch.zeros(1, 4, 4, 4)
+    try:
+        with pytest.raises(DecodeTimeout):
+            await service.decode(DecodeRequest(z))  # its price runs on
+        assert service.pricing.pricing_held == 1
+        answers = await asyncio.gather(
+            *(service.decode(DecodeRequest(z)) for _ in range(PRICING_QUEUE)), return_exceptions=True
+        )
+        assert all(isinstance(a, DecodeTimeout) for a in answers[:-1])  # waited behind it, then left
+        assert isinstance(answers[-1], Overloaded)  # the running price still had its place
+        assert service.pricing.pricing_held == 1  # those that never began are gone from the count
+    finally:
+        release.set()
+    await asyncio.to_thread(service.pricing.pricing.submit(lambda: None).result, 30)
+    assert service.pricing.pricing_held == 0

@@ -11,34 +11,26 @@ keeps to that one deadline, and a caller that goes away marks it abandoned, whic
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import closing
 from dataclasses import replace
 
 import torch
 
 from vae_service.config import LiveConfig, ServiceConfig
 from vae_service.engine import DecodeEngine, DecodeRequest, DecodeResult, PreparedRequest
-from vae_service.engine.execution.call import DecodeCall
-from vae_service.engine.execution.tile_executor import Accepted, Chunk, End, Lost, OfferRefused, TilePeers
-from vae_service.engine.request.context import WAIT_SLICE_S, RequestContext
-from vae_service.engine.request.errors import DecodeTimeout, InvalidInput, LimitExceeded, OutOfMemory, Overloaded
+from vae_service.engine.execution.tile_executor import TilePeers
+from vae_service.engine.request.context import RequestContext
+from vae_service.engine.request.errors import DecodeTimeout, InvalidInput, OutOfMemory, Overloaded
 from vae_service.engine.request.result import PendingResult
 from vae_service.engine.runtime.tile_jobs import TileJob
 from vae_service.serving.batcher import BatcherLimits, BatchStats, DeadlineExceeded, KeyedBatcher, QueueFull
 from vae_service.serving.encoders import EncoderPool
 from vae_service.serving.frame_stream import FrameStream
 from vae_service.serving.mp4_stream import Mp4Stream
-
-# Inputs above this size are parsed and checked off the event loop, where they cannot stall other
-# requests. Measured here: a thread hop ~0.07 ms; parsing and checking a 64 KiB body inline
-# ~0.07 ms, so up to 256 KiB the hop would cost as much as it saves.
-INLINE_BYTES = 256 * 1024
-PRICING_QUEUE = 8  # requests waiting for a per-shape price before more are refused (429)
-TILE_CHUNKS_AHEAD = 2  # a taken tile's chunks decoded and not yet sent: the decode waits for the send
+from vae_service.serving.request_pricing import RequestPricing
+from vae_service.serving.tile_surface import TileSurface
 
 
 def batcher_limits(config: ServiceConfig) -> BatcherLimits:
@@ -60,18 +52,10 @@ class DecodeService:
         self.config = config
         self.engine = engine or DecodeEngine(config)
         self.peers = peers  # tiled requests share their tiles with these (serving/tile_peers.py)
-        self._tile_taken = False  # this replica decodes a tile of another's request now
-        bind = self.engine.bind_thread
         # one thread feeds the device, set up once like the engine wants (torch's CPU thread count)
-        self.device_thread = ThreadPoolExecutor(1, thread_name_prefix="vae-device", initializer=bind)
-        # large bodies are parsed and checked here; prices that run the twin on their own thread
-        self.parsers = ThreadPoolExecutor(2, thread_name_prefix="vae-parse", initializer=bind)
-        self.pricing = ThreadPoolExecutor(1, thread_name_prefix="vae-price", initializer=bind)
-        self._pricing_waiting = 0
-        # the class tiled decode's price is fitted here, beside start-up: the first request above the
-        # bound then finds it made (else it waits for it on this thread, within its deadline)
-        if config.serving.fit_prices_at_start:
-            self.pricing.submit(self.engine.cost.fit_lazy_prices)
+        self.device_thread = ThreadPoolExecutor(1, thread_name_prefix="vae-device", initializer=self.engine.bind_thread)
+        serving = config.serving
+        self.pricing = RequestPricing(self.engine, serving.retry_after_s, serving.fit_prices_at_start)
         self.batcher: KeyedBatcher[PreparedRequest] = KeyedBatcher(
             self._decode_batch, batcher_limits(config), self._observe, executor=self.device_thread
         )
@@ -79,6 +63,7 @@ class DecodeService:
         self.on_batch, self.on_rejected = on_batch, on_rejected
         self.on_decoded, self.on_first_frames = on_decoded, on_first_frames  # (quality, ms)
         self.decoded_items = 0  # latent items that reached the device (requests given up on never do)
+        self.tiles = TileSurface(self.engine, self.device_thread, self._device_busy, lambda: self.config.limits)
 
     def _decode_batch(self, batch: list[PreparedRequest], abandoned) -> list:
         # the device thread takes its next batch while this one's output is still copied to the
@@ -118,7 +103,7 @@ class DecodeService:
     async def decode_from(self, parse: Callable[[], DecodeRequest], size: int) -> DecodeResult:
         """Parse and check a request (off the event loop when `size` bytes are many), then queue it
         for its batch. Raises the engine's DecodeError kinds."""
-        prepared = await self._prepare(parse, size, self.admit())
+        prepared = await self._prepare(parse, size)
         if prepared.request.stream:
             raise InvalidInput("stream", "this call answers whole outputs; stream frames with the streaming call")
         return await self._decode_prepared(prepared)
@@ -127,7 +112,7 @@ class DecodeService:
         """Like decode_from, but a request with `stream` set comes back as a FrameStream (output
         mp4: an Mp4Stream) once its first frames are decoded (errors before them are raised here)."""
         arrived = time.perf_counter()
-        prepared = await self._prepare(parse, size, self.admit())
+        prepared = await self._prepare(parse, size)
         if not prepared.request.stream:
             return await self._decode_prepared(prepared)
         frames = FrameStream(prepared.items, prepared.context)
@@ -140,49 +125,8 @@ class DecodeService:
             self.on_first_frames(prepared.request.quality, (time.perf_counter() - arrived) * 1e3)
         return stream
 
-    async def _prepare(self, parse: Callable[[], DecodeRequest], size: int, context: RequestContext) -> PreparedRequest:
-        """Parse and check (constant work beside the body's size), then price: inline where that is
-        constant work, else on the pricing thread within the request's deadline."""
-        engine, max_items = self.engine, self.config.batching.max_queued_items
-
-        def check_and_price() -> tuple[PreparedRequest, bool]:
-            """Checked, and priced too where that is constant work (else left for the pricing thread)."""
-            checked = engine.check(parse(), context)
-            if checked.items > max_items:  # no queue of this replica can ever hold it: refused unpriced
-                raise LimitExceeded(
-                    "latents",
-                    f"{checked.items} items are more than this replica ever queues "
-                    f"({max_items}, batching.max_queued_items): send fewer per request",
-                )
-            if engine.needs_shape_work(checked):
-                return checked, False
-            return engine.price(checked), True
-
-        if size <= INLINE_BYTES:
-            checked, priced = check_and_price()
-        else:
-            checked, priced = await self._off_loop(self.parsers, check_and_price, context, "parsing")
-        if priced:
-            return checked
-        if self._pricing_waiting >= PRICING_QUEUE:
-            raise Overloaded(
-                "latents",
-                f"{self._pricing_waiting} requests wait for a price; retry later",
-                self.config.serving.retry_after_s,
-            )
-        self._pricing_waiting += 1
-        try:
-            return await self._off_loop(self.pricing, engine.price, context, "pricing", checked)
-        finally:
-            self._pricing_waiting -= 1
-
-    @staticmethod
-    async def _off_loop(pool: ThreadPoolExecutor, work: Callable, context: RequestContext, what: str, *args):
-        future = asyncio.get_running_loop().run_in_executor(pool, work, *args)
-        try:
-            return await asyncio.wait_for(future, context.remaining())
-        except TimeoutError:
-            raise DecodeTimeout("body", f"not decoded within request_timeout_s (timed out {what})") from None
+    async def _prepare(self, parse: Callable[[], DecodeRequest], size: int) -> PreparedRequest:
+        return await self.pricing.prepare(parse, size, self.admit(), self.config.batching.max_queued_items)
 
     async def _decode_prepared(self, prepared: PreparedRequest) -> DecodeResult:
         arrived, context = time.perf_counter(), prepared.context
@@ -220,73 +164,12 @@ class DecodeService:
             raise DecodeTimeout("output", "not encoded within request_timeout_s") from None
 
     # ---- a tile of another replica's request -------------------------------------------------
-    async def tile(self, job: TileJob, fingerprint: str, remaining_s: float, replica: str) -> AsyncIterator:
-        """A tile another replica offers (engine/execution/tile_executor.py's SharedTiles): `OfferRefused` at once
-        unless this replica is free for it, else `Accepted`, the job's output chunk by chunk, `End`.
+    def tile(self, job: TileJob, fingerprint: str, remaining_s: float, replica: str) -> AsyncIterator:
+        """A tile another replica offers (serving/tile_surface.py)."""
+        return self.tiles.tile(job, fingerprint, remaining_s, replica)
 
-        Free: the same fingerprint (else it would decode other bits), time left, no tile of any
-        request here already, the device idle (no batch running or queued: a tile never runs beside
-        one), and the tile's price within this replica's own bound. A taken tile runs on the device
-        thread, queued there before anything else can be (a batch arriving meanwhile waits for one
-        tile), at most TILE_CHUNKS_AHEAD chunks ahead of what was sent; the request's deadline, or
-        the stream's cancellation (the requester left or finished), stops it at its next decoder
-        call."""
-        why = self._cannot_take(job, fingerprint, remaining_s)
-        if why is not None:
-            yield OfferRefused(why)
-            return
-        self._tile_taken = True
-        context = RequestContext(time.monotonic() + remaining_s, self.config.limits, fingerprint)
-        loop, sent, stop = asyncio.get_running_loop(), asyncio.Queue(), threading.Event()
-        room = threading.Semaphore(TILE_CHUNKS_AHEAD)
-
-        def decode() -> None:
-            call = DecodeCall([context], fingerprint, batch_gone=stop, running_members=(0,))
-            try:
-                # closed here however it ends: its inference mode and gate are this thread's to restore
-                with call.running(), closing(self.engine.run_tile(job, fingerprint)) as chunks:
-                    while call.checkpoint() or (pixels := next(chunks, None)) is not None:
-                        host = pixels.cpu()
-                        while not room.acquire(timeout=WAIT_SLICE_S):
-                            call.checkpoint()  # the decode stops once nobody reads it
-                        loop.call_soon_threadsafe(sent.put_nowait, host)
-            finally:
-                loop.call_soon_threadsafe(sent.put_nowait, None)
-
-        decoding = loop.run_in_executor(self.device_thread, decode)  # before any await: first in line
-        count = 0
-        try:
-            yield Accepted(replica)
-            while (pixels := await sent.get()) is not None:
-                room.release()
-                count += 1
-                yield Chunk(pixels)
-            try:
-                await decoding
-            except torch.OutOfMemoryError:
-                yield Lost("this replica ran out of device memory for the tile")
-                return
-            except DecodeTimeout:
-                return  # its deadline passed (the requester answers 504) or nobody reads it any more
-            yield End(count)
-        finally:
-            stop.set()
-            await asyncio.wait({decoding})
-            decoding.exception()  # retrieved: seen above or of no interest once the reader left
-            self._tile_taken = False
-
-    def _cannot_take(self, job: TileJob, fingerprint: str, remaining_s: float) -> str | None:
-        engine = self.engine
-        if why := engine.decodes_otherwise(fingerprint):
-            return why
-        if remaining_s <= 0:
-            return "the request's deadline passed before the tile arrived"
-        if self._tile_taken or self.batcher.running or self.batcher.queued_items():
-            return "busy: its device is not idle"
-        need, bound = engine.cost.job_peak(job), engine.cost.bound(self.config.limits)
-        if need is not None and need > bound:
-            return f"the tile needs about {need / 2**30:.3g} GiB, over this replica's max_decode_bytes"
-        return None
+    def _device_busy(self) -> bool:
+        return bool(self.batcher.running or self.batcher.queued_items())
 
     def describe(self) -> dict:
         return {
@@ -303,7 +186,7 @@ class DecodeService:
     async def drain(self, timeout_s: float) -> bool:
         """Let queued and running batches finish (shutdown); False if they did not in time."""
         drained = await self.batcher.drain(timeout_s)
-        for pool in (self.device_thread, self.parsers, self.pricing):
-            pool.shutdown(wait=False)
+        self.device_thread.shutdown(wait=False)
+        self.pricing.shutdown()
         self.encoders.shutdown()
         return drained

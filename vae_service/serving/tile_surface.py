@@ -1,0 +1,103 @@
+"""Where a replica takes tiles of other replicas' requests (engine/execution/tile_executor.py's
+SharedTiles offers them; serving/tile_peers.py carries them): `OfferRefused` at once unless this
+replica is free for the tile, else `Accepted`, the job's output chunk by chunk, `End`.
+
+Free: the same fingerprint (else it would decode other bits), time left, no tile of any request
+here already, the device idle (no batch running or queued: a tile never runs beside one), and the
+tile's price within this replica's own bound. A taken tile runs on the device thread, queued there
+before anything else can be (a batch arriving meanwhile waits for one tile), at most
+TILE_CHUNKS_AHEAD chunks ahead of what was sent; the request's deadline, or the stream's
+cancellation (the requester left or finished), stops it at its next decoder call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import closing
+
+import torch
+
+from vae_service.config import Limits
+from vae_service.engine import DecodeEngine
+from vae_service.engine.execution.call import DecodeCall
+from vae_service.engine.execution.tile_executor import Accepted, Chunk, End, Lost, OfferRefused
+from vae_service.engine.request.context import WAIT_SLICE_S, RequestContext
+from vae_service.engine.request.errors import DecodeTimeout
+from vae_service.engine.runtime.tile_jobs import TileJob
+
+TILE_CHUNKS_AHEAD = 2  # a taken tile's chunks decoded and not yet sent: the decode waits for the send
+
+
+class TileSurface:
+    def __init__(
+        self,
+        engine: DecodeEngine,
+        device_thread: ThreadPoolExecutor,
+        device_busy: Callable[[], bool],
+        limits: Callable[[], Limits],
+    ):
+        self.engine, self.device_thread = engine, device_thread
+        self.device_busy, self.limits = device_busy, limits  # the replica's batches; its live limits
+        self.taken = False  # this replica decodes a tile of another's request now
+
+    async def tile(self, job: TileJob, fingerprint: str, remaining_s: float, replica: str) -> AsyncIterator:
+        why = self.cannot_take(job, fingerprint, remaining_s)
+        if why is not None:
+            yield OfferRefused(why)
+            return
+        self.taken = True
+        context = RequestContext(time.monotonic() + remaining_s, self.limits(), fingerprint)
+        loop, sent, stop = asyncio.get_running_loop(), asyncio.Queue(), threading.Event()
+        room = threading.Semaphore(TILE_CHUNKS_AHEAD)
+
+        def decode() -> None:
+            call = DecodeCall([context], fingerprint, batch_gone=stop, running_members=(0,))
+            try:
+                # closed here however it ends: its inference mode and gate are this thread's to restore
+                with call.running(), closing(self.engine.run_tile(job, fingerprint)) as chunks:
+                    while call.checkpoint() or (pixels := next(chunks, None)) is not None:
+                        host = pixels.cpu()
+                        while not room.acquire(timeout=WAIT_SLICE_S):
+                            call.checkpoint()  # the decode stops once nobody reads it
+                        loop.call_soon_threadsafe(sent.put_nowait, host)
+            finally:
+                loop.call_soon_threadsafe(sent.put_nowait, None)
+
+        decoding = loop.run_in_executor(self.device_thread, decode)  # before any await: first in line
+        count = 0
+        try:
+            yield Accepted(replica)
+            while (pixels := await sent.get()) is not None:
+                room.release()
+                count += 1
+                yield Chunk(pixels)
+            try:
+                await decoding
+            except torch.OutOfMemoryError:
+                yield Lost("this replica ran out of device memory for the tile")
+                return
+            except DecodeTimeout:
+                return  # its deadline passed (the requester answers 504) or nobody reads it any more
+            yield End(count)
+        finally:
+            stop.set()
+            await asyncio.wait({decoding})
+            decoding.exception()  # retrieved: seen above or of no interest once the reader left
+            self.taken = False
+
+    def cannot_take(self, job: TileJob, fingerprint: str, remaining_s: float) -> str | None:
+        engine = self.engine
+        if why := engine.decodes_otherwise(fingerprint):
+            return why
+        if remaining_s <= 0:
+            return "the request's deadline passed before the tile arrived"
+        if self.taken or self.device_busy():
+            return "busy: its device is not idle"
+        need, bound = engine.cost.job_peak(job), engine.cost.bound(self.limits())
+        if need is not None and need > bound:
+            return f"the tile needs about {need / 2**30:.3g} GiB, over this replica's max_decode_bytes"
+        return None
