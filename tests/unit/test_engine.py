@@ -359,3 +359,13 @@ def test_health_check_fails_when_the_device_computes_wrong_results(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "__mul__", lambda a, b: real_mul(a, b) + 0.5)  # injected: arithmetic is off
     with pytest.raises(RuntimeError, match="computes wrong results"):
         engine.check_device()
+
+
+def test_health_says_whether_class_tiles_are_shared_as_a_bool_and_why_not(engines):
+    """`class_tiles_shared` is a bool whatever the class; the reason, when there is one, beside it."""
+    for kind in ("kl", "wan"):  # a class whose tiled decode replays, and a causal one
+        engine = engines(kind)
+        described = engine.describe()
+        reason = engine.runtime.replay_unsupported
+        assert described["class_tiles_shared"] is (reason is None)
+        assert described["class_tiles_unshared_because"] == reason

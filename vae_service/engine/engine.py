@@ -60,15 +60,7 @@ class DecodeEngine:
         self.cost = CostModel(self.runtime, config.fast_path.disable, probes, self.fallback.weight_bytes)
         self.limits: Limits = config.limits  # the live limits of callers without a context (reconfigure)
         self.share_from_pixels = config.parallel.min_output_pixels
-        encoding = config.encoding
-        self.encode_settings = EncodeSettings(
-            encoding.png_compress_level,
-            encoding.jpeg_quality,
-            encoding.mp4_fps,
-            encoding.mp4_crf,
-            encoding.mp4_bitrate,
-            encoding.mp4_preset,
-        )
+        self.encode_settings = EncodeSettings.of(config.encoding)
         runtime = self.runtime
         self.preview = build_preview(config, runtime.spec, runtime.scaling, runtime.device, runtime.whole_batch)
         self.executor = Executor(runtime, self.preview, self.fallback)
@@ -131,8 +123,9 @@ class DecodeEngine:
             "statistics": pipeline_statistics(runtime.vae),
             "fast_path": runtime.fast_path.describe(),
             "precision_fallback": self.fallback.describe(),
-            # lossless above the bound: whether other replicas can take its decoder's tiles
-            "class_tiles_shared": runtime.replay_unsupported or True,
+            # lossless above the bound: whether other replicas can take its decoder's tiles, and why not
+            "class_tiles_shared": runtime.replay_unsupported is None,
+            "class_tiles_unshared_because": runtime.replay_unsupported,
             "limits": self.limits.model_dump(),
             **self.cost.describe(self.limits),
         }

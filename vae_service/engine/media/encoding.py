@@ -31,6 +31,11 @@ class EncodeSettings:
     mp4_bitrate: int | None = None  # bits/s; replaces the crf when set
     mp4_preset: str = "veryfast"
 
+    @classmethod
+    def of(cls, encoding) -> EncodeSettings:
+        """The settings of a deployment's `encoding` config (config.EncodingConfig)."""
+        return cls(**{name: getattr(encoding, name) for name in cls.__dataclass_fields__})
+
 
 def fragment_frames(total: int, latent_frames: int, law: tuple[int, int] | None) -> tuple[int, ...]:
     """Frames per mp4 fragment: one latent frame's worth each (the decoder's own law, as the stream
