@@ -1,5 +1,6 @@
 """One ingress in front of several decode deployments (one VAE at one precision each), routing by
-the request's `model`: the `model` key of a /decode body (read without unpacking the latents),
+the request's `model`: the `model` key of a /decode body (read without unpacking the latents, by
+the replica's own bounded walk: a body the replica would refuse is refused here, in constant work),
 the `model` query parameter of /remote-decode, the gRPC field, or the handle API's argument.
 Without a `model`, an application of one model answers with it. It does no tensor work, checks
 the bearer token, and answers for a decoder that went away (503 + Retry-After, never a 500) or
@@ -17,7 +18,7 @@ from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, ReplicaUnavailableError
 from ray.serve.handle import DeploymentHandle
 
-from vae_service.engine.errors import InvalidInput, Overloaded
+from vae_service.engine.request.errors import InvalidInput, Overloaded
 from vae_service.protocol.errors import ANSWERABLE, Unavailable, wire_error
 from vae_service.protocol.msgpack_body import peek_routing
 from vae_service.serving import openapi
@@ -76,7 +77,7 @@ class VaeRouter:
     async def decode_http(self, request: Request) -> Response:
         try:
             body = await self.admission.admit(request)
-            model, stream = peek_routing(body)
+            model, stream = peek_routing(body, self.admission.max_request_bytes)  # bounded: constant work
             decoder, content_type = self._pick(model), request.headers.get("content-type")
             if stream:
                 events = decoder.options(stream=True).decode_body_events.remote(body, content_type)
