@@ -22,7 +22,7 @@ from _common import print_table
 
 from vae_service.config import ServiceConfig
 from vae_service.engine import DecodeEngine
-from vae_service.engine import class_tiled_price as ctp
+from vae_service.engine.pricing import class_tiled_price as ctp
 
 
 class _Forgetful(dict):

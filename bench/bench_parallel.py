@@ -312,7 +312,7 @@ class DeviceTile:
         threading.Thread(target=self._decode, args=(peers, k, job, fingerprint), daemon=True).start()
 
     def _decode(self, peers: DevicePeers, k: int, job, fingerprint: str) -> None:
-        from vae_service.engine.execution.tile_executor import Accepted, Chunk, End
+        from vae_service.engine.execution.peer_contract import Accepted, Chunk, End
 
         engine = peers.engines[k]
         try:
@@ -335,7 +335,7 @@ class DeviceTile:
             peers.slots[k].release()
 
     def poll(self, timeout_s: float):
-        from vae_service.engine.execution.tile_executor import TileRefused
+        from vae_service.engine.execution.peer_contract import TileRefused
 
         try:
             item = self.messages.get(timeout=timeout_s) if timeout_s > 0 else self.messages.get_nowait()

@@ -21,7 +21,7 @@ import torch
 from ray import serve
 
 from vae_service.config import ServiceConfig
-from vae_service.engine.execution.tile_executor import Accepted
+from vae_service.engine.execution.peer_contract import Accepted
 from vae_service.serving.replica import DecoderReplica, replica_id
 
 

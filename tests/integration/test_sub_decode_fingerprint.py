@@ -10,7 +10,7 @@ import torch
 from tests.models import torch_threads
 from vae_service.config import ServiceConfig
 from vae_service.engine import DecodeEngine
-from vae_service.engine.execution.tile_executor import Accepted, Chunk, End, OfferRefused
+from vae_service.engine.execution.peer_contract import Accepted, Chunk, End, OfferRefused
 from vae_service.engine.runtime.tile_jobs import TierTile
 
 pytestmark = pytest.mark.integration

@@ -100,7 +100,7 @@ async def test_http_stream_messages_read_back_with_the_client(service):
 
 async def test_an_error_after_frames_ends_the_stream_with_an_error_message(service, monkeypatch):
     """A NaN in the second latent frame's output: the first frames went out, then the error."""
-    from vae_service.engine import video
+    from vae_service.engine.execution import video
 
     real_add = video._Answer.add
 

@@ -13,7 +13,7 @@ from tests.models import save_vae, torch_threads
 from tests.zoo import BY_NAME, build, latents
 from vae_service.config import ServiceConfig
 from vae_service.engine import DecodeEngine, DecodeRequest
-from vae_service.engine import cost_model as cost_module
+from vae_service.engine.pricing import cost_model as cost_module
 from vae_service.models import geometry as geometry_module
 from vae_service.models import probe_store, spec
 from vae_service.models.probe_cache import ProbeCache

@@ -26,8 +26,9 @@ from tests import zoo
 from tests.models import build_full_vae, save_vae, torch_threads
 from tests.peers import Deployment, Fault, Replica, here_only
 from vae_service.config import Limits, LiveConfig, ServiceConfig
-from vae_service.engine import DecodeEngine, DecodeRequest, tile_executor
-from vae_service.engine.execution.tile_executor import Accepted, Chunk, End, TileBug
+from vae_service.engine import DecodeEngine, DecodeRequest
+from vae_service.engine.execution import tile_executor
+from vae_service.engine.execution.peer_contract import Accepted, Chunk, End, TileBug
 from vae_service.engine.planning.planner import ClassTiles
 from vae_service.engine.planning.tiling import TileGrid
 from vae_service.engine.request.context import WAIT_SLICE_S
@@ -266,7 +267,7 @@ def test_a_taken_tile_stops_at_the_requests_deadline(models, monkeypatch):
 
     messages = replica.call(read_all())
     assert isinstance(messages[0], Accepted) and not isinstance(messages[-1], End)  # stopped, not finished
-    assert len(decoded) < 8 and not replica.service._tile_taken
+    assert len(decoded) < 8 and not replica.service.tiles.taken
 
 
 def test_busy_replicas_take_no_tile_a_tiled_request_decodes_here_and_an_optional_grid_whole(models, kl_dir):
@@ -464,9 +465,9 @@ def test_a_caller_that_leaves_while_tiles_are_out_frees_the_device_thread_and_th
             hook.remove()
     assert isinstance(out[0], DecodeAbandoned)
     deadline = time.monotonic() + 10
-    while any(r.service._tile_taken for r in replicas) and time.monotonic() < deadline:
+    while any(r.service.tiles.taken for r in replicas) and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert not any(r.service._tile_taken for r in replicas)  # their tiles were cancelled, slots freed
+    assert not any(r.service.tiles.taken for r in replicas)  # their tiles were cancelled, slots freed
 
 
 def test_an_offer_the_request_stops_waiting_for_is_cancelled_before_a_replica_takes_it(models):
@@ -500,7 +501,7 @@ def test_an_offer_the_request_stops_waiting_for_is_cancelled_before_a_replica_ta
     finally:
         replica.fault = None
     assert isinstance(out[0], DecodeAbandoned) and deployment.offers == 1
-    assert replica.ongoing == 0 and len(replica.took) == took and not replica.service._tile_taken
+    assert replica.ongoing == 0 and len(replica.took) == took and not replica.service.tiles.taken
 
 
 def test_an_offer_no_replica_answers_in_time_is_decoded_here(models):
@@ -539,7 +540,7 @@ def test_the_out_of_memory_retry_shares_its_tiles_through_the_same_executor(mode
 
 # ---- bounded streams ------------------------------------------------------------------------------
 def test_a_taken_video_tile_decodes_only_a_few_chunks_ahead_of_what_was_sent(models, monkeypatch):
-    from vae_service.serving.decode_service import TILE_CHUNKS_AHEAD
+    from vae_service.serving.tile_surface import TILE_CHUNKS_AHEAD
 
     here, (replica, _) = models["wan"]
     frames, calls, engine = 6, [], replica.service.engine

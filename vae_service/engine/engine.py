@@ -36,7 +36,7 @@ from vae_service.config import Limits, ServiceConfig
 from vae_service.engine.execution.call import DecodeCall, checkpoint_hook
 from vae_service.engine.execution.executor import Executor
 from vae_service.engine.execution.fallback import FALLBACK_PRECISION, Fp32Fallback
-from vae_service.engine.execution.tile_executor import TilePeers
+from vae_service.engine.execution.peer_contract import TilePeers
 from vae_service.engine.media.encoding import ENCODED_OUTPUTS, EncodeSettings, encode_all, fragment_frames
 from vae_service.engine.planning.planner import plan_batch, plan_request, retry_plan
 from vae_service.engine.pricing.cost_model import CostModel

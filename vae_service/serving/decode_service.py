@@ -20,7 +20,7 @@ import torch
 
 from vae_service.config import LiveConfig, ServiceConfig
 from vae_service.engine import DecodeEngine, DecodeRequest, DecodeResult, PreparedRequest
-from vae_service.engine.execution.tile_executor import TilePeers
+from vae_service.engine.execution.peer_contract import TilePeers
 from vae_service.engine.request.context import RequestContext
 from vae_service.engine.request.errors import DecodeTimeout, InvalidInput, OutOfMemory, Overloaded
 from vae_service.engine.request.result import PendingResult

@@ -28,8 +28,16 @@ from ray import serve
 from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError, RequestCancelledError
 
-from vae_service.engine.execution.call import TileCall
-from vae_service.engine.execution.tile_executor import Accepted, Chunk, End, Lost, OfferRefused, TileLost, TileRefused
+from vae_service.engine.execution.peer_contract import (
+    Accepted,
+    Chunk,
+    End,
+    Lost,
+    OfferRefused,
+    TileCall,
+    TileLost,
+    TileRefused,
+)
 from vae_service.engine.runtime.tile_jobs import TileJob, on_host
 
 log = logging.getLogger("ray.serve")

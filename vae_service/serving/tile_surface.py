@@ -24,7 +24,7 @@ import torch
 from vae_service.config import Limits
 from vae_service.engine import DecodeEngine
 from vae_service.engine.execution.call import DecodeCall
-from vae_service.engine.execution.tile_executor import Accepted, Chunk, End, Lost, OfferRefused
+from vae_service.engine.execution.peer_contract import Accepted, Chunk, End, Lost, OfferRefused
 from vae_service.engine.request.context import WAIT_SLICE_S, RequestContext
 from vae_service.engine.request.errors import DecodeTimeout
 from vae_service.engine.runtime.tile_jobs import TileJob

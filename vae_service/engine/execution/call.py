@@ -9,24 +9,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
+from vae_service.engine.execution.peer_contract import TileCall, TilePeers
 from vae_service.engine.request.context import RequestContext
 from vae_service.engine.request.errors import DecodeAbandoned, DecodeTimeout
-
-if TYPE_CHECKING:
-    from vae_service.engine.execution.tile_executor import TilePeers
-
-
-@dataclass
-class TileCall:
-    """What decoding a request's tiles on other replicas needs of it: its context (deadline,
-    abandonment), the fingerprint a replica must have to decode them, and where to note which
-    replicas (other than this one) did."""
-
-    context: RequestContext
-    fingerprint: str
-    replicas: set = field(default_factory=set)
 
 
 @dataclass

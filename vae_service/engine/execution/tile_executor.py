@@ -35,12 +35,22 @@ import logging
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
-from vae_service.engine.execution.call import TileCall
+from vae_service.engine.execution.peer_contract import (
+    Accepted,
+    Chunk,
+    End,
+    NotShared,
+    RemoteTile,
+    TileBug,
+    TileCall,
+    TileLost,
+    TilePeers,
+    TileRefused,
+)
 from vae_service.engine.request.context import WAIT_SLICE_S
 from vae_service.engine.request.errors import Unavailable
 from vae_service.engine.runtime.runtime import Runtime
@@ -61,70 +71,6 @@ class TileExecutor(Protocol):
         decode some (a request that fits whole); raises NotShared before any work when none will.
         `window`: single-output jobs from the blend's to the furthest decoding (what the plan counted
         as held: `window - 1` finished outputs)."""
-
-
-# ---- what a replica answers about a tile it was offered (serving/tile_peers.py) ---------------
-@dataclass(frozen=True)
-class Accepted:
-    replica: str
-
-
-@dataclass(frozen=True)
-class Chunk:
-    pixels: torch.Tensor
-
-
-@dataclass(frozen=True)
-class End:
-    chunks: int  # how many it sent: fewer read means the stream ended short
-
-
-@dataclass(frozen=True)
-class OfferRefused:
-    """The replica did not take the tile, and why (the transport raises TileRefused for it)."""
-
-    reason: str
-
-
-@dataclass(frozen=True)
-class Lost:
-    """The replica took the tile and could not finish it (out of memory): TileLost."""
-
-    reason: str
-
-
-class TileRefused(Exception):
-    """The replica did not take the tile (no free slot, another fingerprint, no time left, over its
-    own bound): it is decoded here."""
-
-
-class TileLost(Exception):
-    """The replica went away, was overloaded, or the stream ended short: the tile is decoded once more."""
-
-
-class TileBug(RuntimeError):
-    """A replica failed a tile for a reason that is not the request's nor the deployment's (a bug):
-    the request answers 500, the replica's log has the traceback."""
-
-
-class NotShared(Exception):
-    """An optional tiling found no replica to share it with: the request decodes whole."""
-
-
-class RemoteTile(Protocol):
-    def poll(self, timeout_s: float) -> Accepted | Chunk | End | None:
-        """The next message within `timeout_s` (None: none yet); raises TileRefused, TileLost, or
-        anything else for a bug."""
-
-    def cancel(self) -> None:
-        """Stop it there (a no-op once ended)."""
-
-
-class TilePeers(Protocol):
-    retry_after_s: float  # what a request that lost a tile twice is told to wait
-
-    def offer(self, job: TileJob, call: TileCall) -> RemoteTile:
-        """Send `job` to a replica of the deployment (it answers Accepted, or refuses)."""
 
 
 # ---- here -------------------------------------------------------------------------------------
