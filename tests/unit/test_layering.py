@@ -224,3 +224,37 @@ def test_the_stage_checker_sees_an_upward_import(tmp_path, monkeypatch):
     assert stage_offenders() == [
         "vae_service/engine/runtime/x.py (runtime) imports vae_service.engine.execution.executor (execution)"
     ]
+
+
+def import_cycles(package_dir: Path) -> list[list[str]]:
+    """Circles among a package's modules (type-checking imports count: they tie the modules too)."""
+    graph = {
+        file.removesuffix(".py").removesuffix("/__init__").replace("/", "."): names
+        for file, names in imported_modules(package_dir).items()
+    }
+    edges = {m: {n for n in names if n in graph and n != m} for m, names in graph.items()}
+    cycles, state = [], {}
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = "open"
+        for target in sorted(edges[module]):
+            if state.get(target) == "open":
+                cycles.append([*path[path.index(target) :], target])
+            elif target not in state:
+                visit(target, [*path, target])
+        state[module] = "done"
+
+    for module in sorted(edges):
+        if module not in state:
+            visit(module, [module])
+    return cycles
+
+
+def test_no_module_of_the_package_imports_itself_in_a_circle():
+    assert import_cycles(ROOT / "vae_service") == []
+
+
+def test_the_cycle_finder_finds_a_circle(monkeypatch):
+    fake = {"vae_service/a.py": {"vae_service.b"}, "vae_service/b.py": {"vae_service.a"}, "vae_service/c.py": set()}
+    monkeypatch.setattr(sys.modules[__name__], "imported_modules", lambda _dir, *a: fake)
+    assert import_cycles(ROOT / "vae_service") == [["vae_service.a", "vae_service.b", "vae_service.a"]]
