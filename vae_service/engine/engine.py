@@ -163,12 +163,13 @@ class DecodeEngine:
         """The memory plan: whole, tiled, or refused (LimitExceeded); then the latents' NaN check."""
         limits, cost = prepared.context.limits, self.cost
         prepared.context.check("pricing")  # it may have waited for the pricing thread
-        if not prepared.frames:  # a frame count only a trace answers, bounded by check()
-            frames = cost.output_frames(prepared.latents, limits)
-            cost.check_limits(prepared.latents, limits, frames)
-            check_output(prepared.request, self.spec, frames, prepared.latents)
-            prepared = replace(prepared, frames=frames)
-        tiling = plan_request(prepared, cost, cost.bound(limits), self.share_from_pixels)
+        with prepared.context.bounding("pricing"):  # twin runs and traces for it stop when it ends
+            if not prepared.frames:  # a frame count only a trace answers, bounded by check()
+                frames = cost.output_frames(prepared.latents, limits)
+                cost.check_limits(prepared.latents, limits, frames)
+                check_output(prepared.request, self.spec, frames, prepared.latents)
+                prepared = replace(prepared, frames=frames)
+            tiling = plan_request(prepared, cost, cost.bound(limits), self.share_from_pixels)
         check_finite(prepared.latents)
         return replace(prepared, tiling=tiling)
 

@@ -19,6 +19,11 @@ cut short by the border), and the decode tiles only when a side is over the tile
 Classes that also tile time (`use_framewise_decoding` with `tile_sample_min_num_frames` and
 `temporal_compression_ratio`: HunyuanVideo, LTX) do so past `temporal_limit` latent frames.
 
+What a tiled decode holds is decided by its grid: how many tiles per side and how large each is.
+`priced_at` gives the shape a price per shape is measured at for all shapes near it: as many tiles
+per side, the last one rounded up to the grid's overlap (every tile and the output at least as
+large: a price that bounds theirs).
+
 A grid read wrongly would misprice, never misdecode: the cost model checks the grid against the
 decoder calls of a real tiled decode on the meta twin at start-up and prices per shape where they
 disagree. pyproject.toml bounds diffusers to the releases these were read from.
@@ -40,6 +45,17 @@ class AxisTiles:
         """The tiles' lengths along an axis of `size` latent pixels, in order."""
         return [min(self.tile, size - start) for start in range(0, size, self.stride)]
 
+    @property
+    def step(self) -> int:
+        """What `priced_at` rounds a side up to: the tiles' overlap (the stride where none)."""
+        return self.tile - self.stride if self.tile > self.stride else self.stride
+
+    def priced_at(self, size: int, whole: bool) -> int:
+        """`size` rounded up to a multiple of `step`, within as many tiles (`whole`: the class
+        decodes these latents untiled; they stay within one tile)."""
+        most = self.tile if whole else -(-size // self.stride) * self.stride
+        return max(size, min(-(-size // self.step) * self.step, most))
+
 
 @dataclass(frozen=True)
 class ClassGrid:
@@ -53,6 +69,14 @@ class ClassGrid:
         if h <= self.height.tile and w <= self.width.tile:
             return None
         return [(th, tw) for th in self.height.spans(h) for tw in self.width.spans(w)]
+
+    def priced_at(self, h: int, w: int) -> tuple[int, int]:
+        """The largest latents near (h, w) that the class decodes the same way (untiled, or with as
+        many tiles per side), each side rounded up to its overlap: every tile of theirs is at least
+        as large as (h, w)'s, so what their decode holds bounds what (h, w)'s does, and every shape
+        that rounds to them shares one price."""
+        whole = self.tiles(h, w) is None
+        return self.height.priced_at(h, whole), self.width.priced_at(w, whole)
 
     def tiles_time(self, latent_frames: int) -> bool:
         return self.temporal_limit is not None and latent_frames > self.temporal_limit

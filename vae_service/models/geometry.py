@@ -19,7 +19,9 @@ compute):
   (`TRACED_FRAMES_IRREGULAR`) and accepted once it holds over two whole periods. A decoder with
   neither is traced per count when first asked (remembered, at most `TRACED_COUNTS_KEPT`), and
   `at_least(T)` bounds its frames without tracing (every latent frame decodes to at least one), so a
-  count over the frame limit is refused before any trace.
+  count over the frame limit is refused before any trace. Such a trace is done for a request: it
+  checks the request's context (models/probe_cache.py's `checked_by`, set by the engine) before
+  each op on the twin, and a stopped trace is remembered as nothing.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import torch
 from torch import nn
 
 from vae_service.models.errors import ModelLoadError
+from vae_service.models.probe_cache import checking
 from vae_service.models.probe_store import integer, pair
 
 TRACE_SIDES = ((8, 12), (12, 20))  # latent (h, w): distinct per side, so a transposition shows
@@ -198,7 +201,7 @@ class _Tracer:
         self.vae, self.decode, self.channels, self.video = vae, decode, channels, video
 
     def __call__(self, frames: int, h: int, w: int) -> tuple[int, int, int]:
-        with torch.inference_mode():
+        with torch.inference_mode(), checking():  # the caller's check, if any, before each op
             out = self.decode(self.vae, _latents(self.channels, self.video, frames, h, w))
         shape = tuple(out.shape) if isinstance(out, torch.Tensor) else None
         if shape is None or len(shape) != (5 if self.video else 4) or shape[:2] != (1, 3):

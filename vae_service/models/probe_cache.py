@@ -9,6 +9,12 @@ depend on, an `Architecture` plus the probe's own name; nothing else is cached a
 are small and few (a handful per architecture), so the cache is never trimmed. The process's cache
 also keeps, on disk, every answer whose probe gives a codec (models/probe_store.py): other
 processes of the architecture read it instead of probing.
+
+Meta-device work beyond these probes is done for one caller (a per-shape price, a frame count
+traced for a request) and grows with what it asked: it runs under that caller's check
+(`checked_by`), which it calls before each of its ops (`checkpoint`), so it stops within one op of
+the caller's end. The probes here run for nobody in particular and are shared by every later
+caller: they run unchecked (`checked_by(None)`).
 """
 
 from __future__ import annotations
@@ -16,9 +22,13 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, ClassVar
+
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from vae_service.models.probe_store import Codec, ProbeStore
 
@@ -89,3 +99,55 @@ class ProbeCache:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+
+# ---- meta-device work done for a caller ------------------------------------------------------
+_CHECK: ContextVar[Callable[[], None] | None] = ContextVar("vae_service_meta_work_check", default=None)
+
+
+class _Stopped(BaseException):
+    """Carries the caller's check's exception from an op to `checked_by`, past every `except
+    Exception` in between (diffusers', a trace's failure turned into a refusal): the caller gets its
+    own error (a timeout, an abandonment), never one that blames the model."""
+
+    def __init__(self, error: Exception):
+        super().__init__(error)
+        self.error = error
+
+
+@contextmanager
+def checked_by(check: Callable[[], None] | None) -> Iterator[None]:
+    """Meta-device work on this thread calls `check` before each of its ops (`checkpoint`); what
+    `check` raises ends the work and leaves this block as raised. None: unchecked (work shared by
+    every later caller, such as a probe made once per architecture)."""
+    token = _CHECK.set(check)
+    try:
+        yield
+    except _Stopped as stopped:
+        raise stopped.error from None
+    finally:
+        _CHECK.reset(token)
+
+
+def checkpoint() -> None:
+    """The running check, if any: called before every op of meta-device work (by the dispatch
+    mode that counts its bytes, or by `checking`'s)."""
+    check = _CHECK.get()
+    if check is None:
+        return
+    try:
+        check()
+    except Exception as error:
+        raise _Stopped(error) from None
+
+
+class _Checking(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        checkpoint()
+        return func(*args, **(kwargs or {}))
+
+
+def checking() -> AbstractContextManager:
+    """Around meta-device work that no other dispatch mode of ours watches (a trace): the running
+    check before each op; nothing where none is set."""
+    return _Checking() if _CHECK.get() is not None else nullcontext()

@@ -14,7 +14,15 @@ blends them, then blends into rows and joins them. Its peak is the larger of two
 Checked at start-up against a whole tiled decode counted on the twin (within `FIT_TOLERANCE`, the
 grid's decoder calls as read); a class whose grid is not read, or whose check fails, and clips
 long enough for a class to tile time too, are priced per shape on the twin (`PerShapeClassTiled`:
-bounded cache, clips past `LONG_CLIP` extrapolated) off the event loop.
+bounded cache, clips past `LONG_CLIP` extrapolated) off the event loop, under the request's context
+(a run stops within one op of its end: engine/pricing/memory.py's LiveBytes).
+
+A per-shape price is kept by the class's tile grid rather than by the latent's pixels
+(models/class_tiling.py's `ClassGrid.priced_at`): a shape is priced at the largest one with as many
+tiles per side, its last tile rounded up to the grid's overlap, so that shapes a few pixels apart
+share one run (62x60 and 62x61 latents of HunyuanVideo's grid both at 64x64) and the price never
+falls short of theirs (every tile and the output only grow). The fit is made once per architecture
+for every later request: it runs unchecked, whoever's request first needs it.
 """
 
 from __future__ import annotations
@@ -34,6 +42,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from vae_service.engine.pricing.memory import PRICED_SHAPES, LiveBytes, TwinRun
 from vae_service.models.class_tiling import ClassGrid, class_grid
 from vae_service.models.decoder_shapes import META_ERRORS
+from vae_service.models.probe_cache import checked_by
 from vae_service.models.probe_store import Codec, integer, number, sized
 from vae_service.models.spec import ModelSpec
 
@@ -58,16 +67,21 @@ class ClassTiledPrice:
 
 
 class PerShapeClassTiled(ClassTiledPrice):
-    """The tiled decode run on the twin per shape and clip length (kept: PRICED_SHAPES)."""
+    """The tiled decode run on the twin per place in the class's grid (`grid`; None: not read, per
+    shape) and clip length (kept: PRICED_SHAPES)."""
 
-    def __init__(self, run: TwinRun, spec: ModelSpec, why: str):
-        self.run, self.spec, self.why = run, spec, why
+    def __init__(self, run: TwinRun, spec: ModelSpec, why: str, grid: ClassGrid | None = None):
+        self.run, self.spec, self.why, self.grid = run, spec, why, grid
         self._priced: OrderedDict[tuple[int, int, int], int] = OrderedDict()
         self._lock = threading.Lock()
 
     def _key(self, h: int, w: int, latent_frames: int) -> tuple[int, int, int]:
+        """The shape this one is priced at: its place in the grid, or itself."""
         side = self.run.facts.min_side
-        return max(h, side), max(w, side), latent_frames if self.run.facts.video else 1
+        h, w = max(h, side), max(w, side)
+        if self.grid is not None:
+            h, w = self.grid.priced_at(h, w)
+        return h, w, latent_frames if self.run.facts.video else 1
 
     def _measured(self, h: int, w: int, latent_frames: int) -> int:
         key = (h, w, latent_frames)
@@ -331,15 +345,17 @@ class _Probe:
 
 
 def fit_class_tiled(view: nn.Module, tiled: TwinRun, spec: ModelSpec) -> ClassTiledPrice:
-    """`view`: the twin with its class's tiling on; `tiled` runs its decode."""
+    """`view`: the twin with its class's tiling on; `tiled` runs its decode. Unchecked: made once
+    for every later request, even where a request's price is the first to need it."""
     grid = class_grid(view)
     if grid is None:
         return PerShapeClassTiled(tiled, spec, "the class's tile grid is not read")
     try:
-        return _fit(view, grid, tiled, spec)
+        with checked_by(None):
+            return _fit(view, grid, tiled, spec)
     except META_ERRORS as exc:  # a class whose tiled decode does not run so on the meta device
         log.warning("%s's tiled decode is priced per shape: %s: %s", spec.class_name, type(exc).__name__, exc)
-        return PerShapeClassTiled(tiled, spec, f"its fit failed ({type(exc).__name__})")
+        return PerShapeClassTiled(tiled, spec, f"its fit failed ({type(exc).__name__})")  # grid unconfirmed
 
 
 def _clip_lengths(grid: ClassGrid, first: int, least: int) -> tuple[int, ...]:
@@ -388,7 +404,7 @@ def _fit_regime(probe: _Probe, grid: ClassGrid, clips: tuple[int, ...], out, pix
 
 
 def _fit(view: nn.Module, grid: ClassGrid, tiled: TwinRun, spec: ModelSpec) -> ClassTiledPrice:
-    fallback = PerShapeClassTiled(tiled, spec, TILED_IN_TIME)
+    fallback = PerShapeClassTiled(tiled, spec, TILED_IN_TIME, grid)
     facts, probe = tiled.facts, _Probe(view, tiled)
     out = spec.output_frames if facts.video else (lambda t: 1)
     pixel_bytes = 3 * facts.itemsize * facts.scale**2
@@ -400,7 +416,7 @@ def _fit(view: nn.Module, grid: ClassGrid, tiled: TwinRun, spec: ModelSpec) -> C
             least = spec.geometry.min_latent_frames
             regimes = {STEADY: fit(_clip_lengths(grid, facts.frames, least))}
             regimes.update({t: fit((t,)) for t in range(least, facts.frames)})
-    except _Unread as exc:
+    except _Unread as exc:  # the decoder's calls are not the grid's: priced per shape, not by the grid
         log.warning("%s's tiled decode is priced per shape: %s", spec.class_name, exc)
         return PerShapeClassTiled(tiled, spec, str(exc))
     price = FormulaClassTiled(grid, regimes, spec, pixel_bytes, fallback)
@@ -412,7 +428,7 @@ def _fit(view: nn.Module, grid: ClassGrid, tiled: TwinRun, spec: ModelSpec) -> C
     if abs(estimate - counted) > FIT_TOLERANCE * counted:
         why = f"the grid's price {estimate} B vs {counted} B counted at {h}x{w}x{t}"
         log.warning("%s's tiled decode is priced per shape: %s", spec.class_name, why)
-        return PerShapeClassTiled(tiled, spec, why)
+        return PerShapeClassTiled(tiled, spec, why, grid)
     return price
 
 
@@ -424,21 +440,23 @@ def class_tiled_codec(view: nn.Module, tiled: TwinRun, spec: ModelSpec) -> Codec
         if isinstance(price, FormulaClassTiled):
             regimes = [[t, [r.tile.w0, r.tile.w1, r.tile.w2, r.kappa, r.per_frame]] for t, r in price.regimes.items()]
             return {"regimes": regimes, "pixel_bytes": price.pixel_bytes}
-        return {"per_shape": price.why}
+        return {"per_shape": price.why, "by_grid": price.grid is not None}
 
     def decode(data: dict) -> ClassTiledPrice:
+        grid = class_grid(view)
         if "per_shape" in data:
             if not isinstance(data["per_shape"], str):
                 raise ValueError(f"per_shape: expected a reason, got {data['per_shape']!r}")
-            return PerShapeClassTiled(tiled, spec, data["per_shape"])
-        grid = class_grid(view)
+            if not isinstance(data["by_grid"], bool):
+                raise ValueError(f"by_grid: expected a boolean, got {data['by_grid']!r}")
+            return PerShapeClassTiled(tiled, spec, data["per_shape"], grid if data["by_grid"] else None)
         regimes = {}
         for clip, numbers in data["regimes"]:
             w0, w1, w2, kappa, per_frame = map(number, sized(numbers, 5))
             regimes[integer(clip)] = Regime(TileWorking(w0, w1, w2), kappa, per_frame)
         if grid is None or STEADY not in regimes:
             raise ValueError("no tile grid, or no steady regime")
-        fallback = PerShapeClassTiled(tiled, spec, TILED_IN_TIME)
+        fallback = PerShapeClassTiled(tiled, spec, TILED_IN_TIME, grid)
         return FormulaClassTiled(grid, regimes, spec, integer(data["pixel_bytes"]), fallback)
 
     return Codec(encode, decode)

@@ -19,7 +19,10 @@ Two kinds of tier, decided at start-up by three probes:
   cache-sized chunks, so its scratch stops growing past a few hundred pixels per side (SD at 1024 px
   holds 35% of what a rate from 128 px predicts). Priced per shape on the twin (0.1-1 s for SD,
   once per shape, `PRICED_SHAPES` kept): such a price is work that grows with the request, so it
-  runs off the event loop (serving/decode_service.py) within the request's deadline.
+  runs off the event loop (serving/request_pricing.py) under the request's context: a run on the
+  twin calls the check its caller set (RequestContext.bounding, models/probe_cache.py's
+  `checked_by`) before each op it counts, and stops within one op of the request's end (start-up
+  probes run unchecked).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from vae_service.models.probe_cache import checkpoint
 from vae_service.models.probe_store import Codec, integer, number, pair, sized
 from vae_service.models.spec import ModelSpec
 
@@ -46,7 +50,8 @@ PRICED_SHAPES = 256  # per-shape prices kept by a tier that is not affine
 
 
 class LiveBytes(TorchDispatchMode):
-    """Bytes of storage held by tensors that ops created and that are still referenced."""
+    """Bytes of storage held by tensors that ops created and that are still referenced. Before each
+    op, the check of the caller the run is for, if any (models/probe_cache.py's `checkpoint`)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -55,6 +60,7 @@ class LiveBytes(TorchDispatchMode):
         self.current = self.peak = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        checkpoint()
         out = func(*args, **(kwargs or {}))
         for t in pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor):
@@ -143,7 +149,8 @@ class ModelFacts:
 class TwinRun:
     """Runs one tier's decode on the meta twin and counts what it holds. `lock`: the twin's, held by
     every run on it (tiers share the twin and its fast-path gate); `gate()`: the context the tier's
-    runs need (high: the twin's gate on)."""
+    runs need (high: the twin's gate on). A run stops within one op of its caller's check raising
+    (LiveBytes)."""
 
     def __init__(
         self,

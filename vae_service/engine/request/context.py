@@ -13,17 +13,24 @@ batcher, the engine's call, every tile, here or on another replica.
 Every wait in the decode path waits in slices of at most `WAIT_SLICE_S` and checks both between
 slices (`wait_until`): a request whose client left stops within a slice, one past its deadline
 answers 504 (DecodeTimeout), never an error that blames a replica.
+
+Work that grows with the request on the meta twin (a per-shape price, a frame count traced for it)
+runs inside `bounding`: it checks the request before each op on the twin and stops within one op
+of its end, with the same DecodeTimeout or DecodeAbandoned.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from vae_service.config import Limits
 from vae_service.engine.request.errors import DecodeAbandoned, DecodeTimeout
+from vae_service.models.probe_cache import checked_by
 
 WAIT_SLICE_S = 0.05  # how long any wait in the decode path goes without looking at the request
 UNBOUNDED_S = 10 * 365 * 86400.0  # "no deadline", as a time every timer and timeout accepts
@@ -98,3 +105,11 @@ class RequestContext:
             self.check(what)
             if done(min(WAIT_SLICE_S, max(self.remaining(), 0.0))):
                 return
+
+    @contextmanager
+    def bounding(self, what: str = "pricing") -> Iterator[None]:
+        """Meta-twin work for this request on this thread (engine/pricing/, models/geometry.py's
+        traces) checks it before each op: it raises this request's DecodeTimeout or DecodeAbandoned
+        within one op of its end, whatever handlers it passes on the way."""
+        with checked_by(functools.partial(self.check, what)):
+            yield
