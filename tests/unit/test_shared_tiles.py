@@ -389,10 +389,15 @@ def test_a_tile_lost_twice_answers_503_and_a_replicas_bug_500_for_the_request_al
     assert isinstance(bug, TileBug) and "a bug in the replica" not in str(bug)  # logged, never answered
 
 
-async def test_the_batcher_does_not_run_a_request_again_for_a_tile_failure(models, kl_dir):
+async def test_the_batcher_does_not_run_a_request_again_for_a_tile_failure(models, kl_dir, monkeypatch):
+    """Timing-free: every offer is lost, however long its answer takes. The replicas die before
+    they answer (a replica that took a tile and died would still be freeing its slot when the
+    tile is offered again, refuse it busy, and it would be decoded here), and an offer waits for
+    its answer as long as the request does (no replica's answer is late for it)."""
     here, replicas = models["kl"]
+    monkeypatch.setattr(tile_executor, "OFFER_WAIT_S", 3600.0)
     for replica in replicas:
-        replica.fault = Fault(die_after=1, times=10)
+        replica.fault = Fault(die_after=0, times=10)
     config = ServiceConfig(model=str(kl_dir), device="cpu", cpu_threads=1, serving={"fit_prices_at_start": False})
     from vae_service.serving.decode_service import DecodeService
 
