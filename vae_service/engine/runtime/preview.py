@@ -73,7 +73,9 @@ def fit_linear_preview(
     x_mean, y_mean = x.mean(0), y.mean(0)
     xc = x - x_mean
     gram = xc.T @ xc
-    gram += torch.eye(gram.shape[0], dtype=gram.dtype) * RIDGE * gram.diagonal().mean().clamp_min(1e-12)
+    gram += (
+        torch.eye(gram.shape[0], dtype=gram.dtype, device=gram.device) * RIDGE * gram.diagonal().mean().clamp_min(1e-12)
+    )
     weight = torch.linalg.solve(gram, xc.T @ (y - y_mean))
     bias = y_mean - x_mean @ weight
     return LinearPreview(weight.float(), bias.float(), scale)

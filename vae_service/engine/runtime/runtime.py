@@ -173,8 +173,8 @@ class Runtime:
         depend on it; torch keeps the count per thread, fixed when a thread first runs a kernel."""
         if self.cpu_threads is not None:
             torch.set_num_threads(self.cpu_threads)
-        elif self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
+        elif self.device.type == "cuda":  # "cuda" alone means the current device (set_device wants an index)
+            torch.cuda.set_device(self.device.index if self.device.index is not None else torch.cuda.current_device())
 
     def check_quality(self, quality: str) -> None:
         if quality not in DECODER_TIERS:
