@@ -365,6 +365,30 @@ def test_a_lost_tile_is_decoded_once_more_and_a_short_stream_resent_from_the_chu
     assert torch.equal(shared.output, alone.output) and deployment.offers >= 2
 
 
+@pytest.mark.parametrize("kind, frames, optional", [("kl", 0, True), ("wan", 2, False), ("wan", 2, True)])
+def test_a_tile_lost_before_its_offer_is_answered_is_a_loss_of_the_request_alone(models, kind, frames, optional):
+    """Replicas that die before they answer the offer (video tiles' first offers, an optional grid's
+    first offer): each such tile is lost once and decoded here, so the request answers the bits it
+    would alone (tiled here, or whole where an optional grid found nobody), never failing the batch."""
+    here, replicas = models[kind]
+    z = latents(here, 24, 24, frames=frames, seed=9)
+    with torch_threads(1):
+        prepared = here.prepare(DecodeRequest(z, quality="high", latents_scaled=True))
+    if not optional:
+        prepared = here_only(prepared)
+    for times in (1, 10):  # one replica's first offer lost, or every offer to any replica
+        for replica in replicas:
+            replica.fault = Fault(die_after=0, times=times)
+        try:
+            answer = decode(here, prepared, Deployment(replicas))
+        finally:
+            for replica in replicas:
+                replica.fault = None
+        assert not isinstance(answer, Exception), answer
+        reference = decode(here, here_only(prepared)) if answer.tiled else decode(here, prepared)
+        assert torch.equal(answer.output, reference.output) and reference.tiled == answer.tiled
+
+
 def test_a_tile_lost_twice_answers_503_and_a_replicas_bug_500_for_the_request_alone(models):
     here, replicas = models["kl"]
     z = latents(here, 17, 13, seed=6)

@@ -171,11 +171,16 @@ class SharedTiles:
             out.ended = message
         return True
 
-    def answered(self, out: _Out) -> bool:
-        """Wait (in slices that check the request) until `out` is accepted; False if refused."""
+    def answered(self, out: _Out, j: int) -> bool:
+        """Wait (in slices that check the request) until `out` (tile j) is accepted; False if refused,
+        or lost before its answer (a loss like any other: decoded here, and a second one answers 503)."""
         try:
             self.call.context.wait_until(lambda s: self.pump(out, s) and out.replica is not None, "a tile's offer")
         except TileRefused:
+            return False
+        except TileLost as error:
+            out.close()
+            self.lost(j, error)
             return False
         except BaseException:  # the request ended, or a bug: not yet in any book that cancels at the end
             out.close()
@@ -203,7 +208,7 @@ class SharedTiles:
             refused = 0
             for j in reversed(range(n)):  # each offer answered before the next: routed one by one
                 out = self.offer(jobs[j], j)
-                if self.answered(out):
+                if self.answered(out, j):
                     sources[j] = out
                 elif (refused := refused + 1) == STREAM_REFUSALS:
                     break
@@ -231,7 +236,7 @@ class SharedTiles:
                 source.close()
                 self.lost(j, error)
                 again = self.offer(jobs[j], j)
-                sources[j] = again if self.answered(again) else _LocalRun(self.local.lazy(jobs[j]))
+                sources[j] = again if self.answered(again, j) else _LocalRun(self.local.lazy(jobs[j]))
                 sources[j].skip = source.seen
                 continue
             return None if pixels is None else self.used(source, pixels)
@@ -285,7 +290,7 @@ class _Outputs:
             if optional:  # the window's far end, answered before any work here
                 far = min(n, self.window) - 1
                 first = shared.offer(self.jobs[far], far)
-                if not shared.answered(first):
+                if not shared.answered(first, far):
                     raise NotShared
                 self.unstarted.remove(far)
                 self.out[far] = first
