@@ -6,15 +6,22 @@ unsigned length followed by that many bytes of one msgpack map, one of:
 
 - `{"item": i, "frame": f, "pixels": tensor}`: frames f.. of batch items i.. (uint8
   [n, t, H, W, 3] or float [n, 3, t, H, W]), sent as soon as their latent frame is decoded;
-- `{"done": {model, quality, precision, request_id, timing, tiled, fallback[, retried_from_frame]}}`:
-  the last message; `retried_from_frame` when the decode failed after frames went out and ran
-  again (out of device memory: in tiles; an item whose fp16/bf16 output overflowed: in fp32, its
-  index in `fallback`): every item's frames before it came from the first attempt, later ones from
-  the retry (`high`: all of them; items decoded alone: those the first attempt had not sent);
+- `{"done": {model, quality, precision, request_id, timing, tiled, fallback[, fallback_from_frame]
+  [, retried_from_frame]}}`: the last message; `retried_from_frame` when the decode failed after
+  frames went out and ran again (out of device memory: in tiles; an item whose fp16/bf16 output
+  overflowed: in fp32, its index in `fallback`): every item's frames before it came from the first
+  attempt, later ones from the retry (`high`: all of them; items decoded alone: those the first
+  attempt had not sent). `fallback_from_frame` (with a non-empty `fallback`, one per item in it):
+  that item's first frame decoded in fp32; its frames before it went out from the first decode
+  (finite, at the deployment's precision), and `precision` is "fp32" only when every frame sent
+  was fp32;
 - `{"error": {type, field, message}}`: the decode failed after frames were sent (the last message).
 
-Errors found before the first frame are ordinary HTTP errors (JSON, 4xx/5xx). The frames of every
-item concatenated along the frame axis equal the non-streamed output, bit for bit.
+Errors found before the first frame are ordinary HTTP errors (JSON, 4xx/5xx). No frame is sent
+twice or taken back: the frames of every item concatenated along the frame axis are the answer,
+bit for bit the non-streamed output, except an item in `fallback` whose `fallback_from_frame` is
+above 0: its frames from that one on are the non-streamed output's (fp32), those before it the
+first decode's.
 
 Output "mp4" streams a fragmented MP4 instead (vae_service_client.mp4); over gRPC its chunks carry
 `fragment` bytes (Mp4Fragment here) in place of a tensor.
@@ -80,6 +87,7 @@ def frame_message_proto(message: dict):
             timing=timing_proto(done["timing"]),
             tiled=done.get("tiled", False),
             fallback=done.get("fallback", []),
+            fallback_from_frame=done.get("fallback_from_frame", []),
         )
         if done.get("retried_from_frame") is not None:
             msg.retried_from_frame = done["retried_from_frame"]
@@ -119,6 +127,8 @@ def message_of_proto(msg) -> dict | None:
             "tiled": done.tiled,
             "fallback": list(done.fallback),
         }
+        if done.fallback_from_frame:  # servers before it send none
+            summary["fallback_from_frame"] = list(done.fallback_from_frame)
         if done.HasField("retried_from_frame"):
             summary["retried_from_frame"] = done.retried_from_frame
         return {"done": summary}
@@ -153,13 +163,23 @@ class MessageReader:
 @dataclass
 class StreamSummary:
     """What the last message says: model, quality, precision, request_id, timing, tiled, fallback,
-    and retried_from_frame (None unless the decode was retried after frames went out)."""
+    fallback_from_frame, and retried_from_frame (None unless the decode was retried after frames
+    went out)."""
 
     fields: dict = field(default_factory=dict)
 
     @property
     def retried_from_frame(self) -> int | None:
         return self.fields.get("retried_from_frame")
+
+    @property
+    def fallback_from_frame(self) -> list[int]:
+        """Per item in `fallback`, its first frame decoded in fp32: the frames before it were sent
+        from the first decode (at the deployment's precision). A server before this field said
+        only `retried_from_frame` (or nothing: every frame fp32)."""
+        if "fallback_from_frame" in self.fields:
+            return list(self.fields["fallback_from_frame"])
+        return [self.fields.get("retried_from_frame") or 0] * len(self.fields.get("fallback", []))
 
     def __getattr__(self, name: str):
         try:

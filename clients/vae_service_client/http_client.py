@@ -68,7 +68,8 @@ class VaeClient(_Base):
 
     def decode_frames(self, latents, quality: str = "lossless", output: str = "uint8", **options) -> FrameStream:
         """Video frames as they are decoded: iterate the stream for FrameChunks (`collect()` joins
-        them into the non-streamed output); its `summary` holds the rest once it ended. Retries
+        them into the non-streamed output, but for the frames an item sent before it fell back to
+        fp32: `summary.fallback_from_frame`); its `summary` holds the rest once it ended. Retries
         429/503 until the first frame; the request is sent when iteration starts."""
         body = pack(request_map(latents, quality, output, stream=True, **options))
 
@@ -86,7 +87,8 @@ class VaeClient(_Base):
     def decode_mp4(self, latents, target: str | Path | BinaryIO, quality: str = "lossless", **options) -> StreamSummary:
         """A video as a fragmented MP4 streamed into `target` (a path or a binary file) while it
         decodes, each fragment written and flushed as it arrives (a player can follow the file);
-        returns the summary. The file is the whole `mp4` answer of the same request."""
+        returns the summary. The file is the whole `mp4` answer of the same request (of the
+        frames sent, where the item fell back to fp32 after some: `summary.fallback_from_frame`)."""
         response = self._open_stream(pack(request_map(latents, quality, "mp4", stream=True, **options)))
         try:
             return StreamSummary(write_chunks(response.iter_bytes(), target))

@@ -5,10 +5,12 @@ HTTP body (`Content-Type: video/mp4; codecs="avc1.…"`): a fragmented MP4, writ
 decode: the init segment (`ftyp`, `moov`), then one `moof` + `mdat` fragment per latent frame's
 worth of frames, each starting with a keyframe; then one top-level `free` box (which players skip)
 whose payload is `vae-service:done` followed by the stream's summary as JSON (model, quality,
-precision, request_id, timing, tiled, fallback[, retried_from_frame]), or `vae-service:error`
-followed by `{type, field, message}` when the decode failed after the first fragment went out.
-Everything before that box, appended to a MediaSource SourceBuffer or written to a file, is the
-whole `mp4` answer of the same request, byte for byte.
+precision, request_id, timing, tiled, fallback[, fallback_from_frame][, retried_from_frame]), or
+`vae-service:error` followed by `{type, field, message}` when the decode failed after the first
+fragment went out. Everything before that box, appended to a MediaSource SourceBuffer or written to
+a file, is the whole `mp4` answer of the frames it carries, byte for byte: of the same request,
+except where its item fell back to fp32 after fragments went out (`fallback_from_frame` above 0:
+the fragments before that frame are the first decode's, as sent; see frames.py).
 
 gRPC `DecodeFrames` carries the same bytes in its chunks (`fragment`: the first one begins with the
 init segment), then `done`.

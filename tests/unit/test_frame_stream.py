@@ -129,3 +129,57 @@ def test_reader_refuses_a_broken_stream():
     reader.feed(b"\x00\x00\x00\x10abc")
     with pytest.raises(ValueError, match="ended inside a message"):
         reader.close()
+
+
+def _px(frames: int) -> torch.Tensor:
+    return torch.zeros(1, frames, 2, 2, 3, dtype=torch.uint8)
+
+
+async def _replayed(chunks: list[FrameChunk], result: DecodeResult) -> list:
+    """A FrameStream fed `chunks` from a device thread, then answered `result`: what it passes on."""
+    from vae_service.config import Limits
+    from vae_service.engine.request.context import RequestContext
+
+    stream = FrameStream(2, RequestContext.admit(60, Limits()))
+
+    def device() -> DecodeResult:
+        for chunk in chunks:
+            stream.sink(chunk)
+        return result
+
+    await stream.start(asyncio.ensure_future(asyncio.to_thread(device)))
+    return [e async for e in stream.events()]
+
+
+def _result(precision: str, fallback: tuple[int, ...]) -> DecodeResult:
+    from vae_service.engine.request.result import Timing
+
+    return DecodeResult(None, "wan", precision, "lossless", None, Timing(0.0, 1.0, 2), fallback=fallback)
+
+
+async def test_fp32_fallback_frames_pass_on_from_the_first_frame_not_sent_and_the_result_says_so():
+    """Item 1 sent frame 0 in fp16, then fell back: an fp32 chunk from frame 0 (a retried
+    answer's, which hands its item over again) passes on from frame 1 only; the result names the
+    frame each fallen-back item's fp32 frames begin at, and fp16 where frames went out in fp16."""
+    chunks = [
+        FrameChunk(0, 0, _px(1), "fp16"),
+        FrameChunk(1, 0, _px(1), "fp16"),
+        FrameChunk(0, 1, _px(4), "fp16"),
+        FrameChunk(1, 0, _px(5), "fp32", fallback=True),
+        FrameChunk(0, 5, _px(4), "fp32", fallback=True),
+    ]
+    *out, done = await _replayed(chunks, _result("fp32", (0, 1)))  # the engine: every item fell back
+    assert [(c.item, c.frame, c.frames, c.fallback) for c in out] == [
+        (0, 0, 1, False),
+        (1, 0, 1, False),
+        (0, 1, 4, False),
+        (1, 1, 4, True),
+        (0, 5, 4, True),
+    ]
+    assert done.fallback_from_frame == (5, 1) and done.precision == "fp16" and done.retried_from_frame == 1
+
+    all_fp32 = [FrameChunk(0, 0, _px(5), "fp32", fallback=True), FrameChunk(1, 0, _px(5), "fp32", fallback=True)]
+    *_, done = await _replayed(all_fp32, _result("fp32", (0, 1)))
+    assert (done.fallback_from_frame, done.precision, done.retried_from_frame) == ((0, 0), "fp32", None)
+    *_, done = await _replayed([FrameChunk(0, 0, _px(5)), FrameChunk(1, 0, _px(5))], _result("fp16", ()))
+    assert (done.fallback_from_frame, done.precision, done.retried_from_frame) == (None, "fp16", None)

@@ -76,14 +76,23 @@ def stream_message(event: StreamEvent) -> dict:
         return frames_message(event.item, event.frame, event.pixels)
     if isinstance(event, Mp4Fragment):
         return {"item": 0, "frame": event.frame, "frames": event.frames, "fragment": event.data}
-    return {"done": response_of(event).summary()}
+    return {"done": done_summary(event)}
+
+
+def done_summary(result: DecodeResult) -> dict:
+    """A stream's last message: the response fields but `output`, and where an item fell back to
+    fp32, from which of its frames the frames sent are fp32 (`fallback_from_frame`, beside `fallback`)."""
+    summary = response_of(result).summary()
+    if result.fallback and result.fallback_from_frame is not None:
+        summary["fallback_from_frame"] = list(result.fallback_from_frame)
+    return summary
 
 
 def mp4_stream_bytes(event: Mp4Fragment | DecodeResult) -> bytes:
     """An HTTP mp4 stream's next bytes (vae_service_client.mp4): a fragment, or the summary box."""
     if isinstance(event, Mp4Fragment):
         return event.data
-    return trailer(DONE_TAG, response_of(event).summary())
+    return trailer(DONE_TAG, done_summary(event))
 
 
 def mp4_error_bytes(info: WireErrorInfo) -> bytes:

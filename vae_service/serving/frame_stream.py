@@ -9,6 +9,12 @@ retry's can differ from those in their last bits, or as much as tiling changes t
 client that went away) cancels the request; a decode whose requests are all gone stops at its
 next chunk.
 
+An item whose fp16/bf16 decode overflowed is decoded again in fp32 (engine/execution/video.py): its
+frames already sent were finite and stay the answer; the fp32 decode's frames pass on from the
+first frame not sent. The result then says what decoded the frames sent: `fallback_from_frame`,
+per item in `fallback`, the first frame that came from fp32 (0: all of them), and `precision` is
+"fp32" only where every frame sent was.
+
 The stream holds at most `CHUNKS_AHEAD` chunks its reader has not taken: the device thread waits to
 hand over more (in slices that check the request), so a slow reader slows its decode instead of
 piling a clip up here. (Serve passes what the replica sends on to the proxy without backpressure:
@@ -36,6 +42,8 @@ class FrameStream:
         self._room = threading.Semaphore(CHUNKS_AHEAD)
         self._sent = [0] * items  # per item: frames passed on
         self._retried_from: int | None = None
+        self._fp32_from: dict[int, int] = {}  # item -> the first frame passed on from its fp32 fallback
+        self._precision: str | None = None  # what decoded the other frames passed on, where chunks say
         self._task: asyncio.Future | None = None
         self._events: AsyncIterator | None = None
         self._first = None
@@ -80,19 +88,37 @@ class FrameStream:
 
     def _fresh(self, chunk: FrameChunk) -> FrameChunk | None:
         """The part of `chunk` not passed on yet (None: all of it was). A decode hands an item's
-        frames over in order, so a chunk starting before what was passed on is a retry's."""
+        frames over in order, so a chunk starting before what was passed on is a retry's, and so is
+        an fp32 fallback's for an item that had sent frames."""
         items = range(chunk.item, chunk.item + chunk.pixels.shape[0])
         sent, end = self._sent[chunk.item], chunk.frame + chunk.frames
-        if chunk.frame < sent and self._retried_from is None:
+        fp32_after_sent = chunk.fallback and sent > 0 and chunk.item not in self._fp32_from
+        if (chunk.frame < sent or fp32_after_sent) and self._retried_from is None:
             self._retried_from = min(self._sent)
         if end <= sent:
             return None
         if chunk.frame < sent:
             pixels = chunk.pixels.narrow(chunk.frame_axis, sent - chunk.frame, end - sent)
-            chunk = FrameChunk(chunk.item, sent, pixels)
+            chunk = replace(chunk, frame=sent, pixels=pixels)
         for item in items:
+            if chunk.fallback:
+                self._fp32_from.setdefault(item, chunk.frame)
             self._sent[item] = end
+        if not chunk.fallback and chunk.precision is not None:
+            self._precision = chunk.precision
         return chunk
+
+    def _answered(self, result: DecodeResult) -> DecodeResult:
+        """The result as the frames passed on say it: where each item in `fallback` begins to be
+        fp32, and `precision` fp32 only where every frame sent was (the engine names the whole
+        answer's, in which a fallen-back item is fp32 from its first frame)."""
+        retried = replace(result, retried_from_frame=self._retried_from)
+        if not result.fallback:
+            return retried
+        from_frame = tuple(self._fp32_from.get(i, self._sent[i]) for i in result.fallback)
+        all_fp32 = len(result.fallback) == len(self._sent) and not any(from_frame)
+        precision = result.precision if all_fp32 or self._precision is None else self._precision
+        return replace(retried, fallback_from_frame=from_frame, precision=precision)
 
     async def _iterate(self) -> AsyncIterator[FrameChunk | DecodeResult]:
         try:
@@ -112,7 +138,7 @@ class FrameStream:
                     chunk = self._take(self._queue.get_nowait())
                     if chunk is not None:
                         yield chunk
-                yield replace(self._task.result(), retried_from_frame=self._retried_from)
+                yield self._answered(self._task.result())
                 return
         finally:
             if not self._task.done():

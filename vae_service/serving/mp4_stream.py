@@ -10,6 +10,10 @@ the device decodes the next latent frames while a fragment encodes.
 
 The bytes are those of the whole `mp4` answer of the same frames: init segment, fragments, in
 order (a retried decode's frames pass on from where the first attempt stopped, as for raw frames).
+So is an item that fell back to fp32 after fragments went out: the fragments sent stay, the fp32
+frames fill the fragments from the first frame not sent (always a fragment's first: the first
+decode stops at a latent frame), and the summary says so (`fallback_from_frame`, `precision`), as
+the FrameStream's result does.
 """
 
 from __future__ import annotations

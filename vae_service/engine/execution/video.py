@@ -2,21 +2,24 @@
 frames are checked, converted to the request's output and either handed to the request's sink
 at once (streaming) or kept for its whole answer. A streamed request keeps nothing.
 
-An item whose frames are not finite (fp16/bf16 overflow) stops there; with the fp32 fallback on
-(engine/execution/fallback.py) it is decoded again in fp32 from its first frame once its run ends, and its
-frames handed over again: a stream passes on only those it has not sent (serving/frame_stream.py,
-`retried_from_frame`), a whole answer is overwritten (a `float` one becomes fp32)."""
+Every chunk is checked finite before it is handed over, so a stream never sends frames it will
+take back. An item whose frames are not finite (fp16/bf16 overflow) stops there; with the fp32
+fallback on (engine/execution/fallback.py) it is decoded again in fp32 from its first frame (the
+causal cache needs them all) once its run ends. A whole answer is overwritten with all of it (a
+`float` one becomes fp32); a stream is handed only the fp32 frames from the first one this answer
+had not handed over, marked `fallback` (serving/frame_stream.py passes on those not sent yet and
+says in `done` from which frame each item's frames are fp32: the frames sent stay the answer)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import closing
 from dataclasses import dataclass
 
 import torch
 
 from vae_service.engine.execution.call import DecodeCall
-from vae_service.engine.execution.fallback import Fp32Fallback
+from vae_service.engine.execution.fallback import FALLBACK_PRECISION, Fp32Fallback
 from vae_service.engine.media.postprocess import convert, to_host
 from vae_service.engine.request.errors import DecodeFailed
 from vae_service.engine.request.latents import PreparedRequest
@@ -35,6 +38,8 @@ class FrameChunk:
     item: int
     frame: int
     pixels: torch.Tensor
+    precision: str | None = None  # what decoded them, where an fp32 fallback may answer (else None)
+    fallback: bool = False  # decoded again in fp32: their item's first decode overflowed
 
     @property
     def frame_axis(self) -> int:
@@ -65,10 +70,13 @@ class _Answer:
         self.prepared, self.pending, self.pixels = prepared, pending, pixels
         self.output, self.sink = prepared.request.output, prepared.sink
         self.fallback = fallback
+        # what decoded the first attempt's frames, said on each chunk where a fallback may follow
+        self.precision = None if fallback is None else fallback.runtime.precision
         self.whole: torch.Tensor | None = None
         self.failed: DecodeFailed | None = None
         self.written = [0] * prepared.items  # frames handed over per item, in order
         self.overflowed: list[int] = []  # items whose output was not finite: decoded again in fp32
+        self.handed_before: dict[int, int] = {}  # overflowed item -> its frames handed over (all finite)
 
     def _account(self, item: int, frame: int, count: int, frames: int) -> None:
         for i in range(item, item + count):
@@ -98,14 +106,16 @@ class _Answer:
                 self._hand_over(item + row, frame, decoded[row : row + 1])
             elif self.fallback is not None:
                 self.overflowed.append(item + row)
+                self.handed_before[item + row] = frame
             else:
                 self.failed = DecodeFailed("latents", NON_FINITE)
                 return
 
-    def _hand_over(self, item: int, frame: int, decoded: torch.Tensor) -> None:
+    def _hand_over(self, item: int, frame: int, decoded: torch.Tensor, fallback: bool = False) -> None:
         chunk = FrameChunk(item, frame, convert(decoded, self.output, self.pixels))
         if self.sink is not None:
-            self.sink(FrameChunk(item, frame, to_host(chunk.pixels)))
+            precision = FALLBACK_PRECISION if fallback else self.precision
+            self.sink(FrameChunk(item, frame, to_host(chunk.pixels), precision, fallback))
             return
         if self.whole is None:  # sized from the first chunk: every item's frames, no joining later
             shape = list(chunk.pixels.shape)
@@ -117,19 +127,25 @@ class _Answer:
         rows.narrow(chunk.frame_axis, frame, chunk.frames).copy_(chunk.pixels.to(self.whole.dtype))
 
     def fall_back(self, tiled: bool) -> None:
-        """Every overflowed item decoded again in fp32 from its first frame, handed over again."""
+        """Every overflowed item decoded again in fp32 from its first frame. A whole answer takes
+        all of its frames; a stream only those from the first frame not handed over yet (the
+        frames before went out, finite: they stay the answer, and `done` says where fp32 begins)."""
         if self.failed is not None or not self.overflowed:
             return
         z = self.fallback.latents(self.prepared)
         for item in self.overflowed:
+            sent = self.handed_before[item] if self.sink is not None else 0
             self.written[item], frame = 0, 0
             for decoded in self.fallback.chunks(z[item : item + 1], self.prepared.timestep, tiled):
                 self._account(item, frame, 1, decoded.shape[2])
                 if not bool(torch.isfinite(decoded).all()):  # not even fp32 decodes these latents
                     self.failed = DecodeFailed("latents", NON_FINITE)
                     return
-                self._hand_over(item, frame, decoded)
-                frame += decoded.shape[2]
+                end = frame + decoded.shape[2]
+                if end > sent:  # frames before `sent` only fed the causal cache
+                    start = max(frame, sent)
+                    self._hand_over(item, start, decoded[:, :, start - frame :], fallback=True)
+                frame = end
         self.fallback.items += len(self.overflowed)
 
     def result(self) -> torch.Tensor | DecodeFailed | None:
@@ -160,12 +176,14 @@ def decode_video(
     members: list[int],
     fallback: Fp32Fallback | None,
     pixels: PixelRange = "signed",
+    fallback_tiled: Collection[int] = frozenset(),
 ) -> list[torch.Tensor | DecodeFailed | None]:
     """One run of a batch plan: `latents`, its requests' decoder inputs (`members`: their indices
     in the call). `together`: their items share one decoder run (high); otherwise every item runs
     alone (lossless). The call's checkpoint runs before each chunk; its host copies: see
     postprocess.to_host. `pixels`: the decoder's range. Items that overflowed fall back here (None: no
-    fallback, they fail)."""
+    fallback, they fail), by the class's own tiled decode for the members in `fallback_tiled` (their
+    fp32 plan), else whole."""
     answers = [_Answer(r, call.host_copies, pixels, fallback) for r in batch]
     if together:
         rows, start = [], 0
@@ -189,7 +207,7 @@ def decode_video(
                 if all(m.answer.stopped(m.item, m.hi - m.lo) for m in members_of_run):
                     break  # every item of this run overflowed (or failed): nothing more to decode
     for answer, i in zip(answers, members, strict=True):
-        answer.fall_back(tiled=i in call.tiled)
+        answer.fall_back(tiled=i in fallback_tiled)
         if answer.overflowed and answer.failed is None:
             call.fell_back[i] = sorted(answer.overflowed)
     return [a.result() for a in answers]

@@ -23,7 +23,7 @@ class Timing:
 class DecodeResult:
     # uint8 [B,(T,)H,W,3] or float [B,3,(T,)H,W] on the CPU; or files; None once streamed
     output: torch.Tensor | list[bytes] | None
-    model: str  # the model and precision that decoded it (fp32 where every item fell back)
+    model: str  # the model and precision that decoded it (fp32 where every item, every frame sent, fell back)
     precision: str
     quality: str
     request_id: str | None
@@ -33,6 +33,9 @@ class DecodeResult:
     retried_from_frame: int | None = None  # streams: every item's frames before it: the first attempt's
     fragments: tuple[int, ...] = ()  # mp4: frames per fragment (engine/media/encoding.py's fragment_frames)
     fallback: tuple[int, ...] = ()  # items decoded again in fp32: their output overflowed `precision` (fallback.py)
+    # streams: per item in `fallback`, the first of its frames sent from the fp32 decode (those before it
+    # went out from the first decode, finite); None for a whole answer, whose fallen-back items are all fp32
+    fallback_from_frame: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
