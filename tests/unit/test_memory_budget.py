@@ -67,6 +67,30 @@ def test_the_default_bound_is_a_fraction_of_the_host_less_weights_and_folds(engi
     assert plan["bound_from"] == "default"
 
 
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_the_fp32_fallbacks_weights_are_reserved_in_the_default_bound(kl_dir, precision):
+    """An fp16/bf16 engine with the fp32 fallback on holds its fp32 weights' bytes back from the
+    default bound from start-up, loaded or not: the bound is the fallback-off engine's less four
+    bytes per floating parameter and buffer element, and /health says so."""
+
+    def engine(fallback: bool) -> DecodeEngine:
+        return DecodeEngine(
+            ServiceConfig(
+                model=str(kl_dir), device="cpu", cpu_threads=1, decode_precision=precision, precision_fallback=fallback
+            )
+        )
+
+    on, off = engine(True), engine(False)
+    fp32_bytes = 4 * sum(t.numel() for t in (*on.vae.parameters(), *on.vae.buffers()) if t.is_floating_point())
+    assert not on.fallback.loaded
+    assert on.cost.bound(Limits()) == off.cost.bound(Limits()) - fp32_bytes > 0
+    plan = on.describe()["memory_plan"]
+    assert plan["fallback_bytes"] == fp32_bytes and off.describe()["memory_plan"]["fallback_bytes"] == 0
+    capacity, _ = host_memory()
+    held = plan["weights_bytes"] + plan["folded_bytes"] + fp32_bytes
+    assert plan["decode_bound_bytes"] == int(capacity * HOST_FRACTION) - held
+
+
 async def test_a_request_gets_the_same_plan_whatever_else_runs(kl_dir):
     """Planned on an idle replica, then again while another decode holds its activations and a
     large tensor is allocated: the same bound, the same estimate and the same tiles."""

@@ -13,6 +13,11 @@ same way.
 
 A tile that failed elsewhere (lost twice: 503; a replica's bug: 500) fails its request alone, as its
 result: the batch goes on, and the batcher does not run the request again.
+
+fp16/bf16 items whose output is not finite are decoded again in fp32 (engine/execution/fallback.py)
+by the plan's fallback for their request (`BatchPlan.fallbacks`: whole, or the class's own tiled
+decode, as the fp32 deployment with the same bound decodes them), and the answer says `tiled` when
+any of its pixels came from tiles.
 """
 
 from __future__ import annotations
@@ -60,7 +65,7 @@ class Executor:
                 continue
             call.running_members = tuple(members)
             try:
-                decoded = self._run(plan.quality, run, members, batch, latents, call)
+                decoded = self._run(plan, run, members, batch, latents, call)
             except (DecodeAbandoned, DecodeTimeout) as stopped:
                 if not (isinstance(stopped, DecodeAbandoned) or all(call.gone(i) for i in members)):
                     raise
@@ -77,17 +82,21 @@ class Executor:
             return SharedTiles(self.local, call.peers, call.tile_call(i))
         return self.local
 
-    def _run(self, quality: str, run: Run, members: list[int], batch, latents, call: DecodeCall) -> list:
-        requests, zs = [batch[i] for i in members], [latents[i] for i in members]
+    def _run(self, plan: BatchPlan, run: Run, members: list[int], batch, latents, call: DecodeCall) -> list:
+        quality, requests, zs = plan.quality, [batch[i] for i in members], [latents[i] for i in members]
         if self.runtime.chunked:
-            return self._video(quality, run, members, requests, zs, call)
+            return self._video(plan, run, members, requests, zs, call)
         pixels = self._images(quality, run, members, requests, zs, call)
         fallback = self._fallback_for(quality)
-        return [self._finish(d, r, call, i, fallback) for d, r, i in zip(pixels, requests, members, strict=True)]
+        return [
+            self._finish(pixels, n, r, call, i, None if fallback is None else plan.fallback_tiled(i))
+            for n, (r, i) in enumerate(zip(requests, members, strict=True))
+        ]
 
     def _fallback_for(self, quality: str) -> Fp32Fallback | None:
-        """What answers this tier's items that overflow: the fp32 fallback, or None (they fail).
-        `preview` is approximate by contract and never falls back."""
+        """What answers this tier's items that overflow: the fp32 fallback (by the plan's fallback
+        for their request), or None (they fail). `preview` is approximate by contract and never
+        falls back."""
         return self.fallback if self.fallback.enabled and quality != "preview" else None
 
     # ---- images ------------------------------------------------------------------------------
@@ -141,38 +150,48 @@ class Executor:
                 decoded.append(runtime.pixels(view, item) if pixels is None else pixels)
         return decoded[0] if len(decoded) == 1 else torch.cat(decoded)
 
-    def _finish(
-        self, decoded: torch.Tensor, prepared: PreparedRequest, call: DecodeCall, i: int, fallback: Fp32Fallback | None
-    ):
-        if not bool(torch.isfinite(decoded).all()):
-            if fallback is None:
-                return DecodeFailed("latents", NON_FINITE)
-            decoded = self._fall_back(decoded, prepared, call, i, fallback)
-            if decoded is None:
-                return DecodeFailed("latents", NON_FINITE)
+    def _finish(self, pixels: list, n: int, prepared: PreparedRequest, call: DecodeCall, i: int, fallback: bool | None):
+        """pixels[n], `prepared`'s decoded output, as its answer (taken from the list: nothing else
+        holds it). `fallback`: None where overflowed items fail, else whether their fp32 plan is
+        the class's own tiled decode."""
+        finite = bool(torch.isfinite(pixels[n]).all())
+        if not finite and (fallback is None or not self._fall_back(pixels, n, prepared, call, i, fallback)):
+            return DecodeFailed("latents", NON_FINITE)
+        decoded, pixels[n] = pixels[n], None
         return postprocess(decoded, prepared.request.output, call.host_copies, self.runtime.spec.entry.pixels)
 
-    @staticmethod
-    def _fall_back(decoded: torch.Tensor, prepared: PreparedRequest, call: DecodeCall, i: int, fallback: Fp32Fallback):
-        """`decoded` with every item that is not finite decoded again in fp32 (all of it fp32 now:
-        exact for the others); None when not even fp32 gives finite pixels."""
-        z, items, again = fallback.latents(prepared), [], []
-        for n, item in enumerate(decoded.split(1)):
+    def _fall_back(
+        self, pixels: list, n: int, prepared: PreparedRequest, call: DecodeCall, i: int, tiled: bool
+    ) -> bool:
+        """pixels[n] with every item that is not finite decoded again in fp32 by the request's fp32
+        plan (`tiled`: the class's own tiled decode, else whole), all of it fp32 now (exact for the
+        others); False when not even fp32 gives finite pixels. Within the fp32 plan's price: the
+        items kept are copied to fp32 and the first decode's pixels dropped before any item is
+        decoded again, as the fp32 deployment holds the items it decoded before (where a run decoded
+        several requests together, their pixels are one tensor, still held: plan_batch priced that)."""
+        fallback = self.fallback
+        decoded, pixels[n] = pixels[n], None
+        finite = [bool(torch.isfinite(item).all()) for item in decoded.split(1)]
+        items = [decoded[k : k + 1].float() if ok else None for k, ok in enumerate(finite)]
+        del decoded
+        again = [k for k, ok in enumerate(finite) if not ok]
+        z = fallback.latents(prepared)
+        for k in again:
+            item = fallback.image(z[k : k + 1], prepared.timestep, tiled)
             if not bool(torch.isfinite(item).all()):
-                item = fallback.image(z[n : n + 1], prepared.timestep, i in call.tiled)
-                if not bool(torch.isfinite(item).all()):
-                    return None
-                again.append(n)
-            items.append(item.float())
+                return False
+            items[k] = item
+        pixels[n] = torch.cat(items)
         fallback.items += len(again)
         call.fell_back[i] = again
-        return torch.cat(items)
+        _tiled_after_fallback(call, i, prepared, again, tiled)
+        return True
 
     # ---- video -------------------------------------------------------------------------------
     def _video(
-        self, quality: str, run: Run, members: list[int], requests: list[PreparedRequest], latents, call: DecodeCall
+        self, plan: BatchPlan, run: Run, members: list[int], requests: list[PreparedRequest], latents, call: DecodeCall
     ) -> list:
-        runtime, first = self.runtime, requests[0]
+        runtime, first, quality = self.runtime, requests[0], plan.quality
         if quality == "preview":
             law = runtime.spec.geometry.frames.law if runtime.spec.geometry.frames else None
             chunks = _PreviewChunks(self.preview, frame_counts(first.frames, first.latent_frames, law))
@@ -183,9 +202,13 @@ class Executor:
         else:
             chunks = runtime.chunks(quality, first.timestep)
         fallback = self._fallback_for(quality)
+        tiled = {i for i in members if plan.fallback_tiled(i)}  # their fp32 plan: the class's tiled decode
         outputs = decode_video(
-            requests, latents, run.together, chunks, call, members, fallback, runtime.spec.entry.pixels
+            requests, latents, run.together, chunks, call, members, fallback, runtime.spec.entry.pixels, tiled
         )
+        for i, prepared in zip(members, requests, strict=True):
+            if i in call.fell_back:
+                _tiled_after_fallback(call, i, prepared, call.fell_back[i], i in tiled)
         return outputs if runtime.video else [_one_frame(o) for o in outputs]
 
 
@@ -227,6 +250,16 @@ class _TiledChunks:
         if first is not None:
             yield first
             yield from chunks
+
+
+def _tiled_after_fallback(call: DecodeCall, i: int, prepared: PreparedRequest, fell_back: list[int], tiled: bool):
+    """Request i's `tiled` once `fell_back` items were decoded again in fp32 (`tiled`: by the class's
+    own tiled decode): tiled when any pixel of the answer came from tiles. An answer whose every
+    item fell back holds no pixel of the first decode, unless a stream sent some already."""
+    if tiled:
+        call.tiled.add(i)
+    elif len(fell_back) == prepared.items and prepared.sink is None:
+        call.tiled.discard(i)
 
 
 def _one_frame(output):

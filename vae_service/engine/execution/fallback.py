@@ -5,14 +5,20 @@ Activations that overflow the decode precision are the most reported decode fail
 in fp16 or bf16 answers an item whose output holds NaN/Inf with that item decoded by an fp32 copy
 of its model, the way the fp32 deployment of the same model answers `lossless`: the same runtime
 (engine/runtime/runtime.py) built at fp32 from the same source and seed, its latents scaled in fp32, and
-its class's own decode (whole, or its class's own tiled decode where this request was tiled). So
-an item that fell back is bit-identical to the fp32 deployment's `lossless` answer for it.
+its class's own decode, whole or by its class's own tiled decode as the request's fallback plan
+says (engine/planning/planner.py's plan_fallback: what the fp32 deployment with the same
+max_decode_bytes plans for it as `lossless`). So an item that fell back is bit-identical to that
+deployment's `lossless` answer for it, and the answer says `tiled` when its fp32 plan tiled it.
 
-The fp32 copy is loaded once, when the first item needs it (most deployments never do). Its
-weights are reserved in the memory plan from start-up whenever the fallback is on (a decode plan
-that fits before it is loaded still fits after), and released on scale-down with the fast path's
-folded weights. Only an output that fails the finite check the engine runs on every answer pays
-anything: a finite answer costs nothing more.
+That plan is priced like any decode (engine/pricing/cost_model.py's `fallback`: `lossless` and the
+class's tiled decode at fp32, on a meta twin, no fp32 weights loaded to price them), and a request
+is admitted only when it fits the bound too: an item that falls back stays within the bound its
+first decode was planned for. The fp32 copy is loaded once, when the first item needs it (most
+deployments never do). Its weights are reserved in the default bound from start-up whenever the
+fallback is on (engine/pricing/memory_budget.py: a decode plan that fits before it is loaded still
+fits after), and released on scale-down with the fast path's folded weights. Only an output that
+fails the finite check the engine runs on every answer pays anything: a finite answer costs
+nothing more.
 """
 
 from __future__ import annotations
@@ -62,7 +68,8 @@ class Fp32Fallback:
         return self._scaling.to_decoder_input(prepared, fp32.device)
 
     def image(self, z: torch.Tensor, timestep: float | None, tiled: bool) -> torch.Tensor:
-        """One item's fp32 `lossless` decode: its class's own decode, or its tiled decode."""
+        """One item's fp32 `lossless` decode: its class's own decode, or (`tiled`, as its fallback
+        plan says) its tiled decode."""
         fp32 = self._runtime()
         view = _tiled_decode(fp32, tiled)
         with fp32.gate("lossless"):
@@ -70,7 +77,8 @@ class Fp32Fallback:
 
     def chunks(self, z: torch.Tensor, timestep: float | None, tiled: bool) -> Iterator[torch.Tensor]:
         """One video item's fp32 `lossless` decode, chunk by chunk as the fp32 deployment hands
-        them over (the class's tiled decode: the whole clip at once)."""
+        them over (`tiled`, as its fallback plan says: the class's tiled decode, the whole clip at
+        once)."""
         fp32 = self._runtime()
         view = _tiled_decode(fp32, tiled)
         with fp32.gate("lossless"):
@@ -102,7 +110,7 @@ class Fp32Fallback:
 
 
 def _tiled_decode(fp32, tiled: bool) -> torch.nn.Module | None:
-    """The class's own tiled decode where the request was tiled; None: its whole decode."""
+    """The class's own tiled decode where the fallback plan tiles; None: its whole decode."""
     return tiled_view(fp32.vae) if tiled else None
 
 

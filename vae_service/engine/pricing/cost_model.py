@@ -8,7 +8,10 @@ within the request's deadline.
 Start-up (each probe once per architecture and process, models/probe_cache.py): each tier's graph
 on the meta twin (engine/pricing/memory.py), the FLOP curve (engine/pricing/flops.py), the class tiled decode's fit
 (engine/pricing/class_tiled_price.py); on CUDA each tier checked against real decodes
-(engine/pricing/calibration.py); the memory bound (engine/pricing/memory_budget.py).
+(engine/pricing/calibration.py); the memory bound (engine/pricing/memory_budget.py). An fp16/bf16
+engine with the fp32 fallback on also prices the fallback's decodes (`fallback`: `lossless` and the
+class's tiled decode at fp32, on a meta twin at fp32), so that they are planned within the bound
+like any decode (engine/planning/planner.py's plan_fallback).
 
 The peak of a whole decode: video converts and keeps frames while the decode goes on; an image is
 decoded, then converted (its decoded pixels are in both phases), and `lossless` decodes its items
@@ -92,28 +95,16 @@ class CostModel:
     def __init__(
         self, runtime: Runtime, disabled: tuple[str, ...], probes: ProbeCache | None = None, fallback_bytes: int = 0
     ):
-        self.runtime, self.spec = runtime, runtime.spec
+        """`fallback_bytes`: the fp32 fallback's weights (engine/execution/fallback.py; 0 where it is
+        off): reserved in the default bound, and its decodes priced at fp32 (`fallback`)."""
         probes = ProbeCache.process() if probes is None else probes  # an empty cache is falsy
-        self.facts = ModelFacts.of(self.spec, runtime.dtype)
-        twin = torch.nn.Module.to(meta_twin(runtime.vae), dtype=runtime.dtype).eval()
-        rewrites = tuple(sorted(runtime.fast_path.plan.active.items())) if runtime.fast_path.installed else ()
-        self.architecture = Architecture(
-            type(runtime.vae),
-            config_digest(jsonable_config(runtime.vae)),
-            dropped_parts(runtime.vae),
-            str(runtime.dtype),
-            runtime.device.type,
-            rewrites,
-        )
-        lock = threading.Lock()  # one twin, one fast-path gate: one run at a time
+        twin, lock = self._twin_prices(runtime, probes, runtime.dtype)
         self.flops: FlopModel = probes.get(
             self.architecture,
             "flops",
             lambda: fit_flops(twin, self.spec, TwinChunks(runtime, "lossless")),
             FLOPS_CODEC,
         )
-        lossless_run = TwinRun(twin, self.facts, TwinChunks(runtime, "lossless"), lock)
-        self.tiers: dict[str, TierPrice] = {"lossless": self._tier(lossless_run, probes, "lossless")}
         self.tiers["high"], folded = self.tiers["lossless"], 0
         if runtime.fast_path.installed:
             twin_fast = self._fast_twin(twin, disabled)
@@ -121,15 +112,6 @@ class CostModel:
             high_run = TwinRun(twin, self.facts, TwinChunks(runtime, "high", twin_fast.folded), lock, gate)
             self.tiers["high"] = self._tier(high_run, probes, "high", warm=True)
             folded = probes.get(self.architecture, "folded", lambda: self._folded_bytes(high_run, twin_fast), INTEGER)
-        # lossless above the bound: the class's own tiled decode, its price fitted when first needed
-        # (a few seconds on the twin, that most deployments never spend)
-        self._probes, twin_tiled = probes, tiled_view(twin)
-        self.has_class_tiled = twin_tiled is not None
-        self._fit_class_tiled = self._class_tiled_codec = None
-        if twin_tiled is not None:
-            tiled_run = TwinRun(twin_tiled, self.facts, TwinWhole(runtime.probe_timestep), lock)
-            self._fit_class_tiled = functools.partial(fit_class_tiled, twin_tiled, tiled_run, self.spec)
-            self._class_tiled_codec = class_tiled_codec(twin_tiled, tiled_run, self.spec)
         if runtime.device.type == "cuda":
             for quality, tier in self.tiers.items():
                 if quality == "lossless" or tier is not self.tiers["lossless"]:
@@ -137,6 +119,52 @@ class CostModel:
         weights = sum(t.numel() * t.element_size() for t in (*runtime.vae.parameters(), *runtime.vae.buffers()))
         # fixed for the engine's life
         self.budget: MemoryBudget = memory_budget(runtime.device, weights, folded, fallback_bytes)
+        # the fp32 fallback's own price: what the fp32 deployment charges for `lossless`
+        self.fallback: CostModel | None = self._at_fp32() if fallback_bytes else None
+
+    def _twin_prices(self, runtime: Runtime, probes: ProbeCache, dtype: torch.dtype):
+        """The prices every cost model has, on a meta twin of the model at `dtype`: `lossless`, and
+        the class's own tiled decode (fitted when first needed). Returns the twin and its lock."""
+        self.runtime, self.spec, self._probes = runtime, runtime.spec, probes
+        self.facts = ModelFacts.of(self.spec, dtype)
+        twin = torch.nn.Module.to(meta_twin(runtime.vae), dtype=dtype).eval()
+        rewrites = tuple(sorted(runtime.fast_path.plan.active.items())) if runtime.fast_path.installed else ()
+        self.architecture = Architecture(
+            type(runtime.vae),
+            config_digest(jsonable_config(runtime.vae)),
+            dropped_parts(runtime.vae),
+            str(dtype),
+            runtime.device.type,
+            rewrites,
+        )
+        lock = threading.Lock()  # one twin, one fast-path gate: one run at a time
+        lossless_run = TwinRun(twin, self.facts, TwinChunks(runtime, "lossless"), lock)
+        self.tiers: dict[str, TierPrice] = {"lossless": self._tier(lossless_run, probes, "lossless")}
+        # lossless above the bound: the class's own tiled decode, its price fitted when first needed
+        # (a few seconds on the twin, that most deployments never spend)
+        twin_tiled = tiled_view(twin)
+        self.has_class_tiled = twin_tiled is not None
+        self._fit_class_tiled = self._class_tiled_codec = None
+        if twin_tiled is not None:
+            tiled_run = TwinRun(twin_tiled, self.facts, TwinWhole(runtime.probe_timestep), lock)
+            self._fit_class_tiled = functools.partial(fit_class_tiled, twin_tiled, tiled_run, self.spec)
+            self._class_tiled_codec = class_tiled_codec(twin_tiled, tiled_run, self.spec)
+        return twin, lock
+
+    def _at_fp32(self) -> CostModel:
+        """The fp32 fallback's price: `lossless` and the class's tiled decode at fp32, as the fp32
+        deployment of this model prices them (the same graphs on a meta twin at fp32: no fp32 weights
+        are loaded to price them). It has no bound of its own (the engine's) and no other tier. On
+        CUDA it cannot be checked against real fp32 decodes before the fp32 copy exists: it takes
+        the engine's own `lossless` calibration, scaled to fp32's bytes."""
+        fp32 = object.__new__(CostModel)
+        fp32._twin_prices(self.runtime, self._probes, torch.float32)
+        fp32.flops, fp32.budget, fp32.fallback = self.flops, self.budget, None
+        own = self.tiers["lossless"].correction
+        if own is not None:
+            ratio = fp32.facts.itemsize / self.facts.itemsize
+            fp32.tiers["lossless"].correction = (own[0] * ratio, own[1] * ratio)
+        return fp32
 
     @property
     def class_tiled(self) -> ClassTiledPrice | None:
@@ -153,6 +181,8 @@ class CostModel:
     def fit_lazy_prices(self) -> None:
         """Fit now what is otherwise fitted when first needed (a service does, beside start-up)."""
         _ = self.class_tiled
+        if self.fallback is not None:
+            self.fallback.fit_lazy_prices()
 
     def _fast_twin(self, twin: torch.nn.Module, disabled: tuple[str, ...]):
         """The twin with this engine's rewrites (the exact ones run in both tiers; Triton kernels stand
@@ -248,8 +278,19 @@ class CostModel:
         return limits.max_decode_bytes if limits.max_decode_bytes is not None else self.budget.default_bound
 
     def needs_shape_work(self, prepared: PreparedRequest, limits: Limits) -> bool:
-        """Whether pricing this request runs the twin (work that grows with the request)."""
-        quality, items, (h, w) = prepared.request.quality, prepared.items, prepared.latent_hw
+        """Whether pricing this request runs the twin (work that grows with the request): its own
+        plan's price, or its fp32 fallback's (engine/planning/planner.py's plan_fallback)."""
+        quality, bound = prepared.request.quality, self.bound(limits)
+        if self._needs_shape_work(prepared, quality, bound):
+            return True
+        return (
+            self.fallback is not None
+            and quality != "preview"
+            and self.fallback._needs_shape_work(prepared, "lossless", bound)
+        )
+
+    def _needs_shape_work(self, prepared: PreparedRequest, quality: str, bound: int) -> bool:
+        items, (h, w) = prepared.items, prepared.latent_hw
         tier = self.tiers.get(quality)
         if tier is None:  # preview: no decoder
             return False
@@ -257,7 +298,7 @@ class CostModel:
             return True
         if quality != "lossless" or not self.has_class_tiled:
             return False
-        if prepared.request.tiling != "model" and self.peak(prepared) <= self.bound(limits):
+        if prepared.request.tiling != "model" and self.peak(prepared, quality) <= bound:
             return False  # only above the bound (or asked for) is the class's tiled decode priced
         fitted = self.class_tiled_fitted
         return fitted is None or fitted.needs_shape_work(h, w, prepared.latent_frames)
@@ -326,11 +367,38 @@ class CostModel:
         decoded_item = self.output_pixels(prepared) // prepared.items * 3 * self.facts.itemsize
         return max(working + (prepared.items - 1) * decoded_item, 2 * prepared.items * decoded_item, answer)
 
-    def describe(self, limits: Limits) -> dict:
+    def fallback_peak(self, prepared: PreparedRequest, tiled: bool) -> int:
+        """Estimated peak of the fp32 fallback of this request's items (engine/execution/fallback.py),
+        decoded again as `lossless` by its fp32 plan (`tiled`: the class's own tiled decode, else
+        whole): the fp32 deployment's price of that decode, which is what the executor holds (an
+        image's items kept are copied to fp32 and its first pixels dropped first), and, for a video
+        `float` answer, its frames at this precision, held while they are copied to fp32."""
+        fp32 = self.fallback
+        need = fp32.class_tiled_peak(prepared) if tiled else fp32.peak(prepared, "lossless")
+        if self.facts.video and prepared.request.output == "float":
+            need += self.answer_bytes(prepared)
+        return need
+
+    def held_after_decode(self, prepared: PreparedRequest) -> int:
+        """What this request holds once its decode is done, while another request of its run falls
+        back: an image's decoded pixels (one tensor for the whole run) and its converted answer, a
+        video's answer."""
+        if self.facts.video:
+            return self.answer_bytes(prepared)
+        pixels, itemsize = self.output_pixels(prepared), self.facts.itemsize
+        return pixels * 3 * itemsize + pixels * 3 * (itemsize if prepared.request.output == "float" else 1)
+
+    def _describe_tiers(self) -> dict:
         tiers = {name: tier.describe() for name, tier in self.tiers.items()}
         if self.has_class_tiled:
             fitted = self.class_tiled_fitted
             tiers["lossless_tiled"] = fitted.describe() if fitted else {"priced": "fitted when first needed"}
+        return tiers
+
+    def describe(self, limits: Limits) -> dict:
+        tiers = self._describe_tiers()
+        # the fp32 fallback's decodes, planned within the same bound (engine/planning/planner.py)
+        fallback = {"fallback_tiers_fp32": self.fallback._describe_tiers()} if self.fallback is not None else {}
         h = w = 128  # latent pixels: the FLOPs per pixel of a 1024 px image
         return {
             "decode_mflop_per_pixel": round(self.flops.mflop_per_output_pixel(h, w, self.facts.scale), 3),
@@ -339,5 +407,6 @@ class CostModel:
                 "bound_from": "limits.max_decode_bytes" if limits.max_decode_bytes else "default",
                 **self.budget.describe(),
                 "tiers": tiers,
+                **fallback,
             },
         }
