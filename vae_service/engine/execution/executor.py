@@ -28,7 +28,7 @@ from contextlib import ExitStack, closing
 import torch
 
 from vae_service.engine.execution.call import DecodeCall
-from vae_service.engine.execution.fallback import Fp32Fallback
+from vae_service.engine.execution.fallback import Fp32Fallback, tiled_after_fallback
 from vae_service.engine.execution.tile_executor import LocalTiles, NotShared, SharedTiles, TileBug, TileExecutor
 from vae_service.engine.execution.video import NON_FINITE, decode_video
 from vae_service.engine.media.frames import frame_counts
@@ -163,28 +163,14 @@ class Executor:
     def _fall_back(
         self, pixels: list, n: int, prepared: PreparedRequest, call: DecodeCall, i: int, tiled: bool
     ) -> bool:
-        """pixels[n] with every item that is not finite decoded again in fp32 by the request's fp32
-        plan (`tiled`: the class's own tiled decode, else whole), all of it fp32 now (exact for the
-        others); False when not even fp32 gives finite pixels. Within the fp32 plan's price: the
-        items kept are copied to fp32 and the first decode's pixels dropped before any item is
-        decoded again, as the fp32 deployment holds the items it decoded before (where a run decoded
-        several requests together, their pixels are one tensor, still held: plan_batch priced that)."""
-        fallback = self.fallback
-        decoded, pixels[n] = pixels[n], None
-        finite = [bool(torch.isfinite(item).all()) for item in decoded.split(1)]
-        items = [decoded[k : k + 1].float() if ok else None for k, ok in enumerate(finite)]
-        del decoded
-        again = [k for k, ok in enumerate(finite) if not ok]
-        z = fallback.latents(prepared)
-        for k in again:
-            item = fallback.image(z[k : k + 1], prepared.timestep, tiled)
-            if not bool(torch.isfinite(item).all()):
-                return False
-            items[k] = item
-        pixels[n] = torch.cat(items)
-        fallback.items += len(again)
+        """pixels[n] with its overflowed items decoded again by the fallback's plan (fallback.py);
+        False when not even fp32 gives finite pixels."""
+        held, pixels[n] = [pixels[n]], None  # the only reference: the fallback drops it before decoding
+        again, pixels[n] = self.fallback.images(held, prepared, tiled)
+        if pixels[n] is None:
+            return False
         call.fell_back[i] = again
-        _tiled_after_fallback(call, i, prepared, again, tiled)
+        tiled_after_fallback(call, i, prepared, again, tiled)
         return True
 
     # ---- video -------------------------------------------------------------------------------
@@ -208,7 +194,7 @@ class Executor:
         )
         for i, prepared in zip(members, requests, strict=True):
             if i in call.fell_back:
-                _tiled_after_fallback(call, i, prepared, call.fell_back[i], i in tiled)
+                tiled_after_fallback(call, i, prepared, call.fell_back[i], i in tiled)
         return outputs if runtime.video else [_one_frame(o) for o in outputs]
 
 
@@ -250,16 +236,6 @@ class _TiledChunks:
         if first is not None:
             yield first
             yield from chunks
-
-
-def _tiled_after_fallback(call: DecodeCall, i: int, prepared: PreparedRequest, fell_back: list[int], tiled: bool):
-    """Request i's `tiled` once `fell_back` items were decoded again in fp32 (`tiled`: by the class's
-    own tiled decode): tiled when any pixel of the answer came from tiles. An answer whose every
-    item fell back holds no pixel of the first decode, unless a stream sent some already."""
-    if tiled:
-        call.tiled.add(i)
-    elif len(fell_back) == prepared.items and prepared.sink is None:
-        call.tiled.discard(i)
 
 
 def _one_frame(output):

@@ -29,7 +29,7 @@ from collections.abc import Iterator
 import torch
 
 from vae_service.config import ServiceConfig
-from vae_service.engine.execution.call import checkpoint_hook
+from vae_service.engine.execution.call import DecodeCall, checkpoint_hook
 from vae_service.engine.request.latents import LatentScaling, PreparedRequest
 from vae_service.engine.runtime.runtime import Runtime
 from vae_service.models.diffusers_tiling import tiled_view
@@ -75,6 +75,27 @@ class Fp32Fallback:
         with fp32.gate("lossless"):
             return fp32.each_alone(fp32.vae if view is None else view, z, timestep)
 
+    def images(self, held: list, prepared: PreparedRequest, tiled: bool) -> tuple[list[int], torch.Tensor | None]:
+        """A request's decoded images with every item that is not finite decoded again in fp32 by
+        the request's fp32 plan (`tiled`: the class's own tiled decode, else whole), all of it fp32
+        now (exact for the others): the items decoded again, and the pixels (None when not even
+        fp32 gives finite ones). Within the fp32 plan's price: the items kept are copied to fp32
+        and the first decode's pixels dropped (taken out of `held`, the caller's only reference)
+        before any item is decoded again, as the fp32 deployment holds the items it decoded before."""
+        decoded = held.pop()
+        finite = [bool(torch.isfinite(item).all()) for item in decoded.split(1)]
+        items = [decoded[k : k + 1].float() if ok else None for k, ok in enumerate(finite)]
+        del decoded
+        again = [k for k, ok in enumerate(finite) if not ok]
+        z = self.latents(prepared)
+        for k in again:
+            item = self.image(z[k : k + 1], prepared.timestep, tiled)
+            if not bool(torch.isfinite(item).all()):
+                return again, None
+            items[k] = item
+        self.items += len(again)
+        return again, torch.cat(items)
+
     def chunks(self, z: torch.Tensor, timestep: float | None, tiled: bool) -> Iterator[torch.Tensor]:
         """One video item's fp32 `lossless` decode, chunk by chunk as the fp32 deployment hands
         them over (`tiled`, as its fallback plan says: the class's tiled decode, the whole clip at
@@ -107,6 +128,16 @@ class Fp32Fallback:
             "reserved_bytes": self.weight_bytes,
             "items": self.items,
         }
+
+
+def tiled_after_fallback(call: DecodeCall, i: int, prepared: PreparedRequest, fell_back: list[int], tiled: bool):
+    """Request i's `tiled` once `fell_back` items were decoded again in fp32 (`tiled`: by the class's
+    own tiled decode): tiled when any pixel of the answer came from tiles. An answer whose every
+    item fell back holds no pixel of the first decode, unless a stream sent some already."""
+    if tiled:
+        call.tiled.add(i)
+    elif len(fell_back) == prepared.items and prepared.sink is None:
+        call.tiled.discard(i)
 
 
 def _tiled_decode(fp32, tiled: bool) -> torch.nn.Module | None:
