@@ -5,7 +5,7 @@ threads cannot see each other's; the checkpoint hook finds the call running on i
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -75,10 +75,26 @@ class DecodeCall:
 _RUNNING: ContextVar[DecodeCall | None] = ContextVar("vae_service_decode_call", default=None)
 
 
-def checkpoint_hook(module, args) -> None:
-    """A forward pre-hook for a decoder: the checkpoint of the call running on this thread, before
-    each of its forwards, wherever the model's own `decode` calls it from (none: a decode the
-    engine runs for itself, on the meta twin or at start-up)."""
+def check_running_call() -> None:
+    """The checkpoint of the call running on this thread (none: a decode the engine runs for
+    itself, on the meta twin or at start-up)."""
     call = _RUNNING.get()
     if call is not None:
         call.checkpoint()
+
+
+def checked_chunks(chunks: Iterator, checkpoint: Callable[[], None] = check_running_call) -> Iterator:
+    """`chunks` with `checkpoint` before each one's work (next() runs it): for decodes whose
+    decoder's forward is never called (the Wan walk calls its modules one by one)."""
+    while True:
+        checkpoint()
+        out = next(chunks, None)
+        if out is None:
+            return
+        yield out
+
+
+def checkpoint_hook(module, args) -> None:
+    """A forward pre-hook for a decoder: the running call's checkpoint before each of its forwards,
+    wherever the model's own `decode` calls it from."""
+    check_running_call()

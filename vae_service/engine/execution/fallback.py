@@ -29,7 +29,7 @@ from collections.abc import Iterator
 import torch
 
 from vae_service.config import ServiceConfig
-from vae_service.engine.execution.call import DecodeCall, checkpoint_hook
+from vae_service.engine.execution.call import DecodeCall, checked_chunks, checkpoint_hook
 from vae_service.engine.request.latents import LatentScaling, PreparedRequest
 from vae_service.engine.runtime.runtime import Runtime
 from vae_service.models.diffusers_tiling import tiled_view
@@ -106,7 +106,7 @@ class Fp32Fallback:
             if view is not None:
                 yield fp32.each_alone(view, z, timestep)
                 return
-            yield from fp32.chunks("lossless", timestep)(z)
+            yield from checked_chunks(fp32.chunks("lossless", timestep)(z))
 
     def release(self) -> int:
         """Drop the fp32 copy (loaded again by the next item that needs it); bytes freed."""

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vae_service.engine.execution.call import DecodeCall
+from vae_service.engine.execution.call import DecodeCall, checked_chunks
 from vae_service.engine.execution.fallback import FALLBACK_PRECISION, Fp32Fallback
 from vae_service.engine.media.postprocess import convert, to_host
 from vae_service.engine.request.errors import DecodeFailed
@@ -199,7 +199,7 @@ def decode_video(
         ]
     for z, members_of_run in runs:
         frame = 0
-        with closing(_checked(chunks(z), call.checkpoint)) as outputs:
+        with closing(checked_chunks(chunks(z), call.checkpoint)) as outputs:
             for out in outputs:
                 for m in members_of_run:
                     m.answer.add(m.item, frame, out[m.lo : m.hi])
@@ -211,12 +211,3 @@ def decode_video(
         if answer.overflowed and answer.failed is None:
             call.fell_back[i] = sorted(answer.overflowed)
     return [a.result() for a in answers]
-
-
-def _checked(chunks: Iterator[torch.Tensor], checkpoint: Callable[[], None]) -> Iterator[torch.Tensor]:
-    while True:
-        checkpoint()  # before the chunk's work: next() runs it
-        out = next(chunks, None)
-        if out is None:
-            return
-        yield out
