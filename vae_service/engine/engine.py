@@ -45,7 +45,7 @@ from vae_service.engine.request.decode_request import QUALITIES, DecodeRequest
 from vae_service.engine.request.errors import DecodeFailed, WrongFingerprint
 from vae_service.engine.request.latents import PreparedRequest, check_finite, check_output, decoder_latents
 from vae_service.engine.request.result import DecodeResult, PendingResult, Timing
-from vae_service.engine.runtime.preview import build_preview
+from vae_service.engine.runtime.preview import build_preview, preview_price
 from vae_service.engine.runtime.runtime import Runtime
 from vae_service.engine.runtime.tile_jobs import TileJob
 from vae_service.models import LoadedVae
@@ -63,6 +63,7 @@ class DecodeEngine:
         self.encode_settings = EncodeSettings.of(config.encoding)
         runtime = self.runtime
         self.preview = build_preview(config, runtime.spec, runtime.scaling, runtime.device, runtime.whole_batch)
+        self.cost.price_preview(preview_price(self.preview, self.cost.facts))  # priced like a decode
         self.executor = Executor(runtime, self.preview, self.fallback)
         # every decoder forward checks the running call (the walk, which calls the decoder's
         # modules one by one, checks before each latent frame in engine/execution/video.py)
@@ -178,7 +179,8 @@ class DecodeEngine:
         return self.price(self.check(request, context))
 
     def peak_bytes(self, prepared: PreparedRequest) -> int:
-        """Estimated peak of decoding this request as planned (whole, or the class's tiled decode)."""
+        """Estimated peak of decoding this request as planned (whole, or the class's tiled decode;
+        a preview is never tiled: its map's or tiny decoder's price)."""
         if prepared.request.quality != "lossless" or prepared.tiling is None:
             return self.cost.peak(prepared)
         return self.cost.class_tiled_peak(prepared)

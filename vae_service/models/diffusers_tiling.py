@@ -169,7 +169,8 @@ def tiled_decode_elsewhere(
         return None
     recorder = _Recorder(shapes, view)
     try:
-        planned = _with_decoder(view, recorder).decode(z).sample
+        # its shape alone: the record's meta tensors are not held through the replay (_Light)
+        planned = _with_decoder(view, recorder).decode(z).sample.shape
         plan = recorder.plan()
     except (_Unsupported, NoMetaShapes, *META_ERRORS):  # e.g. a tiled decode that copies the meta outputs
         return None
@@ -183,9 +184,9 @@ def tiled_decode_elsewhere(
         raise RuntimeError(f"tiled decode: the replay called the decoder {replayer.calls} times, the record {n}")
     if next(outputs, None) is not None:
         raise RuntimeError(f"decode_jobs answered more than the {len(plan.jobs)} {plan.noun} it was given")
-    if decoded.shape != planned.shape:
+    if decoded.shape != planned:
         raise RuntimeError(
-            f"tiled decode: the replay's output is {tuple(decoded.shape)}, the record's {tuple(planned.shape)}"
+            f"tiled decode: the replay's output is {tuple(decoded.shape)}, the record's {tuple(planned)}"
         )
     return decoded
 
@@ -232,6 +233,30 @@ def _fresh(cache: list) -> bool:
     return all(entry is None for entry in cache)
 
 
+@dataclass(frozen=True)
+class _Like:
+    """A tensor's shape and dtype: what the record keeps of the decoder's meta answers. Meta tensors
+    hold no memory, but a byte count of live tensors (the price's, the conformance suite's) counts
+    their storage like any other's: the record keeps none of them through the replay."""
+
+    shape: torch.Size
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> _Like:
+        return cls(t.shape, t.dtype)
+
+
+def _light(entries: Iterable) -> list:
+    """A meta cache's entries with the same shapes and dtypes on storage of one element each
+    (expanded): what the class's tiled decode is left holding between decoder calls, the cache
+    being read by the decoder alone (the replay's, which reads only whether it is fresh)."""
+    return [
+        torch.empty((), dtype=e.dtype, device="meta").expand(e.shape) if isinstance(e, torch.Tensor) else e
+        for e in entries
+    ]
+
+
 @dataclass
 class _Call:
     """One recorded decoder call."""
@@ -239,10 +264,10 @@ class _Call:
     job: int  # the job it is part of
     frame: int  # its input's frame in the job (cached; 0 otherwise)
     start: bool  # the job's first call
-    out: torch.Tensor  # meta: what the decoder answers
+    out: _Like  # what the decoder answers
     out_from: int = 0  # where its output starts in the job's (time; cached)
     first: bool | None = None  # the `first_chunk` it was given (cached, where the decoder takes it)
-    after: tuple | None = None  # the cache and index the decoder leaves (cached; meta)
+    after: tuple | None = None  # the cache and index the decoder leaves (cached; its tensors `_light`)
 
 
 @dataclass
@@ -250,7 +275,7 @@ class _Plan:
     causal: bool  # jobs are whole causal tiles (else single decoder inputs)
     calls: list[_Call]
     jobs: list[torch.Tensor]  # what decode_jobs decodes
-    answers: list[torch.Tensor]  # meta: what it answers for each
+    answers: list[_Like]  # what it answers for each
     keywords: frozenset[str]
 
     @property
@@ -287,15 +312,15 @@ class _Recorder(nn.Module):
         clone = x.clone(memory_format=torch.contiguous_format)
         if not cached:
             out = self.shapes.plain(x)
-            self.calls.append(_Call(len(self.inputs), 0, True, out))
+            self.calls.append(_Call(len(self.inputs), 0, True, _Like.of(out)))
             self.inputs.append([clone])
             return out
-        call = self._cached(x, kwargs)
+        call, out = self._cached(x, kwargs)
         self.calls.append(call)
         self.inputs[call.job].append(clone)
-        return call.out
+        return out
 
-    def _cached(self, x: torch.Tensor, kwargs: dict) -> _Call:
+    def _cached(self, x: torch.Tensor, kwargs: dict) -> tuple[_Call, torch.Tensor]:
         if self.causal is None:
             self.causal = self.causal_of()
             if self.causal is None:
@@ -317,10 +342,11 @@ class _Recorder(nn.Module):
         first = kwargs.get(FIRST_CHUNK)
         if self.causal.first_chunk and (type(first) is not bool or first != start):
             raise _Unsupported  # not what decode_causal_tile passes
-        out, self.state, after = self.shapes.cached(x, first, self.state)
+        out, self.state, (entries, at) = self.shapes.cached(x, first, self.state)
+        after = (_light(entries), at)
         _leave(cache, idx, after)  # as the decoder would: the next call sees the tile's cache
         job = len(self.inputs) - 1
-        return _Call(job, len(self.inputs[job]), start, out, first=first, after=after)
+        return _Call(job, len(self.inputs[job]), start, _Like.of(out), first=first, after=after), out
 
     def plan(self) -> _Plan:
         if self.cached is None:
@@ -337,12 +363,19 @@ class _Recorder(nn.Module):
                 at = 0
                 for call in calls:
                     call.out_from, at = at, at + call.out.shape[2]
-                try:
-                    answers.append(torch.cat([call.out for call in calls], 2))
-                except META_ERRORS as exc:
-                    raise _Unsupported from exc
+                answers.append(_joined([call.out for call in calls]))
         self.inputs.clear()
         return _Plan(self.cached, self.calls, jobs, answers, self.keywords)
+
+
+def _joined(outs: list[_Like]) -> _Like:
+    """The outputs of one tile's calls joined along time (as torch.cat would have them)."""
+    first = outs[0]
+    if any(o.dtype != first.dtype or len(o.shape) != len(first.shape) or len(first.shape) < 3 for o in outs):
+        raise _Unsupported
+    if any(o.shape[:2] != first.shape[:2] or o.shape[3:] != first.shape[3:] for o in outs):
+        raise _Unsupported
+    return _Like(torch.Size((*first.shape[:2], sum(o.shape[2] for o in outs), *first.shape[3:])), first.dtype)
 
 
 def _leave(cache: list, idx: list, after: tuple) -> None:

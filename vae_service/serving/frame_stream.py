@@ -17,8 +17,11 @@ per item in `fallback`, the first frame that came from fp32 (0: all of them), an
 
 The stream holds at most `CHUNKS_AHEAD` chunks its reader has not taken: the device thread waits to
 hand over more (in slices that check the request), so a slow reader slows its decode instead of
-piling a clip up here. (Serve passes what the replica sends on to the proxy without backpressure:
-what a slow HTTP client has not read waits there.)
+piling a clip up here. Those chunks and the one its reader holds are in the streamed request's
+price (engine/pricing/cost_model.py's `streamed_bytes`: on a CPU they are in the decode's memory);
+nothing here keeps a chunk once it is passed on (the first one included). (Serve passes what the
+replica sends on to the proxy without backpressure: what a slow HTTP client has not read waits
+there.)
 """
 
 from __future__ import annotations
@@ -29,10 +32,11 @@ from collections.abc import AsyncIterator
 from dataclasses import replace
 
 from vae_service.engine.execution.video import FrameChunk
+from vae_service.engine.pricing.cost_model import STREAM_CHUNKS_AHEAD
 from vae_service.engine.request.context import RequestContext
 from vae_service.engine.request.result import DecodeResult
 
-CHUNKS_AHEAD = 4  # chunks handed over and not yet taken by the stream's reader
+CHUNKS_AHEAD = STREAM_CHUNKS_AHEAD  # chunks handed over and not yet taken by the stream's reader (priced)
 
 
 class FrameStream:
@@ -80,7 +84,8 @@ class FrameStream:
     async def events(self) -> AsyncIterator[FrameChunk | DecodeResult]:
         """FrameChunks, then the DecodeResult (output None); a failure mid-stream raises."""
         try:
-            yield self._first
+            first, self._first = self._first, None  # passed on: its reader holds it, not the stream
+            yield first
             async for event in self._events:
                 yield event
         finally:

@@ -5,7 +5,8 @@ key is run (which decode together, which alone), and which tile executor each ru
 The executor (engine/execution/executor.py) does what the plan says; nothing here decodes.
 
 Tiers:
-- `preview`: one run for the whole batch (the preview's map is per pixel, never tiled);
+- `preview`: one run for the whole batch (the preview's map is per pixel, never tiled), priced like a
+  decode (its map's working set, engine/runtime/preview.py): over the bound it is refused;
 - `lossless`: one run per request, every item alone (bit-identity with `vae.decode` of that item);
   above the bound, the class's own tiled decode of every item (`ClassTiles`);
 - `high`: one run for the whole batch when nothing is tiled and the batch fits the bound together,
@@ -53,11 +54,17 @@ def plan_request(prepared: PreparedRequest, cost: CostModel, bound: int, share_p
 
 def _plan(prepared: PreparedRequest, cost: CostModel, bound: int, share_pixels: int | None) -> Tiling:
     quality, tiling = prepared.request.quality, prepared.request.tiling
-    if quality == "preview":
-        return None
-    if tiling == "model":
+    if tiling == "model" and quality != "preview":
         return _class_tiles(prepared, cost, bound, "tiling", "'model': ", "send fewer items")
     need = cost.peak(prepared)
+    if quality == "preview":  # never tiled
+        if need > bound:
+            raise LimitExceeded(
+                "latents",
+                f"a preview of these latents needs about {need / 2**30:.3g} GiB, over max_decode_bytes "
+                f"({bound / 2**30:.3g} GiB), and a preview is never tiled: send fewer items or frames",
+            )
+        return None
     if need <= bound:
         if quality == "high" and tiling == "auto":
             return sharing_grid(*prepared.latent_hw, cost.facts.scale, share_pixels)

@@ -12,7 +12,16 @@ blends them, then blends into rows and joins them. Its peak is the larger of two
   rows and the joined answer, 2; Wan: 3) with a constant, fitted at start-up on tiled decodes on
   the twin whose decoder answers empty outputs (shapes only).
 Checked at start-up against a whole tiled decode counted on the twin (within `FIT_TOLERANCE`, the
-grid's decoder calls as read); a class whose grid is not read, or whose check fails, and clips
+grid's decoder calls as read).
+
+Where the request's replica shares the decode (models/diffusers_tiling.py's `tiled_decode_elsewhere`,
+its decoder calls made by the deployment's replicas), it holds more than that: every tile's decoder
+input, recorded before the replay and kept through it (latent-sized: in `working` whichever runs),
+and, while it decodes tile k itself, the outputs of up to `TILE_WINDOW - 1` tiles after k that
+replicas decoded ahead of the blend (engine/execution/tile_executor.py's window): `shared_working`,
+the price of a shared plan.
+
+ a class whose grid is not read, or whose check fails, and clips
 long enough for a class to tile time too, are priced per shape on the twin (`PerShapeClassTiled`:
 bounded cache, clips past `LONG_CLIP` extrapolated) off the event loop, under the request's context
 (a run stops within one op of its end: engine/pricing/memory.py's LiveBytes).
@@ -39,7 +48,8 @@ from torch import nn
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import _disable_current_modes
 
-from vae_service.engine.pricing.memory import PRICED_SHAPES, LiveBytes, TwinRun
+from vae_service.engine.pricing.memory import PRICED_SHAPES, LiveBytes, ModelFacts, TwinRun
+from vae_service.engine.runtime.tile_jobs import TILE_WINDOW
 from vae_service.models.class_tiling import ClassGrid, class_grid
 from vae_service.models.decoder_shapes import META_ERRORS
 from vae_service.models.probe_cache import checked_by
@@ -57,7 +67,13 @@ TILED_IN_TIME = "clips this long are tiled in time as well"
 
 class ClassTiledPrice:
     def working(self, h: int, w: int, latent_frames: int = 1) -> int:
+        """The decode here, tile after tile (with the inputs a shared decode records)."""
         raise NotImplementedError
+
+    def shared_working(self, h: int, w: int, latent_frames: int = 1) -> int:
+        """The decode shared with replicas: `working`, or more where the tiles replicas decoded
+        ahead of the blend are held while this device decodes one."""
+        return self.working(h, w, latent_frames)
 
     def needs_shape_work(self, h: int, w: int, latent_frames: int = 1) -> bool:
         return False
@@ -102,6 +118,23 @@ class PerShapeClassTiled(ClassTiledPrice):
         return any(key not in self._priced for key in probes)
 
     def working(self, h: int, w: int, latent_frames: int = 1) -> int:
+        tiles = self.grid.tiles(h, w) if self.grid is not None else None
+        inputs = _input_bytes(self.run.facts, tiles, latent_frames) if tiles else 0
+        return self._local(h, w, latent_frames) + inputs
+
+    def shared_working(self, h: int, w: int, latent_frames: int = 1) -> int:
+        tiles = self.grid.tiles(h, w) if self.grid is not None else None
+        if self.grid is None:  # its tiles unknown: every output of the window as large as the whole
+            return self.working(h, w, latent_frames) + (TILE_WINDOW - 1) * h * w * _output_bytes(
+                self.run.facts, self.spec, latent_frames
+            )
+        if tiles is None:  # decoded whole: nothing shared
+            return self.working(h, w, latent_frames)
+        # beside the local decode's peak, the window's outputs, each as large as the largest tile's
+        ahead = (TILE_WINDOW - 1) * max(th * tw for th, tw in tiles)
+        return self.working(h, w, latent_frames) + ahead * _output_bytes(self.run.facts, self.spec, latent_frames)
+
+    def _local(self, h: int, w: int, latent_frames: int) -> int:
         # past LONG_CLIP latent frames on the line through two probes: the tiles' held frames
         # dominate the decoder's working set by then
         h, w, t = self._key(h, w, latent_frames)
@@ -166,6 +199,29 @@ class FormulaClassTiled(ClassTiledPrice):
     def working(self, h: int, w: int, latent_frames: int = 1) -> int:
         if self.grid.tiles_time(latent_frames):
             return self.fallback.working(h, w, latent_frames)
+        tiles = self.grid.tiles(h, w)
+        inputs = _input_bytes(self.fallback.run.facts, tiles, latent_frames) if tiles else 0
+        return self.local_working(h, w, latent_frames) + inputs
+
+    def shared_working(self, h: int, w: int, latent_frames: int = 1) -> int:
+        if self.grid.tiles_time(latent_frames):
+            return self.fallback.shared_working(h, w, latent_frames)
+        local = self.local_working(h, w, latent_frames)
+        tiles = self.grid.tiles(h, w)
+        if tiles is None:  # decoded whole: nothing to share
+            return local
+        regime, frames = self.regime(latent_frames), self._frames(latent_frames)
+        per_pixel = self.pixel_bytes * frames
+        outputs = [th * tw * per_pixel for th, tw in tiles]
+        shared = 0.0
+        for k, (th, tw) in enumerate(tiles):  # tile k decoded here: the tiles before it and the window's after it
+            held = sum(outputs[:k]) + sum(outputs[k + 1 : k + TILE_WINDOW])
+            shared = max(shared, held + _decoding(regime, th * tw, frames, per_pixel))
+        inputs = _input_bytes(self.fallback.run.facts, tiles, latent_frames)
+        return int(max(local, shared) + inputs)
+
+    def local_working(self, h: int, w: int, latent_frames: int = 1) -> int:
+        """The class's own tiled decode, tile after tile (what the fit is checked against)."""
         regime, frames = self.regime(latent_frames), self._frames(latent_frames)
         per_pixel = self.pixel_bytes * frames
         tiles = self.grid.tiles(h, w)
@@ -185,6 +241,18 @@ class FormulaClassTiled(ClassTiledPrice):
             "stride": [g.height.stride, g.width.stride],
             "blend_outputs": round(self.regimes[STEADY].kappa, 3),
         }
+
+
+def _output_bytes(facts: ModelFacts, spec: ModelSpec, latent_frames: int) -> int:
+    """Bytes of the decoded output of one latent pixel (every output frame)."""
+    frames = spec.output_frames(latent_frames) if facts.video else 1
+    return 3 * facts.itemsize * facts.scale**2 * frames
+
+
+def _input_bytes(facts: ModelFacts, tiles: list[tuple[int, int]], latent_frames: int) -> int:
+    """Every tile's decoder input (each latent frame), as the shared decode records and keeps them."""
+    frames = latent_frames if facts.video else 1
+    return sum(th * tw for th, tw in tiles) * facts.latent_channels * facts.itemsize * frames
 
 
 def _decoding(regime: Regime, pixels: int, frames: int, per_pixel: float) -> float:
@@ -424,7 +492,7 @@ def _fit(view: nn.Module, grid: ClassGrid, tiled: TwinRun, spec: ModelSpec) -> C
     th, tw, sh, sw = grid.height.tile, grid.width.tile, grid.height.stride, grid.width.stride
     h, w, t = sh + max(1, th // 3), sw + max(1, tw // 4), facts.frames if spec.family == "video" else 1
     counted, _ = tiled.run(1, h, w, t)
-    estimate = price.working(h, w, t)
+    estimate = price.local_working(h, w, t)
     if abs(estimate - counted) > FIT_TOLERANCE * counted:
         why = f"the grid's price {estimate} B vs {counted} B counted at {h}x{w}x{t}"
         log.warning("%s's tiled decode is priced per shape: %s", spec.class_name, why)

@@ -15,7 +15,12 @@ like any decode (engine/planning/planner.py's plan_fallback).
 
 The peak of a whole decode: video converts and keeps frames while the decode goes on; an image is
 decoded, then converted (its decoded pixels are in both phases), and `lossless` decodes its items
-one by one, keeps them, then joins them.
+one by one, keeps them, then joins them. Beside all of it, the latents the decode holds (the twin
+counts none: its input is made before it counts): the decoder input at the decode dtype, for
+`high` and `preview` also the batch joined into one tensor (or a tile's input), and where the fp32
+fallback runs its fp32 copy. A streamed request's answer is nothing, but the chunks handed over and
+not yet read (at most `STREAM_CHUNKS_HELD`, serving/frame_stream.py) are held while the decode goes
+on, in its memory where the device is not CUDA (on CUDA they are on the host).
 """
 
 from __future__ import annotations
@@ -50,6 +55,12 @@ from vae_service.models.diffusers_tiling import tiled_view
 from vae_service.models.probe_cache import Architecture, ProbeCache, config_digest
 from vae_service.models.probe_store import INTEGER
 from vae_service.models.spec import dropped_parts, jsonable_config, meta_twin
+
+# a stream's chunks handed over and not yet passed on by its reader: the stream's queue holds at
+# most STREAM_CHUNKS_AHEAD (serving/frame_stream.py waits for room), and its reader one more
+STREAM_CHUNKS_AHEAD = 4
+STREAM_CHUNKS_HELD = STREAM_CHUNKS_AHEAD + 1
+JOINED_TIERS = ("high", "preview")  # tiers whose batch decodes as one tensor (its latents joined)
 
 
 class TwinChunks:
@@ -178,6 +189,11 @@ class CostModel:
     def class_tiled_fitted(self) -> ClassTiledPrice | None:
         return self._probes.peek(self.architecture, "class tiled")
 
+    def price_preview(self, tier: TierPrice) -> None:
+        """The preview tier's price (engine/runtime/preview.py's `preview_price`): the map's (or the
+        tiny decoder's) working set on one latent frame of the whole batch, never calibrated here."""
+        self.tiers["preview"] = tier
+
     def fit_lazy_prices(self) -> None:
         """Fit now what is otherwise fitted when first needed (a service does, beside start-up)."""
         _ = self.class_tiled
@@ -292,9 +308,9 @@ class CostModel:
     def _needs_shape_work(self, prepared: PreparedRequest, quality: str, bound: int) -> bool:
         items, (h, w) = prepared.items, prepared.latent_hw
         tier = self.tiers.get(quality)
-        if tier is None:  # preview: no decoder
+        if tier is None:  # an engine without a preview price
             return False
-        if tier.needs_shape_work(items if quality == "high" else 1, h, w):
+        if tier.needs_shape_work(items if quality in JOINED_TIERS else 1, h, w):
             return True
         if quality != "lossless" or not self.has_class_tiled:
             return False
@@ -314,6 +330,26 @@ class CostModel:
             return 0
         return self.facts.answer(self.output_pixels(prepared, prepared.frames), prepared.request.output)
 
+    def latent_bytes(self, prepared: PreparedRequest) -> int:
+        """The request's decoder input at this model's decode dtype."""
+        return prepared.latents.numel() * self.facts.itemsize
+
+    def latents_held(self, prepared: PreparedRequest, quality: str | None = None) -> int:
+        """The latents a decode of this request in `quality` holds throughout: its decoder input,
+        and for tiers that decode their batch as one tensor, that joined copy (or a tile's input)."""
+        quality = quality or prepared.request.quality
+        return self.latent_bytes(prepared) * (2 if quality in JOINED_TIERS else 1)
+
+    def streamed_bytes(self, prepared: PreparedRequest) -> int:
+        """A stream's chunks handed over and not yet passed on (its queue's bound and the one its
+        reader holds), held while the decode goes on; none where they are copied to the host (CUDA)
+        or nothing is streamed."""
+        if not prepared.request.stream or self.runtime.device.type == "cuda":
+            return 0
+        kept = 3 * (self.facts.itemsize if prepared.request.output == "float" else 1)
+        chunks = min(STREAM_CHUNKS_HELD * self._chunk_pixels(prepared), self.output_pixels(prepared, prepared.frames))
+        return chunks * kept
+
     def _chunk_pixels(self, prepared: PreparedRequest) -> int:
         """Output pixels of the largest chunk a video decode hands over at once."""
         facts = self.facts
@@ -321,24 +357,32 @@ class CostModel:
         return self.output_pixels(prepared, chunk_frames)
 
     def held_beside_the_decode(self, prepared: PreparedRequest) -> int:
-        """Video: the frames kept so far, and the conversion of one chunk (its fp32 copy and uint8
-        pixels), both held while the decode goes on."""
-        converting = 0 if prepared.request.output == "float" else self._chunk_pixels(prepared) * (12 + 3)
-        return self.answer_bytes(prepared) + converting
+        """Video: the frames kept so far (or a stream's chunks not yet read), and the larger of the
+        conversion of one chunk (its fp32 copy and uint8 pixels) and, chunk by chunk, the chunk
+        before (the loop that handed it over still holds it while the next is decoded), all held
+        while the decode goes on."""
+        chunk = self._chunk_pixels(prepared)
+        converting = 0 if prepared.request.output == "float" else chunk * (12 + 3)
+        before = chunk * 3 * self.facts.itemsize if self.facts.chunked else 0
+        return self.answer_bytes(prepared) + self.streamed_bytes(prepared) + max(converting, before)
 
     def held_while_tiled(self, prepared: PreparedRequest) -> int:
         """Beside one tile's decode: the blend's fp32 accumulator (video in lockstep: one chunk's;
-        tile after tile's whole clip is counted by tile_for) and what the answer holds."""
+        tile after tile's whole clip is counted by tile_for), what the answer holds, and the
+        latents (the decoder input and a tile's)."""
+        latents = self.latents_held(prepared, "high")
         if self.facts.video:
-            return self.held_beside_the_decode(prepared) + self._chunk_pixels(prepared) * 12
-        return self.answer_bytes(prepared) + self.output_pixels(prepared) * 12
+            chunk = self._chunk_pixels(prepared)
+            converting = 0 if prepared.request.output == "float" else chunk * (12 + 3)
+            return self.answer_bytes(prepared) + self.streamed_bytes(prepared) + converting + chunk * 12 + latents
+        return self.answer_bytes(prepared) + self.output_pixels(prepared) * 12 + latents
 
     def peak(self, prepared: PreparedRequest, quality: str | None = None) -> int:
         """Estimated peak of decoding this request whole in its tier (or `quality`'s)."""
         quality = quality or prepared.request.quality
-        (h, w), items, high = prepared.latent_hw, prepared.items, quality == "high"
-        working = self.tiers[quality].working(items if high else 1, h, w, prepared.latent_frames)
-        return self._with_answer(prepared, working, together=high)
+        (h, w), items, together = prepared.latent_hw, prepared.items, quality in JOINED_TIERS
+        working = self.tiers[quality].working(items if together else 1, h, w, prepared.latent_frames)
+        return self._with_answer(prepared, working, together) + self.latents_held(prepared, quality)
 
     def job_peak(self, job: TileJob) -> int | None:
         """A tile job's peak here, as a replica that takes another's tile prices it: the working set
@@ -356,7 +400,7 @@ class CostModel:
         """Estimated peak of `lossless` by the class's own tiled decode, item by item."""
         h, w = prepared.latent_hw
         working = self.class_tiled.working(h, w, prepared.latent_frames)
-        return self._with_answer(prepared, working, together=False)
+        return self._with_answer(prepared, working, together=False) + self.latents_held(prepared, "lossless")
 
     def _with_answer(self, prepared: PreparedRequest, working: int, together: bool) -> int:
         if self.facts.video:
@@ -370,11 +414,13 @@ class CostModel:
     def fallback_peak(self, prepared: PreparedRequest, tiled: bool) -> int:
         """Estimated peak of the fp32 fallback of this request's items (engine/execution/fallback.py),
         decoded again as `lossless` by its fp32 plan (`tiled`: the class's own tiled decode, else
-        whole): the fp32 deployment's price of that decode, which is what the executor holds (an
-        image's items kept are copied to fp32 and its first pixels dropped first), and, for a video
-        `float` answer, its frames at this precision, held while they are copied to fp32."""
+        whole): the fp32 deployment's price of that decode (its fp32 latents included), which is
+        what the executor holds (an image's items kept are copied to fp32 and its first pixels
+        dropped first), beside this decode's own latents, and, for a video `float` answer, its
+        frames at this precision, held while they are copied to fp32."""
         fp32 = self.fallback
         need = fp32.class_tiled_peak(prepared) if tiled else fp32.peak(prepared, "lossless")
+        need += self.latents_held(prepared)
         if self.facts.video and prepared.request.output == "float":
             need += self.answer_bytes(prepared)
         return need
@@ -382,11 +428,13 @@ class CostModel:
     def held_after_decode(self, prepared: PreparedRequest) -> int:
         """What this request holds once its decode is done, while another request of its run falls
         back: an image's decoded pixels (one tensor for the whole run) and its converted answer, a
-        video's answer."""
+        video's answer (and its stream's chunks not yet read), and its latents."""
+        latents = self.latents_held(prepared)
         if self.facts.video:
-            return self.answer_bytes(prepared)
+            return self.answer_bytes(prepared) + self.streamed_bytes(prepared) + latents
         pixels, itemsize = self.output_pixels(prepared), self.facts.itemsize
-        return pixels * 3 * itemsize + pixels * 3 * (itemsize if prepared.request.output == "float" else 1)
+        kept = pixels * 3 * (itemsize if prepared.request.output == "float" else 1)
+        return pixels * 3 * itemsize + kept + latents
 
     def _describe_tiers(self) -> dict:
         tiers = {name: tier.describe() for name, tier in self.tiers.items()}

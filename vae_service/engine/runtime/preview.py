@@ -13,19 +13,27 @@ Two ways, chosen per deployment:
 
 Video previews have the full decode's frame count, handed over one latent frame at a time (each
 latent frame's preview repeated over the frames it stands for), so they stream like decodes.
+
+A preview is priced like a decode (`preview_price`): its working set on one latent frame of the
+whole batch (the map's fp32 copies, its RGB and upsampled output, or the tiny decoder's graph),
+counted on the meta device at start-up; the cost model adds the latents, the conversion and what
+the answer holds. It is never tiled: one that does not fit the bound is refused.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 
 from vae_service.config import ServiceConfig
+from vae_service.engine.pricing.memory import AffineTier, ModelFacts, PerShapeTier, TierPrice, TwinRun, fit_lines
 from vae_service.engine.request.latents import LatentScaling
 from vae_service.models import ModelLoadError, ModelSpec, load_vae
-from vae_service.models.spec import decoded_pixels
+from vae_service.models.spec import decoded_pixels, meta_twin
 
 RIDGE = 1e-4  # relative to the mean squared latent: keeps W defined with few calibration pixels
 CALIBRATION_SEED = 0
@@ -37,7 +45,7 @@ class LinearPreview:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor, scale: int):
         self.weight, self.bias, self.scale = weight.float(), bias.float(), scale
 
-    def to(self, device: torch.device) -> LinearPreview:
+    def to(self, device: torch.device | str) -> LinearPreview:
         return LinearPreview(self.weight.to(device), self.bias.to(device), self.scale)
 
     def image(self, z: torch.Tensor) -> torch.Tensor:
@@ -89,17 +97,21 @@ def calibration_latents(channels: int, video: bool, side: int, dtype: torch.dtyp
     return torch.randn(shape, generator=g).to(dtype)
 
 
+Image = Callable[[torch.Tensor], torch.Tensor]
+
+
 class Preview:
     """One deployment's preview: `image` maps decoder-input latents [n, C, h, w] to pixels
     [n, 3, H, W]; `scaling` brings request latents to that input (the tiny decoder's own
-    normalisation where there is one); `linear` is the map where it is one."""
+    normalisation where there is one); `linear` is the map where it is one; `twin` makes the same
+    `image` on the meta device (what `preview_price` counts)."""
 
-    def __init__(self, image: Callable[[torch.Tensor], torch.Tensor], scaling, kind: str, linear=None):
-        self.image, self.scaling, self.kind, self.linear = image, scaling, kind, linear
+    def __init__(self, image: Image, scaling, kind: str, linear=None, twin: Callable[[], Image] | None = None):
+        self.image, self.scaling, self.kind, self.linear, self.twin = image, scaling, kind, linear, twin
 
     @classmethod
     def of_linear(cls, linear: LinearPreview, scaling, kind: str) -> Preview:
-        return cls(linear.image, scaling, kind, linear)
+        return cls(linear.image, scaling, kind, linear, lambda: linear.to("meta").image)
 
     def chunks(self, z: torch.Tensor, counts: list[int]) -> Iterator[torch.Tensor]:
         return preview_chunks(self.image, z, counts)
@@ -124,7 +136,13 @@ def build_preview(
                 f"at {found[1]}x; model '{spec.name}' needs {spec.latent_channels} channels at {scale}x"
             )
         tiny_vae = torch.nn.Module.to(tiny.vae, device=device, dtype=dtype)
-        return Preview(lambda z: decoded_pixels(tiny_vae, z), LatentScaling(tiny.spec, tiny_vae, dtype), "tiny decoder")
+
+        def twin() -> Image:
+            tiny_twin = torch.nn.Module.to(meta_twin(tiny_vae), dtype=dtype).eval()
+            return lambda z: decoded_pixels(tiny_twin, z)
+
+        scaling = LatentScaling(tiny.spec, tiny_vae, dtype)
+        return Preview(lambda z: decoded_pixels(tiny_vae, z), scaling, "tiny decoder", twin=twin)
     if config.preview_rgb_factors is not None:
         if len(config.preview_rgb_factors) != spec.latent_channels:
             raise ModelLoadError(
@@ -146,3 +164,15 @@ def build_preview(
     with torch.inference_mode():
         linear = fit_linear_preview(decode, z.to(device), to_decoder, scale)
     return Preview.of_linear(linear.to(device), scaling, "linear (fitted at start-up)")
+
+
+def preview_price(preview: Preview, facts: ModelFacts) -> TierPrice:
+    """The preview's working set on one latent frame of a batch (items together), per latent pixel:
+    its `image` counted on the meta device (engine/pricing/memory.py: three shapes, affine in pixels
+    or priced per shape), at the decode dtype of `facts`, the model's. The latents it reads, the
+    answer's conversion and what the answer holds are the cost model's to add, as for a decode."""
+    image = preview.twin()
+    frame = replace(facts, video=False, frames=1, chunked=False, chunk_frames=1)  # one latent frame
+    run = TwinRun(None, frame, lambda _twin, z: iter([image(z)]), threading.Lock())
+    lines, first, pixels = fit_lines(run)
+    return AffineTier(frame, lines) if lines is not None else PerShapeTier(run, first, pixels)
