@@ -145,6 +145,30 @@ def test_lossless_above_the_bound_shared_is_the_classs_tiled_decode_bit_for_bit(
     assert torch.equal(shared.output, alone.output)
 
 
+@pytest.mark.parametrize("kind, h, w, frames", [("kl", 24, 20, 0), ("wan", 33, 20, 1)])
+def test_a_class_tiled_decode_is_shared_only_where_the_bound_holds_what_sharing_holds_here(models, kind, h, w, frames):
+    """Sharing the class's tiled decode holds here the outputs replicas finished ahead of the blend:
+    under a bound that holds the local decode but not that, every decoder call stays here (no
+    offer) with the same bits; under one that holds both, replicas take tiles."""
+    here, replicas = models[kind]
+    request = DecodeRequest(latents(here, h, w, 1, frames, seed=3), latents_scaled=True)
+    with torch_threads(1):
+        prepared = replace(here.check(request), tiling=ClassTiles())
+    local, shared_price = here.cost.class_tiled_peak(prepared), here.cost.class_tiled_peak(prepared, shared=True)
+    assert local < shared_price
+    alone = decode(here, here_only(prepared))
+    for bound, offered in ((local, False), (shared_price, True)):
+        here.limits = Limits(max_decode_bytes=bound)  # the bound the request is admitted under
+        try:
+            with torch_threads(1):
+                bounded = replace(here.check(request), tiling=ClassTiles())
+            deployment = Deployment(replicas)
+            answer = decode(here, bounded, deployment)
+        finally:
+            here.limits = Limits()
+        assert (deployment.offers > 0) is offered and torch.equal(answer.output, alone.output)
+
+
 # ---- which replica takes a tile -------------------------------------------------------------------
 def offer(replica: Replica, job, fingerprint: str, remaining_s: float = 30.0) -> list:
     """The first message of `replica`'s answer to a tile, then the stream closed."""

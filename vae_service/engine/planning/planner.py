@@ -205,7 +205,10 @@ def plan_batch(batch: list[PreparedRequest], cost: CostModel, bound: int, shared
     if quality == "preview":
         runs = (Run(everyone, together=True),)
     elif quality == "lossless":
-        runs = tuple(Run((i,), False, t, _shares(t, shared)) for i, t in enumerate(tilings))
+        runs = tuple(
+            Run((i,), False, t, _shares(t, shared) and _room_to_share(r, t, cost, bound))
+            for i, (r, t) in enumerate(zip(batch, tilings, strict=True))
+        )
     elif tilings[0] is None and (len(batch) == 1 or _fit_together(batch, fallbacks, cost, bound)):
         runs = (Run(everyone, together=True),)
     else:
@@ -244,6 +247,12 @@ def _shares(tiling: Tiling, shared: bool) -> bool:
     if isinstance(tiling, TileGrid):
         return shared and tiling.lockstep and tiling.ahead > 0
     return shared and isinstance(tiling, ClassTiles)
+
+
+def _room_to_share(prepared: PreparedRequest, tiling: Tiling, cost: CostModel, bound: int) -> bool:
+    """A class's tiled decode goes to replicas only where the bound also holds what sharing holds
+    here (outputs replicas finished ahead of the blend); else its decoder calls all run here."""
+    return not isinstance(tiling, ClassTiles) or cost.class_tiled_peak(prepared, shared=True) <= bound
 
 
 def retry_plan(batch: list[PreparedRequest], cost: CostModel, shared: bool = False) -> BatchPlan:

@@ -396,10 +396,13 @@ class CostModel:
             return None
         return tier.working(items, h, w, z.shape[2] if z.dim() == 5 else 1)
 
-    def class_tiled_peak(self, prepared: PreparedRequest) -> int:
-        """Estimated peak of `lossless` by the class's own tiled decode, item by item."""
+    def class_tiled_peak(self, prepared: PreparedRequest, shared: bool = False) -> int:
+        """Estimated peak of `lossless` by the class's own tiled decode, item by item; `shared`:
+        with its decoder calls shared with replicas (the outputs they finished ahead of the blend
+        held here meanwhile)."""
         h, w = prepared.latent_hw
-        working = self.class_tiled.working(h, w, prepared.latent_frames)
+        price = self.class_tiled.shared_working if shared else self.class_tiled.working
+        working = price(h, w, prepared.latent_frames)
         return self._with_answer(prepared, working, together=False) + self.latents_held(prepared, "lossless")
 
     def _with_answer(self, prepared: PreparedRequest, working: int, together: bool) -> int:
