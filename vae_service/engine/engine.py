@@ -40,12 +40,13 @@ from vae_service.engine.execution.peer_contract import TilePeers
 from vae_service.engine.media.encoding import ENCODED_OUTPUTS, EncodeSettings, encode_all, fragment_frames
 from vae_service.engine.planning.planner import plan_batch, plan_request, retry_plan
 from vae_service.engine.pricing.cost_model import CostModel
+from vae_service.engine.pricing.preview_price import preview_price
 from vae_service.engine.request.context import RequestContext
 from vae_service.engine.request.decode_request import QUALITIES, DecodeRequest
 from vae_service.engine.request.errors import DecodeFailed, WrongFingerprint
 from vae_service.engine.request.latents import PreparedRequest, check_finite, check_output, decoder_latents
 from vae_service.engine.request.result import DecodeResult, PendingResult, Timing
-from vae_service.engine.runtime.preview import build_preview, preview_price
+from vae_service.engine.runtime.preview import build_preview
 from vae_service.engine.runtime.runtime import Runtime
 from vae_service.engine.runtime.tile_jobs import TileJob
 from vae_service.models import LoadedVae

@@ -190,7 +190,7 @@ class CostModel:
         return self._probes.peek(self.architecture, "class tiled")
 
     def price_preview(self, tier: TierPrice) -> None:
-        """The preview tier's price (engine/runtime/preview.py's `preview_price`): the map's (or the
+        """The preview tier's price (engine/pricing/preview_price.py): the map's (or the
         tiny decoder's) working set on one latent frame of the whole batch, never calibrated here."""
         self.tiers["preview"] = tier
 

@@ -14,7 +14,7 @@ Two ways, chosen per deployment:
 Video previews have the full decode's frame count, handed over one latent frame at a time (each
 latent frame's preview repeated over the frames it stands for), so they stream like decodes.
 
-A preview is priced like a decode (`preview_price`): its working set on one latent frame of the
+A preview is priced like a decode (engine/pricing/preview_price.py): its working set on one latent frame of the
 whole batch (the map's fp32 copies, its RGB and upsampled output, or the tiny decoder's graph),
 counted on the meta device at start-up; the cost model adds the latents, the conversion and what
 the answer holds. It is never tiled: one that does not fit the bound is refused.
@@ -22,15 +22,12 @@ the answer holds. It is never tiled: one that does not fit the bound is refused.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Iterator
-from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 
 from vae_service.config import ServiceConfig
-from vae_service.engine.pricing.memory import AffineTier, ModelFacts, PerShapeTier, TierPrice, TwinRun, fit_lines
 from vae_service.engine.request.latents import LatentScaling
 from vae_service.models import ModelLoadError, ModelSpec, load_vae
 from vae_service.models.spec import decoded_pixels, meta_twin
@@ -164,15 +161,3 @@ def build_preview(
     with torch.inference_mode():
         linear = fit_linear_preview(decode, z.to(device), to_decoder, scale)
     return Preview.of_linear(linear.to(device), scaling, "linear (fitted at start-up)")
-
-
-def preview_price(preview: Preview, facts: ModelFacts) -> TierPrice:
-    """The preview's working set on one latent frame of a batch (items together), per latent pixel:
-    its `image` counted on the meta device (engine/pricing/memory.py: three shapes, affine in pixels
-    or priced per shape), at the decode dtype of `facts`, the model's. The latents it reads, the
-    answer's conversion and what the answer holds are the cost model's to add, as for a decode."""
-    image = preview.twin()
-    frame = replace(facts, video=False, frames=1, chunked=False, chunk_frames=1)  # one latent frame
-    run = TwinRun(None, frame, lambda _twin, z: iter([image(z)]), threading.Lock())
-    lines, first, pixels = fit_lines(run)
-    return AffineTier(frame, lines) if lines is not None else PerShapeTier(run, first, pixels)
