@@ -164,6 +164,8 @@ class RelayRecord:
     finished_at: float | None = None  # the whole stream relayed, terminating chunk sent
     error: str | None = None  # the source failed (or the page went away); the response was cut off
     body: bytearray = dataclasses.field(default_factory=bytearray)  # everything relayed
+    # set once finished_at or error is: a reader sees the terminating chunk before this thread stamps it
+    ended: threading.Event = dataclasses.field(default_factory=threading.Event, repr=False)
 
 
 class PageServer:
@@ -283,6 +285,7 @@ class PageServer:
             except Exception as e:
                 record.error = f"the source failed to open: {e!r}"
                 handler.send_error(502, record.error)
+                record.ended.set()
                 return
             record.content_type = content_type
             handler.send_response(200)
@@ -331,6 +334,8 @@ class PageServer:
                 # cut the response off without its terminating chunk: the page sees a network error
                 record.error = f"relaying failed after {record.sent_bytes} bytes: {e!r}"
                 handler.close_connection = True
+            finally:
+                record.ended.set()
 
 
 def _handler(server: PageServer) -> type[http.server.BaseHTTPRequestHandler]:

@@ -203,6 +203,7 @@ def test_the_relay_holds_after_the_first_fragment_until_the_page_reports_buffere
         assert reader.done.wait(10)
         assert bytes(reader.body) == whole
         assert server.relay.released_by == "buffered" and server.relay.held_bytes == first
+        assert server.relay.ended.wait(5)
         assert server.relay.finished_at is not None and server.relay.error is None
 
 
