@@ -33,7 +33,8 @@ $(SERVING): pyproject.toml clients/pyproject.toml
 	touch $@
 
 $(INSTALLED): $(SERVING)
-	$(VENV)/bin/python -m pip install -q -e ./clients -e ".[test]"
+	@echo "Installing the test tools into $(VENV) (pytest, xdist, hypothesis, ruff, hadolint, ...; about a minute)"
+	$(VENV)/bin/python -m pip install -e ./clients -e ".[test]"
 	touch $@
 
 .PHONY: install serve test test-unit lint bench
@@ -42,18 +43,21 @@ install: $(INSTALLED)
 serve: $(SERVING)
 	$(VENV)/bin/vae-service serve --model $(MODEL) --host $(HOST) --port $(PORT) --grpc-port $(GRPC_PORT)
 
+# each step says what it runs and its cost on a 2-core CPU before it runs, and how long it took after
+TIMED = tests/timed.sh
+
 # the unit suite in parallel workers, then the Ray suites (one shared local cluster) in order
 test: lint
-	$(UNIT_SUITE)
-	$(VENV)/bin/python -m pytest tests --ignore=tests/unit $(PYTEST_ARGS)
+	@$(TIMED) "unit suite" "5 minutes" $(UNIT_SUITE)
+	@$(TIMED) "Ray suites" "19 minutes" $(VENV)/bin/python -m pytest tests --ignore=tests/unit $(PYTEST_ARGS)
 
 test-unit: $(INSTALLED)
-	$(UNIT_SUITE)
+	@$(TIMED) "unit suite" "5 minutes" $(UNIT_SUITE)
 
 lint: $(INSTALLED)
-	$(VENV)/bin/ruff check .
-	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/hadolint Dockerfile
+	@$(TIMED) "ruff check" "1 s" $(VENV)/bin/ruff check .
+	@$(TIMED) "ruff format" "1 s" $(VENV)/bin/ruff format --check .
+	@$(TIMED) "hadolint" "1 s" $(VENV)/bin/hadolint Dockerfile
 
 bench: $(INSTALLED)
 	$(VENV)/bin/python bench/bench_spine.py

@@ -25,12 +25,13 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from tests.doc_examples import SERVICES, all_examples
+from tests.integration.conftest import TEST_DEPLOYMENT
 from tests.ports import free_port
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent  # the venv `make` built (CI's): its bin is not on a new shell's PATH
-README = (REPO / "README.md").read_text()
 MAX_LINE = 200  # Ray prefixes each line it relays with the process and Serve's own fields (~110 chars)
 
 
@@ -106,17 +107,12 @@ def stop(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-def readme_python(section: str) -> str:
-    body = README[README.index(f"## {section}") :]
-    return re.search(r"```python\n(.*?)```", body, re.S)[1]
-
-
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    """`make serve` as the README says (MODEL= and ports as it documents them; the tiny preset:
-    `sd` starts in deploy/serve-cpu.yaml's test), stopped with Ctrl-C at the end."""
+    """`make serve` as the README says (its default model, the `sd` preset the documents' examples
+    assume; ports as it documents them), stopped with Ctrl-C at the end."""
     port, grpc_port = free_port(), free_port()
-    proc = make("serve", "MODEL=tiny-kl", f"PORT={port}", f"GRPC_PORT={grpc_port}")
+    proc = make("serve", f"PORT={port}", f"GRPC_PORT={grpc_port}")
     output = Output(proc)
     try:
         output.until(lambda line: line.startswith("vae-service is serving"), timeout_s=600)
@@ -146,19 +142,58 @@ def test_the_printed_command_runs_as_printed_in_a_new_shell(served, tmp_path):
         shlex.split(served["command"]), cwd=tmp_path, env=new_shell_env(), capture_output=True, text=True, timeout=120
     )
     assert run.returncode == 0, run.stderr
-    assert Image.open(tmp_path / "out" / "000.png").size == (128, 128)
+    assert Image.open(tmp_path / "out" / "random.png").size == (128, 128)
 
 
-def test_the_readmes_first_decode_runs_in_the_interpreter_it_names(served, tmp_path):
-    assert "in `.venv/bin/python`" in README[README.index("## A first decode") :][:300]
-    code = readme_python("A first decode").replace("127.0.0.1:8000", f"127.0.0.1:{served['port']}")
-    run = subprocess.run(
-        [str(VENV_BIN / "python"), "-c", code], cwd=tmp_path, env=new_shell_env(), capture_output=True, text=True,
-        timeout=300,
-    )  # fmt: skip
-    assert run.returncode == 0, run.stderr
-    assert Image.open(tmp_path / "out.png").size == (512, 512)
-    assert "`source .venv/bin/activate`" in README  # how the commands get on a new shell's PATH
+@pytest.fixture(scope="module")
+def tiny_wan_url(ray_cluster):
+    """What `make serve MODEL=tiny-wan` serves (the preset, as the CLI deploys it), in this session's
+    cluster: a second `make serve` would start a second Ray."""
+    from ray import serve
+
+    from vae_service.serving.app import decoder_app
+
+    serve.run(decoder_app({"model": "tiny-wan", "cpu_threads": 1}, **TEST_DEPLOYMENT), name="tiny-wan",
+              route_prefix="/tiny-wan")  # fmt: skip
+    yield f"{ray_cluster}/tiny-wan"
+    serve.delete("tiny-wan")
+
+
+RUNNABLE = [e for e in all_examples() if e.kind in (*SERVICES, "standalone")]
+WRITES = re.compile(r"\b[\w/]+\.(?:png|mp4)\b")  # the files an example says (code or comment) it writes
+
+
+@pytest.mark.parametrize("example", RUNNABLE, ids=lambda e: e.id)
+def test_every_documented_example_runs_as_written(example, request, tmp_path):
+    """Each example of README.md and docs/ against the service its tag names (tests/doc_examples.py),
+    in a new shell with the venv's bin on PATH (as the README says), in a folder holding the latent
+    files the examples name; only the service's address differs from the text."""
+    env = new_shell_env(PATH=f"{VENV_BIN}{os.pathsep}{new_shell_env()['PATH']}")
+    code = example.code
+    if example.kind == "make serve":
+        url, grpc = f"http://127.0.0.1:{request.getfixturevalue('served')['port']}", request.getfixturevalue("served")
+        code = code.replace("127.0.0.1:9000", f"127.0.0.1:{grpc['grpc_port']}")
+    elif example.kind == "make serve MODEL=tiny-wan":
+        url = request.getfixturevalue("tiny_wan_url")
+    else:
+        url = None
+    if url:
+        code, env["VAE_SERVICE_URL"] = code.replace("http://127.0.0.1:8000", url), url
+    latents = np.random.default_rng(0).standard_normal((1, 4, 16, 16)).astype(np.float32)
+    np.save(tmp_path / "latents.npy", latents)
+    (tmp_path / "latents").mkdir()
+    np.save(tmp_path / "latents" / "a.npy", latents)
+    runs = [[str(VENV_BIN / "python"), "-c", code]] if example.language == "python" else example.commands()
+    for run in runs:
+        done = subprocess.run(run, shell=isinstance(run, str), cwd=tmp_path, env=env, capture_output=True, text=True,
+                              timeout=300)  # fmt: skip
+        assert done.returncode == 0 and "Traceback" not in done.stderr, f"{run}\n{done.stdout}\n{done.stderr}"
+    for name in WRITES.findall(example.code):
+        assert (tmp_path / name).stat().st_size > 0, name
+        if name.endswith(".png"):
+            Image.open(tmp_path / name).verify()
+    if example.document == "README.md":  # the first decode: what it says it costs is for this size
+        assert Image.open(tmp_path / "out.png").size == (256, 256)
 
 
 @pytest.mark.parametrize("which", ["HTTP", "gRPC"])
@@ -224,7 +259,7 @@ def test_decode_casts_a_float64_npy_and_the_servers_refusal_is_one_line(served, 
 
     code, said = run("f64.npy")
     assert code == 0 and said == ["vae-service: f64.npy holds float64 latents: sending them as float32"]
-    assert Image.open(tmp_path / "out" / "000.png").size == (64, 64)
+    assert Image.open(tmp_path / "out" / "f64.png").size == (64, 64)  # named after its input
     code, said = run("one.npy")  # the server's 400, naming the missing batch dimension
     assert code == 1 and said == [
         "vae-service: HTTP 400 invalid_request: latents: shape [4, 8, 8] has no batch dimension: send [1, 4, 8, 8] "
@@ -250,7 +285,7 @@ def test_errors_name_the_right_field_over_http_and_grpc(served):
     grpc = VaeGrpcClient(f"127.0.0.1:{served['grpc_port']}", application="vae")
     with grpc, pytest.raises(InvalidRequest) as err:
         grpc.decode(z[:, :3])
-    assert str(err.value).startswith("gRPC INVALID_ARGUMENT invalid_request: latents: model 'tiny-kl' takes [B, 4")
+    assert str(err.value).startswith("gRPC INVALID_ARGUMENT invalid_request: latents: model 'sd' takes [B, 4")
 
 
 def test_the_streaming_cli_shows_each_chunk_as_it_arrives(wan_url, tmp_path):

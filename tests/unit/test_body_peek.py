@@ -307,6 +307,9 @@ def test_the_walk_refuses_what_msgpack_refuses_and_more_only_for_depth_or_count(
     event(f"msgpack: {(before or 'accepted')[:60]} / walk: {(walked or 'accepted')[:60]}")
     if walked is not None and (DEEP in walked or TOO_MANY in walked):
         return  # the walk's own bounds, met first in byte order
+    if not raw:
+        assert "is empty" in walked  # the missing body named as such, where msgpack says "ends early"
+        return
     if before is None and walked is not None:
         assert "must be a msgpack map" in walked  # parsed, then refused as the replica does
         return

@@ -57,6 +57,23 @@ def test_wrong_content_type_is_415(ct):
     assert wire_error(err).http_status == 415 and err.field == "Content-Type"
 
 
+@pytest.mark.parametrize("ct", [None, MSGPACK, "application/json"])
+def test_an_empty_body_is_400_naming_the_body_whatever_its_content_type(ct):
+    """Before: 415 naming Content-Type (`got 'nothing'`) without one, 400 `ends early` with one."""
+    from vae_service.protocol.hf_remote import parse_remote_decode
+    from vae_service.protocol.msgpack_body import peek_routing
+
+    refusals = [field_error(b"", content_type=ct)]
+    for call in (lambda: peek_routing(b"", MAX_BYTES), lambda: parse_remote_decode(b"", ct, None, {"shape": ["1"]})):
+        with pytest.raises(ANSWERABLE) as err:
+            call()
+        refusals.append(err.value)
+    for err in refusals:
+        wire = wire_error(err)
+        assert (wire.http_status, error_type(err), err.field) == (400, "invalid_request", "body")
+        assert "is empty" in str(err)
+
+
 def field_error(raw, **kw):
     with pytest.raises(ANSWERABLE) as err:
         parse(raw, **kw)
@@ -67,7 +84,6 @@ def field_error(raw, **kw):
     "raw, field, text",
     [
         (body()[:-5], "body", "is not a msgpack /decode map: it ends early (truncated)"),
-        (b"", "body", "it ends early"),
         (body() + b"\x01", "body", "bytes follow the first msgpack object"),
         (b'{"latents": [1, 2]}', "body", "it looks like JSON; /decode reads msgpack"),
         (b"\xc1garbage", "body", "not msgpack (an invalid first byte or type)"),

@@ -59,6 +59,8 @@ def _number(query: Query, key: str, cast=float):
 
 
 def parse_remote_decode(body: bytes, content_type: str | None, accept: str | None, query: Query) -> RemoteDecodePlan:
+    if not body:  # named before the Content-Type: a client that sent nothing often sent no type either
+        raise InvalidInput("body", "is empty: POST /remote-decode takes the latents' raw bytes")
     if (content_type or "").split(";")[0].strip().lower() not in TENSOR_TYPES:
         raise UnsupportedMediaType("Content-Type", f"must be tensor/binary, got {content_type or 'nothing'!r}")
     try:

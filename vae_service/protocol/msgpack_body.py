@@ -19,6 +19,13 @@ def check_content_type(content_type: str | None) -> None:
         raise UnsupportedMediaType("Content-Type", f"must be application/msgpack, got {content_type or 'nothing'!r}")
 
 
+def check_body_present(body: bytes) -> None:
+    """An empty body is a request without its map: named as the body, before its Content-Type (a
+    client that sent nothing often sent no Content-Type either, and that is not what to fix)."""
+    if not body:
+        raise InvalidInput("body", "is empty: POST /decode takes a msgpack map with at least `latents`")
+
+
 def check_body_size(size: int, max_request_bytes: int) -> None:
     if size > max_request_bytes:
         raise LimitExceeded("body", f"{size} bytes is over the limit of {max_request_bytes} (max_request_bytes)")
@@ -194,6 +201,7 @@ class _Walk:
 
 
 def _walked(body: bytes, max_request_bytes: int) -> tuple[_Walk, str]:
+    check_body_present(body)
     check_body_size(len(body), max_request_bytes)
     walk = _Walk(body, max_request_bytes)
     try:

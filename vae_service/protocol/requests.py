@@ -13,7 +13,7 @@ import torch
 
 from vae_service.engine.request.decode_request import DecodeRequest
 from vae_service.engine.request.errors import InvalidInput
-from vae_service.protocol.msgpack_body import check_content_type, unpack_body
+from vae_service.protocol.msgpack_body import check_body_present, check_content_type, unpack_body
 from vae_service.protocol.tensors import from_numpy, to_torch
 from vae_service_client.errors import did_you_mean
 from vae_service_client.messages import REQUEST_KEYS, UNSET, request_fields, request_fields_from_proto
@@ -35,6 +35,7 @@ def request_from_fields(fields: dict) -> DecodeRequest:
 
 
 def parse_decode_body(body: bytes, content_type: str | None, max_request_bytes: int) -> DecodeRequest:
+    check_body_present(body)
     check_content_type(content_type)
     return request_from_fields(request_fields(unpack_body(body, max_request_bytes)))
 
