@@ -125,15 +125,24 @@ class Parallel(BaseModel):
 
 
 class Encoding(BaseModel):
-    """How png/jpeg/mp4 outputs are written, and by how many threads (off the device thread). An
-    mp4 is fragmented: one fragment per latent frame's worth of frames, each its own GOP (it starts
-    with a keyframe), streamed or whole alike."""
+    """How png/jpeg/webp/avif/mp4/webm outputs are written, and by how many threads (off the device
+    thread). A video (mp4, webm) is fragmented: one fragment (a WebM cluster) per latent frame's
+    worth of frames, each its own GOP (it starts with a keyframe), streamed or whole alike."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     png_compress_level: int = Field(1, ge=0, le=9, description="zlib level: 1 is several times faster than 6")
     jpeg_quality: int = Field(95, ge=1, le=100, description="JPEG quality of `jpeg` outputs")
-    mp4_fps: int = Field(16, gt=0, description="frame rate of `mp4` outputs (video models)")
+    webp_quality: int = Field(90, ge=0, le=100, description="WebP quality of `webp` outputs (lossy)")
+    webp_lossless: bool = Field(False, description="`webp` outputs lossless (the uint8 answer's pixels exactly)")
+    webp_method: int = Field(
+        0, ge=0, le=6, description="WebP effort, 0 (fastest: a third of 4's time here, the same size) to 6"
+    )
+    avif_quality: int = Field(75, ge=0, le=100, description="AVIF quality of `avif` outputs")
+    avif_speed: int = Field(
+        8, ge=0, le=10, description="AVIF encoder speed, 0 (slowest, smallest) to 10; 8 is 4x faster than 6 here"
+    )
+    mp4_fps: int = Field(16, gt=0, description="frame rate of `mp4` and `webm` outputs (video models)")
     mp4_crf: int = Field(
         23, ge=0, le=51, description="x264 constant rate factor of `mp4` outputs (0: lossless in YUV; lower: larger)"
     )
@@ -143,6 +152,13 @@ class Encoding(BaseModel):
     mp4_preset: Literal[
         "ultrafast", "superfast", "veryfast", "faster", "fast", "medium", "slow", "slower", "veryslow"
     ] = Field("veryfast", description="x264 preset of `mp4` outputs (speed against size)")
+    webm_crf: int = Field(
+        32, ge=0, le=63, description="VP9 constant quality of `webm` outputs (0: lossless in YUV; lower: larger)"
+    )
+    webm_bitrate: int | None = Field(
+        None, gt=0, description="bits per second of `webm` outputs; when set it replaces webm_crf"
+    )
+    webm_speed: int = Field(8, ge=0, le=8, description="libvpx-vp9 cpu-used of `webm` outputs (8: fastest)")
     threads: int = Field(4, gt=0, description="encoder threads; a request's items encode in parallel")
 
 

@@ -18,18 +18,27 @@ from PIL import Image
 
 from vae_service.engine.media.fmp4 import FragmentedMp4
 from vae_service.engine.media.frames import frame_counts
+from vae_service.engine.request.decode_request import IMAGE_OUTPUTS, VIDEO_OUTPUTS
 
-ENCODED_OUTPUTS = ("png", "jpeg", "mp4")
+ENCODED_OUTPUTS = IMAGE_OUTPUTS + VIDEO_OUTPUTS
 
 
 @dataclass(frozen=True)
 class EncodeSettings:
     png_compress_level: int = 1
     jpeg_quality: int = 95
-    mp4_fps: int = 16
+    webp_quality: int = 90
+    webp_lossless: bool = False
+    webp_method: int = 0
+    avif_quality: int = 75
+    avif_speed: int = 8
+    mp4_fps: int = 16  # webm's too
     mp4_crf: int = 23
     mp4_bitrate: int | None = None  # bits/s; replaces the crf when set
     mp4_preset: str = "veryfast"
+    webm_crf: int = 32
+    webm_bitrate: int | None = None  # bits/s; replaces the crf when set
+    webm_speed: int = 8
 
     @classmethod
     def of(cls, encoding) -> EncodeSettings:

@@ -13,7 +13,9 @@ import torch
 from vae_service.engine.request.errors import InvalidInput
 
 QUALITIES = ("lossless", "high", "preview")
-OUTPUTS = ("uint8", "float", "png", "jpeg", "mp4")
+IMAGE_OUTPUTS = ("png", "jpeg", "webp", "avif")  # encoded files of one image each
+VIDEO_OUTPUTS = ("mp4", "webm")  # encoded fragmented videos (video models)
+OUTPUTS = ("uint8", "float", *IMAGE_OUTPUTS, *VIDEO_OUTPUTS)
 # "auto": tiled above the memory bound (`high` in spatial tiles, `lossless` by the class's own tiled
 # decode); "model": `lossless` through the class's own tiled decode whatever the bound, as
 # `vae.enable_tiling(); vae.decode` (a caller mirroring a local VAE with tiling on); "none": never

@@ -20,7 +20,7 @@ from typing import NamedTuple
 import torch
 
 from vae_service.engine.request.context import RequestContext
-from vae_service.engine.request.decode_request import DecodeRequest
+from vae_service.engine.request.decode_request import IMAGE_OUTPUTS, VIDEO_OUTPUTS, DecodeRequest
 from vae_service.engine.request.errors import InvalidInput
 from vae_service.engine.request.latent_forms import Form, to_decoder_layout
 from vae_service.models.normalisation import Denormaliser, Normalisation, divide_and_shift
@@ -97,39 +97,40 @@ def _timestep(request: DecodeRequest, spec: ModelSpec) -> float | None:
     return DEFAULT_DECODE_TIMESTEP if request.decode_timestep is None else request.decode_timestep
 
 
-# What the encoders can write, checked before any decode (PIL refuses wider JPEGs; x264 with
-# yuv420p needs even sides, which an 8x VAE always gives).
-MAX_JPEG_SIDE = 65_500
-STREAMED_OUTPUTS = ("uint8", "float", "mp4")  # mp4: one fragmented video (serving/mp4_stream.py)
+# What the encoders can write, checked before any decode (PIL refuses wider JPEGs, libwebp wider
+# WebPs; x264 and libvpx with 4:2:0 need even sides, which an 8x VAE always gives).
+MAX_IMAGE_SIDE = {"jpeg": 65_500, "webp": 16_383}
+STREAMED_OUTPUTS = ("uint8", "float", *VIDEO_OUTPUTS)  # a video: one fragmented file (serving/mp4_stream.py)
 
 
 def check_output(request: DecodeRequest, spec: ModelSpec, frames: int, z: torch.Tensor) -> None:
-    if request.output == "mp4" and spec.family != "video":
-        raise InvalidInput("output", f"'mp4' is for video models; model '{spec.name}' decodes images")
+    output = request.output
+    if output in VIDEO_OUTPUTS and spec.family != "video":
+        raise InvalidInput("output", f"'{output}' is for video models; model '{spec.name}' decodes images")
     height, width = z.shape[-2] * spec.spatial_scale, z.shape[-1] * spec.spatial_scale
-    if request.output == "jpeg" and max(height, width) > MAX_JPEG_SIDE:
+    if max(height, width) > MAX_IMAGE_SIDE.get(output, max(height, width)):
         raise InvalidInput(
             "output",
-            f"'jpeg' holds at most {MAX_JPEG_SIDE} px per side; these latents decode to "
+            f"'{output}' holds at most {MAX_IMAGE_SIDE[output]} px per side; these latents decode to "
             f"{height}x{width}: use 'png', 'uint8' or 'float'",
         )
-    if request.stream and (spec.family != "video" or request.output not in STREAMED_OUTPUTS):
+    if request.stream and (spec.family != "video" or output not in STREAMED_OUTPUTS):
         raise InvalidInput(
             "stream",
             f"streams frames of video models as {' or '.join(map(repr, STREAMED_OUTPUTS))}; "
-            + (f"model '{spec.name}' decodes images" if spec.family != "video" else f"not '{request.output}'"),
+            + (f"model '{spec.name}' decodes images" if spec.family != "video" else f"not '{output}'"),
         )
-    if request.stream and request.output == "mp4" and z.shape[0] > 1:
+    if request.stream and output in VIDEO_OUTPUTS and z.shape[0] > 1:
         raise InvalidInput(
             "output",
-            f"a streamed 'mp4' is one video; these latents hold {z.shape[0]} items: send one per request, "
-            "or stream 'uint8'/'float' frames, or ask for whole 'mp4' answers (one file per item)",
+            f"a streamed '{output}' is one video; these latents hold {z.shape[0]} items: send one per request, "
+            f"or stream 'uint8'/'float' frames, or ask for whole '{output}' answers (one file per item)",
         )
-    if request.output in ("png", "jpeg") and frames > 1:
+    if output in IMAGE_OUTPUTS and frames > 1:
         raise InvalidInput(
             "output",
-            f"'{request.output}' encodes single images but these latents decode to "
-            f"{frames} frames; use 'mp4', 'uint8' or 'float'",
+            f"'{output}' encodes single images but these latents decode to "
+            f"{frames} frames; use {' or '.join(map(repr, VIDEO_OUTPUTS))}, 'uint8' or 'float'",
         )
 
 
