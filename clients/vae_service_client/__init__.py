@@ -8,7 +8,9 @@ from vae_service_client.errors import (
     Overloaded,
     PayloadTooLarge,
     ServerError,
+    ServiceUnreachable,
     Unauthenticated,
+    Unavailable,
     VaeServiceError,
 )
 from vae_service_client.http_client import AsyncVaeClient, VaeClient
@@ -35,7 +37,9 @@ __all__ = [
     "Overloaded",
     "PayloadTooLarge",
     "ServerError",
+    "ServiceUnreachable",
     "Unauthenticated",
+    "Unavailable",
     "VaeClient",
     "VaeGrpcClient",
     "VaeServiceError",

@@ -44,10 +44,15 @@ TYPE_TRAILER, FIELD_TRAILER, RETRY_TRAILER = "error-type", "error-field", "retry
 class VaeServiceError(Exception):
     """An error answer: the server's error `type`, the request `field` at fault and its message.
     `status` is the HTTP status of that type (gRPC answers carry the same type, hence the same
-    status); `via` says where it came from, and the text says it the same way:
+    status), None where no answer came: the connection failed (`unreachable`: nothing answered;
+    `unavailable`: closed before the answer was complete; `timeout`: nothing within the client's
+    `timeout`), and the message names the URL or target and the cause. `via` says where it came
+    from, and the text says it the same way:
 
-    - "http": an HTTP answer (`HTTP 400 invalid_request: ...`);
-    - "grpc": a gRPC status, `grpc_code` (`gRPC INVALID_ARGUMENT invalid_request: ...`);
+    - "http": an HTTP answer (`HTTP 400 invalid_request: ...`), or the HTTP connection failing
+      (no status: `HTTP unreachable: POST http://host:8000/decode: connection refused ...`);
+    - "grpc": a gRPC status, `grpc_code` (`gRPC INVALID_ARGUMENT invalid_request: ...`; grpc
+      reports a failed connection as a status too: `gRPC UNAVAILABLE unreachable: host:9000: ...`);
     - "client": refused by the client before anything was sent (`invalid_request (client-side,
       nothing sent): ...`), e.g. an unknown keyword argument or a dtype the wire does not carry;
     - "answer": carried by a frame stream's last message, or raised by a Serve handle or Ray
@@ -55,7 +60,7 @@ class VaeServiceError(Exception):
 
     def __init__(
         self,
-        status: int,
+        status: int | None,
         type_: str,
         message: str,
         field: str | None = None,
@@ -75,6 +80,8 @@ class VaeServiceError(Exception):
             return f"{self.type} (client-side, nothing sent): {self.message}"
         if self.via == "answer":
             return f"{self.type} ({self.status}): {self.message}"
+        if self.status is None:  # no HTTP answer: the connection failed
+            return f"HTTP {self.type}: {self.message}"
         return f"HTTP {self.status} {self.type}: {self.message}"
 
     def __reduce__(self):  # crosses Ray handles intact
@@ -98,15 +105,29 @@ class Overloaded(VaeServiceError):
     """429/503: retried with backoff (honouring Retry-After) before it reaches you."""
 
 
+class Unavailable(Overloaded):
+    """503 `unavailable`: the replica went away, a retry succeeds on another; also the connection
+    closed before the answer was complete (status None), and a stream cut off after its first
+    frame (which no client retries: the caller already has those frames)."""
+
+
+class ServiceUnreachable(VaeServiceError):
+    """Type `unreachable`, status None: nothing answered at the URL or target (connection refused,
+    no such host, timed out connecting). Not retried: a wrong address or a stopped service."""
+
+
 class DecodeTimeout(VaeServiceError):
-    """504: the server did not finish within its request timeout."""
+    """504: the server did not finish within its request timeout; or (status None) nothing came
+    within the client's `timeout` (not retried: it would take as long again)."""
 
 
 class ServerError(VaeServiceError):
     """Any other 5xx: a server bug."""
 
 
-def error_class(status: int) -> type[VaeServiceError]:
+def error_class(status: int, type_: str | None = None) -> type[VaeServiceError]:
+    if type_ == "unavailable":
+        return Unavailable
     if status in (429, 503):
         return Overloaded
     if status == 413:
@@ -126,7 +147,13 @@ def make_error(
     """The typed exception for a server-side error of `type_` (the handle API and frame streams
     raise these; `via` as VaeServiceError's)."""
     status = ERROR_KINDS[type_].http_status
-    return error_class(status)(status, type_, message, field, retry_after, via)
+    return error_class(status, type_)(status, type_, message, field, retry_after, via)
+
+
+def connection_error(cls: type[VaeServiceError], type_: str, where: str, cause: str, **how) -> VaeServiceError:
+    """The connection to `where` (a request's method and URL, or a gRPC target) failed: no answer,
+    so no status; one line naming where and why (`how`: via, grpc_code)."""
+    return cls(None, type_, f"{where}: {' '.join(cause.split())}", **how)
 
 
 def did_you_mean(name: object, choices) -> str:
@@ -164,16 +191,17 @@ def error_from_http(status: int, headers, content: bytes) -> VaeServiceError:
         type_, message, field = err.get("type", "error"), err.get("message", ""), err.get("field")
     except (ValueError, KeyError, TypeError):
         type_, message, field = "error", content[:500].decode(errors="replace"), None
-    return error_class(status)(status, type_, message, field, _seconds(retry))
+    return error_class(status, type_)(status, type_, message, field, _seconds(retry))
 
 
 def error_from_grpc(code_name: str, details: str | None, trailers) -> VaeServiceError:
     meta = dict(trailers or ())
     type_ = meta.get(TYPE_TRAILER)
     status = ERROR_KINDS[type_].http_status if type_ in ERROR_KINDS else _GRPC_FALLBACK_STATUS.get(code_name, 500)
-    return error_class(status)(
+    type_ = type_ or code_name.lower()
+    return error_class(status, type_)(
         status,
-        type_ or code_name.lower(),
+        type_,
         details or "",
         meta.get(FIELD_TRAILER),
         _seconds(meta.get(RETRY_TRAILER)),

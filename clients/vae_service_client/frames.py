@@ -157,7 +157,10 @@ class MessageReader:
 
     def close(self) -> None:
         if self._buffer:
-            raise ValueError(f"stream ended inside a message ({len(self._buffer)} bytes left)")
+            # cut off mid-message (a body that ends with the connection): typed like a cut mp4 stream
+            raise make_error(
+                "unavailable", None, f"the frame stream ended inside a message ({len(self._buffer)} bytes left)"
+            )
 
 
 @dataclass

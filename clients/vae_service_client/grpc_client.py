@@ -4,13 +4,20 @@ errors and retries (unary calls only)."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import BinaryIO
 
 import grpc
 
-from vae_service_client.errors import VaeServiceError, error_from_grpc
+from vae_service_client.errors import (
+    TYPE_TRAILER,
+    ServiceUnreachable,
+    VaeServiceError,
+    connection_error,
+    error_from_grpc,
+)
 from vae_service_client.frames import AsyncFrameStream, FrameStream, StreamSummary, message_of_proto
 from vae_service_client.grpc_gen import decode_pb2_grpc
 from vae_service_client.messages import DecodeResponse, request_proto
@@ -20,8 +27,23 @@ from vae_service_client.retries import with_retries, with_retries_async
 _CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 512 * 2**20), ("grpc.max_send_message_length", 512 * 2**20)]
 
 
-def _error(exc: grpc.RpcError) -> VaeServiceError:
-    return error_from_grpc(exc.code().name, exc.details(), exc.trailing_metadata())
+# grpc reports every failure of the connection as UNAVAILABLE; only its text tells one that never
+# connected (nothing sent: a wrong target or a stopped service, not retried) from a call cut off
+_CONNECT_FAILED = re.compile(r"failed to connect|errors resolving|DNS resolution failed", re.IGNORECASE)
+
+
+def _typed_error(exc: grpc.RpcError, target: str, timeout: float) -> VaeServiceError:
+    code, details, trailers = exc.code().name, exc.details() or "", exc.trailing_metadata()
+    if TYPE_TRAILER in dict(trailers or ()):  # the service's own answer
+        return error_from_grpc(code, details, trailers)
+    # grpc's own status (a transport failure, a deadline) or Serve's proxy's: say where and which timeout
+    if code == "UNAVAILABLE" and _CONNECT_FAILED.search(details):
+        refused = "connection refused" in details.lower()
+        cause = "connection refused (nothing listening)" if refused else f"cannot connect ({details})"
+        return connection_error(ServiceUnreachable, "unreachable", target, cause, via="grpc", grpc_code=code)
+    if code == "DEADLINE_EXCEEDED":
+        details = f"{details} (timeout={timeout} s)"
+    return error_from_grpc(code, " ".join(f"{target}: {details}".split()), trailers)
 
 
 class _Base:
@@ -45,7 +67,10 @@ class _Base:
         if token:
             metadata.append(("authorization", f"Bearer {token}"))
         self._metadata = tuple(metadata)
-        self.timeout, self.retries, self.backoff_s = timeout, retries, backoff_s
+        self.target, self.timeout, self.retries, self.backoff_s = target, timeout, retries, backoff_s
+
+    def _error(self, exc: grpc.RpcError) -> VaeServiceError:
+        return _typed_error(exc, self.target, self.timeout)
 
 
 def carries_something(msg) -> bool:
@@ -65,7 +90,7 @@ class VaeGrpcClient(_Base):
                     self._stub.Decode(request, timeout=self.timeout, metadata=self._metadata)
                 )
             except grpc.RpcError as exc:
-                raise _error(exc) from None
+                raise self._error(exc) from None
 
         return with_retries(attempt, self.retries, self.backoff_s)
 
@@ -80,7 +105,7 @@ class VaeGrpcClient(_Base):
                 if carries_something(msg):
                     yield DecodeResponse.from_proto(msg)
         except grpc.RpcError as exc:
-            raise _error(exc) from None
+            raise self._error(exc) from None
 
     def decode_frames(self, latents, quality: str = "lossless", output: str = "uint8", **options) -> FrameStream:
         """Video frames as they are decoded (DecodeFrames; video models, uint8/float output; mp4:
@@ -93,7 +118,7 @@ class VaeGrpcClient(_Base):
                     if (message := message_of_proto(msg)) is not None:
                         yield message
             except grpc.RpcError as exc:
-                raise _error(exc) from None
+                raise self._error(exc) from None
 
         return FrameStream(messages())
 
@@ -126,7 +151,7 @@ class AsyncVaeGrpcClient(_Base):
                     await self._stub.Decode(request, timeout=self.timeout, metadata=self._metadata)
                 )
             except grpc.RpcError as exc:
-                raise _error(exc) from None
+                raise self._error(exc) from None
 
         return await with_retries_async(attempt, self.retries, self.backoff_s)
 
@@ -139,7 +164,7 @@ class AsyncVaeGrpcClient(_Base):
                 if carries_something(msg):
                     yield DecodeResponse.from_proto(msg)
         except grpc.RpcError as exc:
-            raise _error(exc) from None
+            raise self._error(exc) from None
 
     def decode_frames(self, latents, quality: str = "lossless", output: str = "uint8", **options) -> AsyncFrameStream:
         request = request_proto(latents, quality, output, **options)
@@ -150,7 +175,7 @@ class AsyncVaeGrpcClient(_Base):
                     if (message := message_of_proto(msg)) is not None:
                         yield message
             except grpc.RpcError as exc:
-                raise _error(exc) from None
+                raise self._error(exc) from None
 
         return AsyncFrameStream(messages())
 

@@ -1,14 +1,23 @@
 """HTTP clients (sync and async) for `POST /decode` (whole answers, frame streams, streamed mp4) and
-`GET /health`, with retries on 429/503."""
+`GET /health`, with retries on 429/503 (retries.py), and transport failures as typed errors."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
 
 import httpx
 
-from vae_service_client.errors import error_from_http
+from vae_service_client.errors import (
+    DecodeTimeout,
+    ServiceUnreachable,
+    Unavailable,
+    VaeServiceError,
+    connection_error,
+    error_from_http,
+)
 from vae_service_client.frames import AsyncFrameStream, FrameStream, MessageReader, StreamSummary
 from vae_service_client.messages import MSGPACK, DecodeResponse, pack, request_map
 from vae_service_client.mp4 import write_chunks, write_chunks_async
@@ -29,14 +38,53 @@ def _health(r: httpx.Response) -> dict:
     return r.json()
 
 
+def _transport_error(exc: httpx.TransportError, request: httpx.Request, timeout: float) -> VaeServiceError:
+    """httpx's failure of the connection as a typed error whose text is one line naming the
+    request and the cause (httpx's own reaches a caller as a long traceback)."""
+    where, text = f"{request.method} {request.url}", str(exc) or type(exc).__name__
+    if isinstance(exc, httpx.ConnectTimeout):
+        return connection_error(ServiceUnreachable, "unreachable", where, f"timed out connecting (timeout={timeout} s)")
+    if isinstance(exc, httpx.TimeoutException):  # read, write or pool: the connection was there
+        what = {httpx.WriteTimeout: "nothing sent", httpx.PoolTimeout: "no free connection"}.get(type(exc))
+        return connection_error(
+            DecodeTimeout, "timeout", where, f"{what or 'nothing received'} within timeout={timeout} s"
+        )
+    if isinstance(exc, httpx.ConnectError):
+        cause = "connection refused (nothing listening)" if _refused(exc) else f"cannot connect ({text})"
+        return connection_error(ServiceUnreachable, "unreachable", where, cause)
+    if isinstance(exc, httpx.NetworkError | httpx.RemoteProtocolError):  # reset, or closed early
+        return connection_error(
+            Unavailable, "unavailable", where, f"the connection closed before the answer was complete ({text})"
+        )
+    return connection_error(ServiceUnreachable, "unreachable", where, text)  # proxy, unsupported scheme
+
+
+def _refused(exc: BaseException | None) -> bool:
+    # the OS error sits a few causes down (anyio wraps it in "All connection attempts failed")
+    while exc is not None:
+        if isinstance(exc, ConnectionRefusedError):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+@contextmanager
+def _typed_transport_errors(request: httpx.Request, timeout: float) -> Iterator[None]:
+    try:
+        yield
+    except httpx.TransportError as exc:
+        raise _transport_error(exc, request, timeout) from None
+
+
 def _headers(token: str | None) -> dict[str, str]:
     return {"authorization": f"Bearer {token}"} if token else {}
 
 
 class _Base:
-    """`retries`: extra attempts on 429/503 (backoff doubling from `backoff_s`, at least the
-    server's Retry-After); `timeout`: seconds per attempt; `token`: the service's bearer token,
-    when it requires one."""
+    """`retries`: extra attempts on 429/503 and on a connection closed before the answer was
+    complete (backoff doubling from `backoff_s`, at least the server's Retry-After: retries.py);
+    `timeout`: seconds per attempt (without a byte of the answer); `token`: the service's bearer
+    token, when it requires one."""
 
     _client_class: type = httpx.Client
 
@@ -49,10 +97,14 @@ class _Base:
         token: str | None = None,
     ):
         self._http = self._client_class(base_url=base_url, timeout=timeout, headers=_headers(token))
-        self.retries, self.backoff_s = retries, backoff_s
+        self.timeout, self.retries, self.backoff_s = timeout, retries, backoff_s
 
     def _decode_request(self, body: bytes) -> httpx.Request:
         return self._http.build_request("POST", "/decode", content=body, headers={"content-type": MSGPACK})
+
+    def _transport(self, request: httpx.Request):
+        """Around everything that sends `request` or reads its answer: transport failures typed."""
+        return _typed_transport_errors(request, self.timeout)
 
 
 class VaeClient(_Base):
@@ -62,7 +114,9 @@ class VaeClient(_Base):
         body = pack(request_map(latents, quality, output, **options))
 
         def attempt() -> DecodeResponse:
-            return _response(self._http.send(self._decode_request(body)))
+            request = self._decode_request(body)
+            with self._transport(request):
+                return _response(self._http.send(request))
 
         return with_retries(attempt, self.retries, self.backoff_s)
 
@@ -70,14 +124,16 @@ class VaeClient(_Base):
         """Video frames as they are decoded: iterate the stream for FrameChunks (`collect()` joins
         them into the non-streamed output, but for the frames an item sent before it fell back to
         fp32: `summary.fallback_from_frame`); its `summary` holds the rest once it ended. Retries
-        429/503 until the first frame; the request is sent when iteration starts."""
+        (retries.py) until the first frame; a connection closed after it raises Unavailable. The
+        request is sent when iteration starts."""
         body = pack(request_map(latents, quality, output, stream=True, **options))
 
         def messages():
             response, reader = self._open_stream(body), MessageReader()
             try:
-                for data in response.iter_bytes():
-                    yield from reader.feed(data)
+                with self._transport(response.request):  # cut after frames went out: not retried
+                    for data in response.iter_bytes():
+                        yield from reader.feed(data)
             finally:
                 response.close()
             reader.close()
@@ -91,25 +147,30 @@ class VaeClient(_Base):
         frames sent, where the item fell back to fp32 after some: `summary.fallback_from_frame`)."""
         response = self._open_stream(pack(request_map(latents, quality, "mp4", stream=True, **options)))
         try:
-            return StreamSummary(write_chunks(response.iter_bytes(), target))
+            with self._transport(response.request):
+                return StreamSummary(write_chunks(response.iter_bytes(), target))
         finally:
             response.close()
 
     def _open_stream(self, body: bytes) -> httpx.Response:
-        """A streamed answer's response once it opened (200); retries 429/503 before that."""
+        """A streamed answer's response once it opened (200); retried (retries.py) before that."""
 
         def attempt() -> httpx.Response:
-            response = self._http.send(self._decode_request(body), stream=True)
-            if response.status_code != 200:
-                response.read()
-                response.close()
-                raise error_from_http(response.status_code, response.headers, response.content)
+            request = self._decode_request(body)
+            with self._transport(request):
+                response = self._http.send(request, stream=True)
+                if response.status_code != 200:
+                    response.read()
+                    response.close()
+                    raise error_from_http(response.status_code, response.headers, response.content)
             return response
 
         return with_retries(attempt, self.retries, self.backoff_s)
 
     def health(self) -> dict:
-        return _health(self._http.get("/health"))
+        request = self._http.build_request("GET", "/health")
+        with self._transport(request):
+            return _health(self._http.send(request))
 
     def close(self) -> None:
         self._http.close()
@@ -128,7 +189,9 @@ class AsyncVaeClient(_Base):
         body = pack(request_map(latents, quality, output, **options))
 
         async def attempt() -> DecodeResponse:
-            return _response(await self._http.send(self._decode_request(body)))
+            request = self._decode_request(body)
+            with self._transport(request):
+                return _response(await self._http.send(request))
 
         return await with_retries_async(attempt, self.retries, self.backoff_s)
 
@@ -139,9 +202,10 @@ class AsyncVaeClient(_Base):
         async def messages():
             response, reader = await self._open_stream(body), MessageReader()
             try:
-                async for data in response.aiter_bytes():
-                    for message in reader.feed(data):
-                        yield message
+                with self._transport(response.request):  # cut after frames went out: not retried
+                    async for data in response.aiter_bytes():
+                        for message in reader.feed(data):
+                            yield message
             finally:
                 await response.aclose()
             reader.close()
@@ -154,23 +218,28 @@ class AsyncVaeClient(_Base):
         """Like VaeClient.decode_mp4."""
         response = await self._open_stream(pack(request_map(latents, quality, "mp4", stream=True, **options)))
         try:
-            return StreamSummary(await write_chunks_async(response.aiter_bytes(), target))
+            with self._transport(response.request):
+                return StreamSummary(await write_chunks_async(response.aiter_bytes(), target))
         finally:
             await response.aclose()
 
     async def _open_stream(self, body: bytes) -> httpx.Response:
         async def attempt() -> httpx.Response:
-            response = await self._http.send(self._decode_request(body), stream=True)
-            if response.status_code != 200:
-                await response.aread()
-                await response.aclose()
-                raise error_from_http(response.status_code, response.headers, response.content)
+            request = self._decode_request(body)
+            with self._transport(request):
+                response = await self._http.send(request, stream=True)
+                if response.status_code != 200:
+                    await response.aread()
+                    await response.aclose()
+                    raise error_from_http(response.status_code, response.headers, response.content)
             return response
 
         return await with_retries_async(attempt, self.retries, self.backoff_s)
 
     async def health(self) -> dict:
-        return _health(await self._http.get("/health"))
+        request = self._http.build_request("GET", "/health")
+        with self._transport(request):
+            return _health(await self._http.send(request))
 
     async def aclose(self) -> None:
         await self._http.aclose()

@@ -1,5 +1,17 @@
-"""Retry policy shared by every client: only overload (429/503) is retried, with exponential
-backoff that never undercuts the server's Retry-After."""
+"""The retry policy of every client (HTTP and gRPC, sync and async), written once here.
+
+Retried, up to `retries` more times, backoff doubling from `backoff_s` (at most 8 s) and never
+sooner than the server's Retry-After: Overloaded, that is 429/503 answers and Unavailable (a 503
+`unavailable`, or the connection closed before the answer was complete: the replica went away,
+another one answers; decoding is a pure function, so sending it again is safe).
+
+Not retried: ServiceUnreachable (nothing listens there: a wrong address or a stopped service, which
+seconds of backoff do not fix, so the caller hears it at once), DecodeTimeout (a decode that outlasted
+the timeout would take as long again: raise `timeout` instead), and every other error (the request
+itself is at fault).
+
+Callers retry only while nothing reached their caller: a streamed answer until it opened, never
+after frames were handed out."""
 
 from __future__ import annotations
 
@@ -17,20 +29,34 @@ def retry_delay(attempt: int, error: VaeServiceError, backoff_s: float, max_back
     return max(min(backoff_s * 2**attempt, max_backoff_s), error.retry_after or 0.0)
 
 
+def next_delay(attempt: int, error: VaeServiceError, retries: int, backoff_s: float) -> float | None:
+    """Seconds to wait before trying again after attempt `attempt` (from 0) failed with `error`;
+    None: give up and raise it."""
+    if attempt >= retries or not isinstance(error, Overloaded):
+        return None
+    return retry_delay(attempt, error, backoff_s)
+
+
 def with_retries(call: Callable[[], T], retries: int, backoff_s: float) -> T:
-    """`call()` again while it raises Overloaded, up to `retries` more times."""
-    for attempt in range(retries):
+    """`call()` again while the policy retries what it raises."""
+    attempt = 0
+    while True:
         try:
             return call()
-        except Overloaded as exc:
-            time.sleep(retry_delay(attempt, exc, backoff_s))
-    return call()
+        except VaeServiceError as exc:
+            if (delay := next_delay(attempt, exc, retries, backoff_s)) is None:
+                raise
+            time.sleep(delay)
+        attempt += 1
 
 
 async def with_retries_async(call: Callable[[], Awaitable[T]], retries: int, backoff_s: float) -> T:
-    for attempt in range(retries):
+    attempt = 0
+    while True:
         try:
             return await call()
-        except Overloaded as exc:
-            await asyncio.sleep(retry_delay(attempt, exc, backoff_s))
-    return await call()
+        except VaeServiceError as exc:
+            if (delay := next_delay(attempt, exc, retries, backoff_s)) is None:
+                raise
+            await asyncio.sleep(delay)
+        attempt += 1

@@ -19,6 +19,7 @@ from vae_service.engine.request.result import DecodeResult
 from vae_service.serving.decode_service import DecodeService
 from vae_service.serving.frame_stream import FrameStream
 from vae_service.serving.http_routes import decode_events
+from vae_service_client.errors import Unavailable
 from vae_service_client.frames import STREAM_MEDIA_TYPE, MessageReader, assemble
 from vae_service_client.frames import FrameStream as ClientStream
 from vae_service_client.messages import MSGPACK, pack, request_map
@@ -127,7 +128,7 @@ def test_reader_refuses_a_broken_stream():
         reader.feed(b"\xff\xff\xff\xff" + msgpack.packb({}))
     reader = MessageReader()
     reader.feed(b"\x00\x00\x00\x10abc")
-    with pytest.raises(ValueError, match="ended inside a message"):
+    with pytest.raises(Unavailable, match="ended inside a message"):  # cut off: typed, like any cut stream
         reader.close()
 
 
