@@ -1,10 +1,11 @@
-"""A real browser as a test client: headless Chromium plays a streamed fragmented MP4 through Media
-Source Extensions (tests/browser_page.html) and reports what it saw back over HTTP.
+"""A real browser as a test client: headless Chromium plays a streamed fragmented MP4 or WebM through
+Media Source Extensions (tests/browser_page.html) and reports what it saw back over HTTP.
 
 `PageServer` serves the page, relays the stream from a source the test gives it, and collects the
 page's reports; `Chromium` runs the browser on the page; `browser_page` does both. The relay holds
-the response open after the first media fragment until the page reports buffered frames, so a
-`buffered` report with `open: true` proves the browser buffered video before the answer was over.
+the response open after the first media fragment (mp4: moof + mdat; webm: a Cluster) until the page
+reports buffered frames, so a `buffered` report with `open: true` proves the browser buffered video
+before the answer was over.
 
     @contextlib.contextmanager
     def source():
@@ -138,6 +139,64 @@ def split_boxes(data: bytes) -> list[bytes]:
     return [data[b.start : b.end] for b in boxes]
 
 
+# ---- top-level EBML elements (WebM): the Segment's children count as top-level, as the page reads them
+
+EBML_NAMES = {
+    0x1A45DFA3: "EBML",
+    0x18538067: "Segment",
+    0x114D9B74: "SeekHead",
+    0x1549A966: "Info",
+    0x1654AE6B: "Tracks",
+    0x1F43B675: "Cluster",
+    0x1C53BB6B: "Cues",
+    0xEC: "Void",
+}
+
+
+def element_header(data: bytes | bytearray | memoryview, offset: int = 0) -> tuple[str, int, int] | None:
+    """(name, header length, element size) of the EBML element at offset, or None while the header is
+    incomplete. An element of unknown size (a live Segment) comes back with size -1."""
+    if offset >= len(data):
+        return None
+    id_length = 9 - data[offset].bit_length()
+    if not 1 <= id_length <= 4:
+        raise ValueError(f"an EBML id of {id_length} bytes at offset {offset}")
+    if len(data) - offset <= id_length:
+        return None
+    kind = int.from_bytes(data[offset : offset + id_length], "big")
+    size_length = 9 - data[offset + id_length].bit_length()
+    if not 1 <= size_length <= 8:
+        raise ValueError(f"an EBML size of {size_length} bytes at offset {offset + id_length}")
+    header = id_length + size_length
+    if len(data) - offset < header:
+        return None
+    size = int.from_bytes(data[offset + id_length : offset + header], "big") & ((1 << (7 * size_length)) - 1)
+    name = EBML_NAMES.get(kind, f"{kind:#x}")
+    if size == (1 << (7 * size_length)) - 1:
+        return name, header, -1
+    return name, header, header + size
+
+
+def iter_elements(data: bytes | bytearray | memoryview, offset: int = 0) -> Iterator[Box]:
+    """The complete top-level elements in data from offset on: an element of unknown size comes as its header
+    alone (its children follow as top-level elements); stops at an incomplete one."""
+    while True:
+        found = element_header(data, offset)
+        if found is None:
+            return
+        kind, header, size = found
+        end = offset + (header if size < 0 else size)
+        if end > len(data):
+            return
+        yield Box(kind, offset, header, end)
+        offset = end
+
+
+def media_pieces(content_type: str | None) -> Callable[..., Iterator[Box]]:
+    """iter_elements for a WebM stream, iter_boxes for an MP4 one."""
+    return iter_elements if (content_type or "").startswith("video/webm") else iter_boxes
+
+
 def avc1_codecs(init: bytes) -> str:
     """The RFC 6381 codec string ("avc1.PPCCLL") of the H.264 track in an init segment, from its avcC box."""
     at = init.find(b"avcC")
@@ -155,7 +214,7 @@ class RelayRecord:
 
     content_type: str | None = None
     started_at: float | None = None
-    boxes: list[str] = dataclasses.field(default_factory=list)  # top-level box types, in order
+    boxes: list[str] = dataclasses.field(default_factory=list)  # top-level box types (webm: elements), in order
     held_at: float | None = None  # when the first fragment began to leave; the rest is held from then on
     held_bytes: int | None = None  # bytes relayed before the hold
     released_at: float | None = None
@@ -306,15 +365,17 @@ class PageServer:
             sent = 0
             held = False
             seen_moof = False
+            pieces = media_pieces(content_type)
             try:
                 for chunk in chunks:
                     received += chunk
                     hold_at = None
-                    for box in iter_boxes(received, scanned):
+                    for box in pieces(received, scanned):
                         scanned = box.end
                         record.boxes.append(box.type)
                         seen_moof = seen_moof or box.type == "moof"
-                        if not held and hold_at is None and seen_moof and box.type == "mdat":
+                        fragment_ends = box.type == "Cluster" or (seen_moof and box.type == "mdat")
+                        if not held and hold_at is None and fragment_ends:
                             hold_at = box.end
                     if hold_at is not None:
                         held = True

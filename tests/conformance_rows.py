@@ -68,7 +68,7 @@ class Row:
     quality: str  # "lossless" | "high" | "preview"
     tiling: str  # the request's: "auto" | "model" | "none"
     bound: str  # "default" (the engine's) | "tight" (below the whole decode's price: tiled)
-    stream: str  # "none" | "frames" (FrameStream) | "mp4" (Mp4Stream)
+    stream: str  # "none" | "frames" (FrameStream) | "mp4" (VideoStream)
     fallback: str  # "off" | "triggered" (items overflow fp16: the fp32 fallback answers them)
     tiles: str  # "local" | "shared" (with an in-process peer replica)
     output: str  # "uint8" | "float" | "mp4"

@@ -11,6 +11,7 @@ if not torch.cuda.is_available():
 import pytest
 
 from tests.models import build_full_vae, load_reference, save_vae
+from tests.s3 import s3_server  # noqa: F401 (a fixture: moto's S3 server, one per session)
 
 # Tests stop the services they start with Ctrl-C. A suite launched as a background job (`cmd &` in
 # a script) has SIGINT ignored, and every process it starts would inherit that and never stop.

@@ -1,5 +1,6 @@
 """Every example README.md and docs/ show, read from the Markdown, so that an example added there
-cannot go untested: a fenced block with a language, or an indented block of shell commands. Each
+cannot go untested: a fenced block with a language, or an indented block (shell commands, or
+Python). Each
 carries a tag on the line before it (before the blank line, for an indented block) saying what it
 runs against, which tests/integration/test_newcomer.py runs it as:
 
@@ -8,8 +9,9 @@ runs against, which tests/integration/test_newcomer.py runs it as:
     <!-- example: standalone -->                    no service: run in a new shell
     <!-- example: set-up -->                        the README's two set-up commands (what CI runs)
     <!-- example: fragment: WHY -->                 part of a program, or a command needing what
-                                                    WHY names: Python must parse, and a vae-service
-                                                    command's flags must be the command's own
+                                                    WHY names: Python must parse, a vae-service
+                                                    command's flags must be the command's own, and
+                                                    YAML must be a valid ServiceConfig
 
 Shell examples run in a folder holding `latents.npy` and `latents/` (random latents of the served
 model's shape), the files they name, with the venv's bin on PATH, as the README says to.
@@ -26,6 +28,7 @@ DOCUMENTS = ("README.md", *sorted(f"docs/{p.name}" for p in (REPO / "docs").glob
 SERVICES = ("make serve", "make serve MODEL=tiny-wan")
 KINDS = (*SERVICES, "standalone", "set-up", "fragment")
 COMMANDS = ("make ", "vae-service ", "curl ", "serve ", "eval ", "pip ", "python ")
+SHELLS = ("bash", "sh", "shell", "console")
 
 _TAG = re.compile(r"<!-- example: (.*?) -->")
 _FENCE = re.compile(r"^(\s*)```(\S*)\s*$")
@@ -35,7 +38,7 @@ _FENCE = re.compile(r"^(\s*)```(\S*)\s*$")
 class Example:
     document: str
     line: int  # 1-based, of the first line of code
-    language: str  # python, or shell for commands
+    language: str  # python, shell (commands), or a fence's own (yaml)
     code: str
     tag: str | None  # the tag's text, or None where the block has none
 
@@ -73,18 +76,18 @@ def examples_in(document: str) -> list[Example]:
         if fence:
             end = next(j for j in range(i + 1, len(lines)) if lines[j].strip() == "```")
             if fence[2]:  # a bare fence holds a diagram or a listing, not something to run
-                language = "python" if fence[2] == "python" else "shell"
+                language = "shell" if fence[2] in SHELLS else fence[2]
                 code = "\n".join(line[len(fence[1]) :] for line in lines[i + 1 : end])
                 found.append(Example(document, i + 2, language, code, _tag_before(lines, i)))
             i = end + 1
             continue
-        starts_block = lines[i].startswith("    ") and (i == 0 or not lines[i - 1].strip())
-        if starts_block and lines[i].strip().startswith(COMMANDS):
+        if lines[i].startswith("    ") and lines[i].strip() and (i == 0 or not lines[i - 1].strip()):
             end = i
             while end < len(lines) and lines[end].startswith("    "):
                 end += 1
             code = "\n".join(line[4:] for line in lines[i:end])
-            found.append(Example(document, i + 1, "shell", code, _tag_before(lines, i)))
+            language = "shell" if code.startswith(COMMANDS) else "python"
+            found.append(Example(document, i + 1, language, code, _tag_before(lines, i)))
             i = end
             continue
         i += 1

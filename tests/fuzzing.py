@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from vae_service_client.messages import REQUEST_KEYS, pack
 
-OUTPUTS = ["uint8", "float", "png", "jpeg", "mp4", "gif", "", None]
+OUTPUTS = ["uint8", "float", "png", "jpeg", "webp", "avif", "mp4", "webm", "gif", "", None]
 QUALITIES = ["lossless", "high", "best", "", None, 1]
 DTYPES = ["float32", "float16", "bfloat16", "uint8", "float64", "int8", "", None]
 EDGE_FLOATS = [0.0, -0.0, 1e-45, 65504.0, 65520.0, 3.4e38, float("inf"), float("-inf"), float("nan")]
@@ -86,7 +86,7 @@ def valid_request(draw, models: tuple[str, ...]) -> dict:
         "latents": {"dtype": dtype, "shape": shape, "data": raw},
         "model": draw(st.sampled_from(models)),
         "quality": draw(st.sampled_from(["lossless", "high", "preview"])),
-        "output": draw(st.sampled_from(["uint8", "float", "png", "jpeg", "mp4"])),
+        "output": draw(st.sampled_from(["uint8", "float", "png", "jpeg", "webp", "avif", "mp4", "webm"])),
     }
     if draw(st.booleans()):
         body["scaling_factor"] = draw(st.one_of(st.none(), st.floats(0.1, 2.0)))

@@ -16,13 +16,19 @@ import textwrap
 import threading
 import time
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
-from pydantic import BaseModel, ValidationError
+from vae_service.names import IMAGE_OUTPUTS, PRESET_NAMES, VIDEO_OUTPUTS, unknown_source
 
-from vae_service.config import ServiceConfig
-from vae_service_client.errors import did_you_mean
+if TYPE_CHECKING:
+    from pydantic import ValidationError
 
+    from vae_service.config import ServiceConfig
+
+# Imports beyond the standard library and vae_service.names sit in the functions that need them:
+# `decode` and every --help start in well under a second and load no torch, Ray or diffusers
+# (tests/unit/test_cli_start.py), and `serve` refuses a mistyped model or field, or a port in use,
+# before it loads any of them.
 log = logging.getLogger("vae_service")
 
 
@@ -52,6 +58,10 @@ def _read_config_file(path: str) -> dict:
 
 def _fields_at(loc: tuple) -> list[str]:
     """The field names of the config section at `loc` (for close matches to an unknown one)."""
+    from pydantic import BaseModel
+
+    from vae_service.config import ServiceConfig
+
     model = ServiceConfig
     for part in loc:
         field = model.model_fields.get(str(part))
@@ -64,6 +74,8 @@ def _fields_at(loc: tuple) -> list[str]:
 def config_errors(exc: ValidationError) -> str:
     """pydantic's errors as one line: each field's dotted name, what is wrong, and close matches
     for an unknown field or value ("did you mean")."""
+    from vae_service_client.errors import did_you_mean
+
     parts = []
     for err in exc.errors():
         loc = tuple(err["loc"])
@@ -81,6 +93,10 @@ def config_errors(exc: ValidationError) -> str:
 
 def _config_from(args: argparse.Namespace) -> ServiceConfig:
     """--config FILE first, then the flags that were given on top of it."""
+    from pydantic import ValidationError
+
+    from vae_service.config import ServiceConfig
+
     data = _read_config_file(args.config) if getattr(args, "config", None) else {}
     flags = {
         "model": args.model,
@@ -96,17 +112,29 @@ def _config_from(args: argparse.Namespace) -> ServiceConfig:
 
 
 def check_model(config: ServiceConfig) -> None:
-    """The model source, checked as far as it can be without loading it (before Ray starts)."""
+    """The model source, checked as far as it can be without loading it (before Ray starts): by
+    its name alone (a preset, a hub id, or a path that exists: no torch), then a local folder's
+    config and weights (models/loading.py, which imports diffusers: seconds, only for a folder)."""
+    for field, source in (("model", config.model), ("preview_decoder", config.preview_decoder)):
+        if source is None or source in PRESET_NAMES:
+            continue
+        why = unknown_source(source)
+        if why is None and Path(source).expanduser().exists():
+            why = _folder_problem(source)
+        if why is not None:
+            refuse(why if field == "model" else f"preview_decoder: {why.removeprefix('model: ')}")
+
+
+def _folder_problem(source: str) -> str | None:
+    """What is wrong with a local model folder (its config names no served class, no weights)."""
     from vae_service.models import ModelLoadError
     from vae_service.models.loading import check_source
 
-    for field, source in (("model", config.model), ("preview_decoder", config.preview_decoder)):
-        if source is None:
-            continue
-        try:
-            check_source(source)
-        except ModelLoadError as exc:
-            refuse(str(exc) if field == "model" else f"preview_decoder: {str(exc).removeprefix('model: ')}")
+    try:
+        check_source(source)
+    except ModelLoadError as exc:
+        return str(exc)
+    return None
 
 
 def port_in_use(host: str, port: int) -> str | None:
@@ -158,10 +186,11 @@ def example_command(url: str, latent_shape: str) -> str:
 
 def _example_shape(health: dict) -> str:
     """Latents of about 128 px for the served model (a few seconds even for the full-size presets
-    on a 2-core CPU), from the geometry its replica traced."""
+    on a 2-core CPU), from the geometry its replica traced; a video model's have 3 latent frames
+    (a clip, not one image), or as many as its decoder needs."""
     geometry = health["geometry"]
     side = max(geometry["min_latent_side"], 128 // geometry["spatial_scale"])
-    frames = geometry.get("min_latent_frames", 1)
+    frames = max(geometry.get("min_latent_frames", 1), 3 if health["family"] == "video" else 1)
     return "x".join(map(str, [1, geometry["latent_channels"], *([frames] if frames > 1 else []), side, side]))
 
 
@@ -210,17 +239,41 @@ def _warn_about_exposure(config: ServiceConfig, host: str) -> bool:
     return bool(token)
 
 
-def _quiet_ray() -> dict:
-    """The terminal shows warnings and errors of Ray's own components, not their INFO chatter:
-    "New http_options ... will not be applied" (serve.run's own serve.start; ours was applied), the
-    proxy's routing tables on one line of hundreds of characters, "Token authentication is enabled"
-    (Ray's default for the local cluster it starts: nothing to do; with RAY_AUTH_MODE=disabled its
-    warning that the cluster is open stays). Replicas log at INFO (their start-up line, requests).
-    Returns serve.start's logging_config."""
-    logging.getLogger("ray.serve").setLevel(logging.WARNING)  # this process's Serve client
+def _start_ray() -> None:
+    """Join RAY_ADDRESS or start a local Ray, saying only what its user can act on: its warnings
+    and errors, not its INFO lines, nor "Token authentication is enabled" (Ray's default for the
+    local cluster it starts: nothing to do; with RAY_AUTH_MODE=disabled its warning that the
+    cluster is open stays)."""
+    import ray
+
     if "RAY_AUTH_MODE" not in os.environ:  # Ray turns token auth on for its local cluster and says so
         logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
+    ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, logging_level=logging.WARNING)
+
+
+def _quiet_serve() -> dict:
+    """The terminal shows warnings and errors of Serve's own components, not their INFO chatter:
+    "New http_options ... will not be applied" (serve.run's own serve.start; ours was applied), the
+    proxy's routing tables on one line of hundreds of characters. Replicas log at INFO (their
+    start-up line, requests). Returns serve.start's logging_config."""
+    logging.getLogger("ray.serve").setLevel(logging.WARNING)  # this process's Serve client
     return {"log_level": "WARNING"}  # Serve's controller and proxies
+
+
+def _quiet_ray_data() -> None:
+    """Ray Data's lines on the terminal are its warnings and errors, not what the job says itself:
+    the dataset's id and plan at the start and "execution finished" at the end (INFO: the job's
+    progress and summary say it; they stay in the session's logs/ray-data.log), and "Progress bars
+    disabled" (they are: the job shows its own progress)."""
+    from ray.data import DataContext
+
+    context = DataContext.get_current()
+    context.enable_progress_bars = False
+    context.print_on_execution_start = False
+    logging.getLogger("ray.data._internal.progress").setLevel(logging.ERROR)  # says only which bars show
+    for handler in logging.getLogger("ray.data").handlers:
+        if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
+            handler.setLevel(logging.WARNING)  # the terminal's; its file handler keeps INFO
 
 
 def _start_failure(exc: Exception) -> str:
@@ -264,8 +317,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
         refuse(f"proxy guard: {exc}")
 
     print(f"vae-service: starting Ray and loading '{config.served_name}' ...", flush=True)
-    logging_config = _quiet_ray()
-    ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, logging_level=logging.WARNING)
+    logging_config = _quiet_serve()
+    _start_ray()
     try:
         grpc = gRPCOptions(port=args.grpc_port, grpc_servicer_functions=[GRPC_SERVICER]) if args.grpc_port else None
         http = {"host": args.host, "port": args.port}
@@ -307,38 +360,58 @@ def _logs_dir() -> str:
         return "the Ray session's logs/serve/"
 
 
+def _random_latents(spec: str, seed: int):
+    """Seeded standard normal float32 latents of shape `spec` (1x4x32x32), made by NumPy: a demo
+    needs no torch (seconds to import)."""
+    import numpy as np
+
+    try:
+        shape = [int(d) for d in spec.lower().split("x")]
+        return np.random.default_rng(seed).standard_normal(shape, dtype=np.float32)
+    except ValueError:  # not numbers, or a negative one
+        refuse(f"--random-latents {spec!r}: give a shape like 1x4x32x32", 2)
+
+
 def _load_latents(args: argparse.Namespace):
     """The latents to send. float64 (NumPy's default) is cast to float32, and said so: the service
     decodes float32, float16 and bfloat16, and a float64 latent's extra bits are lost in any of
     them. Any other dtype the wire does not carry is refused by the client, naming it."""
+    if args.random_latents:
+        return _random_latents(args.random_latents, args.seed)
     import numpy as np
-    import torch
 
     from vae_service.batch.latent_files import LatentFileError, load_latents
 
-    if args.random_latents:
-        try:
-            shape = [int(d) for d in args.random_latents.lower().split("x")]
-        except ValueError:
-            refuse(f"--random-latents {args.random_latents!r}: give a shape like 1x4x32x32", 2)
-        return torch.randn(shape, generator=torch.Generator().manual_seed(args.seed))
     try:
         latents = load_latents(args.latents, args.key)
     except LatentFileError as exc:
         refuse(str(exc), 1)
-    if str(latents.dtype) in ("float64", "torch.float64"):
+    if str(latents.dtype) == "float64":  # NumPy's (a torch tensor comes only from bfloat16 files)
         print(f"vae-service: {Path(args.latents).name} holds float64 latents: sending them as float32", file=sys.stderr)
-        latents = latents.astype(np.float32) if isinstance(latents, np.ndarray) else latents.float()
+        latents = latents.astype(np.float32)
     return latents
 
 
-def cmd_decode(args: argparse.Namespace) -> None:
-    import httpx
+def _output_stem(args: argparse.Namespace) -> str:
+    """What the outputs are named after: the latents file's name without its suffix (as
+    batch-decode names an input's), or `random` for --random-latents."""
+    from vae_service.storage import InvalidKey, object_names
 
+    stem = "random" if args.random_latents else Path(args.latents).stem
+    try:
+        object_names(stem, "png", 1)  # the names' own rule: a plain name, not hidden
+    except InvalidKey as exc:
+        refuse(f"{args.latents}: its name cannot name the output files ({exc}); rename it", 2)
+    return stem
+
+
+def cmd_decode(args: argparse.Namespace) -> None:
+    from vae_service.storage import object_names
     from vae_service_client import VaeClient, VaeServiceError
 
     if not args.latents and not args.random_latents:
         refuse("give a latents file (.npy/.safetensors) or --random-latents SHAPE")
+    stem = _output_stem(args)
     latents = _load_latents(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -346,36 +419,44 @@ def cmd_decode(args: argparse.Namespace) -> None:
     start = time.perf_counter()
     with VaeClient(args.url, token=os.environ.get("VAE_SERVICE_AUTH_TOKEN")) as client:
         try:
-            if args.stream and args.video:
-                return _write_streamed_mp4(client, latents, args.quality, out, start)
+            if args.stream and fmt in VIDEO_OUTPUTS:
+                return _write_streamed_video(client, latents, args.quality, out / f"{stem}.{fmt}", start)
             if args.stream:
-                return _write_streamed_frames(client.decode_frames(latents, args.quality), out, start)
+                stream = client.decode_frames(latents, args.quality)
+                items = latents.shape[0] if latents.ndim else 1  # a 0-d file: the service refuses it
+                return _write_streamed_frames(stream, out, _item_stems(stem, items), start)
             resp = client.decode(latents, args.quality, fmt, height=args.height, width=args.width)
-        except VaeServiceError as exc:
+        except VaeServiceError as exc:  # the service's refusals and the transport's failures, one line each
             refuse(str(exc), 1)
-        except httpx.TransportError as exc:
-            refuse(f"cannot reach {args.url} ({exc or type(exc).__name__}): is the service running there?", 1)
-    for i, blob in enumerate(resp.output):
-        (out / f"{i:03d}.{fmt}").write_bytes(blob)
+    for name, blob in zip(object_names(stem, fmt, len(resp.output)), resp.output, strict=True):
+        (out / name).write_bytes(blob)
     print(
         f"wrote {len(resp.output)} {fmt} file(s) to {out}/ in {time.perf_counter() - start:.2f} s "
         f"(model {resp.model}, {resp.quality}, {resp.precision}, timing {resp.timing})"
     )
 
 
-def _write_streamed_mp4(client, latents, quality: str, out: Path, start: float) -> None:
-    """A fragmented MP4 written to out/000.mp4 as it decodes (a player can open it meanwhile)."""
-    path = out / "000.mp4"
-    summary = client.decode_mp4(latents, path, quality)
+def _item_stems(stem: str, items: int) -> list[str]:
+    """Each item's file name without its suffix, as its image would be named: `stem` for one item,
+    `stem-0`, `stem-1`, ... for several (a streamed frame's name adds `-frame0000` to its item's)."""
+    from vae_service.storage import object_names
+
+    return [name.removesuffix(".png") for name in object_names(stem, "png", items)]
+
+
+def _write_streamed_video(client, latents, quality: str, path: Path, start: float) -> None:
+    """A fragmented MP4 or WebM (its suffix) written to `path` as it decodes (a player can open it
+    meanwhile)."""
+    summary = client.decode_video(latents, path, quality, output=path.suffix[1:])
     print(
         f"wrote {path} as it decoded, in {time.perf_counter() - start:.2f} s "
         f"(model {summary.model}, {summary.quality}, {summary.precision}, timing {summary.timing})"
     )
 
 
-def _write_streamed_frames(stream, out: Path, start: float) -> None:
-    """Each frame as a PNG the moment its chunk arrives (item{i}_frame{f}.png), and a line per
-    chunk: a long clip's frames arrive over minutes."""
+def _write_streamed_frames(stream, out: Path, item_stems: list[str], start: float) -> None:
+    """Each frame as a PNG the moment its chunk arrives ({item stem}-frame0000.png), and a line
+    per chunk: a long clip's frames arrive over minutes."""
     from PIL import Image
 
     written = 0
@@ -385,7 +466,7 @@ def _write_streamed_frames(stream, out: Path, start: float) -> None:
         items, frames = chunk.pixels.shape[0], chunk.pixels.shape[chunk.frame_axis]
         for i, item in enumerate(chunk.pixels):
             for t, frame in enumerate(item):
-                Image.fromarray(frame).save(out / f"item{chunk.item + i:02d}_frame{chunk.frame + t:04d}.png")
+                Image.fromarray(frame).save(out / f"{item_stems[chunk.item + i]}-frame{chunk.frame + t:04d}.png")
                 written += 1
         which = f"item {chunk.item}" if items == 1 else f"items {chunk.item}-{chunk.item + items - 1}"
         print(
@@ -404,10 +485,12 @@ def cmd_batch_decode(args: argparse.Namespace) -> None:
     config = _config_from(args)
     check_model(config)
     from vae_service.batch import BatchInputError, list_inputs
+    from vae_service.storage import LocationError, check_location
 
     try:  # every output path, before Ray starts: two inputs that would write one file stop the job here
+        check_location(args.output_dir)
         inputs = list_inputs(args.input, args.output)
-    except BatchInputError as exc:
+    except (BatchInputError, LocationError) as exc:
         refuse(str(exc))
     import ray
 
@@ -415,10 +498,8 @@ def cmd_batch_decode(args: argparse.Namespace) -> None:
 
     started = not ray.is_initialized()
     if started:
-        ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False, logging_level=logging.WARNING)
-    from ray.data import DataContext
-
-    DataContext.get_current().enable_progress_bars = False  # the job shows its own
+        _start_ray()
+    _quiet_ray_data()
     gpus = ray.cluster_resources().get("GPU", 0)
     num_gpus = args.num_gpus if args.num_gpus is not None else (1 if gpus else 0)
     concurrency = args.concurrency or (max(1, int(gpus // num_gpus)) if num_gpus else 1)
@@ -452,7 +533,9 @@ def cmd_guard_env(args: argparse.Namespace) -> None:
     """`export` lines for the environment a Serve YAML's cluster needs so that Serve's proxy runs
     the proxy guard with the admission of the YAML's applications (eval them before `serve run`)."""
     import yaml
+    from pydantic import ValidationError
 
+    from vae_service.config import ServiceConfig
     from vae_service.serving.proxy_guard import proxy_guard_env
 
     try:
@@ -506,19 +589,9 @@ class _Help(argparse.HelpFormatter):
         return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
 
 
-def _preset_names(argv: list[str]) -> str:
-    """The presets for --model's help, of the commands that load a model (importing them loads
-    diffusers: seconds that `decode` and `guard-env` are spared)."""
-    command = next((a for a in argv if not a.startswith("-")), None)
-    if command not in ("serve", "batch-decode", "bench"):
-        return "see vae-service serve --help"
-    from vae_service.models.presets import PRESETS
-
-    return ", ".join(PRESETS)
-
-
 def main(argv: list[str] | None = None) -> None:
-    presets = _preset_names(sys.argv[1:] if argv is None else argv)
+    from vae_service.config import ServiceConfig  # pydantic, no torch: the default model for --help
+
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request of `decode`
     parser = argparse.ArgumentParser(prog="vae-service", description=__doc__, formatter_class=_Help)
@@ -533,7 +606,7 @@ def main(argv: list[str] | None = None) -> None:
         )
         p.add_argument(
             "--model",
-            help=f"a preset ({presets}: seeded random weights, they decode noise), a local diffusers "
+            help=f"a preset ({', '.join(PRESET_NAMES)}: seeded random weights, they decode noise), a local diffusers "
             f"folder, or a hub id (default: {ServiceConfig.model_fields['model'].default})",
         )
         p.add_argument("--precision", help="auto | fp32 | fp16 | bf16 (default: auto)")
@@ -568,16 +641,18 @@ def main(argv: list[str] | None = None) -> None:
     dec.add_argument("--random-latents", metavar="SHAPE", help="e.g. 1x4x32x32: send seeded random latents")
     dec.add_argument("--seed", type=int, default=0)
     dec.add_argument(
-        "--url", default="http://127.0.0.1:8000", help="the service (bearer token: $VAE_SERVICE_AUTH_TOKEN)"
+        "--url",
+        default=os.environ.get("VAE_SERVICE_URL", "http://127.0.0.1:8000"),
+        help="the service (default: $VAE_SERVICE_URL or http://127.0.0.1:8000; bearer token: $VAE_SERVICE_AUTH_TOKEN)",
     )
     dec.add_argument("--quality", default="lossless", choices=["lossless", "high", "preview"])
-    dec.add_argument("--format", default="png", choices=["png", "jpeg"])
-    dec.add_argument("--video", action="store_true", help="ask for mp4 (video models)")
+    dec.add_argument("--format", default="png", choices=[*IMAGE_OUTPUTS, *VIDEO_OUTPUTS])
+    dec.add_argument("--video", action="store_true", help="ask for mp4 (video models; --format webm for WebM)")
     dec.add_argument(
         "--stream",
         action="store_true",
-        help="video models: write each frame as a PNG as soon as it is decoded (with --video: one mp4, written as "
-        "it decodes)",
+        help="video models: write each frame as a PNG as soon as it is decoded (with --video or --format "
+        "mp4/webm: one video, written as it decodes)",
     )
     dec.add_argument("--height", type=int, help="pixel height, for packed latents")
     dec.add_argument("--width", type=int, help="pixel width, for packed latents")
@@ -595,11 +670,16 @@ def main(argv: list[str] | None = None) -> None:
         "reason), 2 when the job cannot start.",
     )
     model_args(batch_p)
-    batch_p.add_argument("input", help="folder of .npy/.safetensors latents, or a .parquet file or folder")
-    batch_p.add_argument("output_dir", metavar="OUTPUT", help="folder for the decoded files")
+    store = (
+        " (or an s3:// or gs:// URI; a store of your own: s3://bucket/prefix?endpoint_override=HOST:PORT&scheme=http)"
+    )
+    batch_p.add_argument("input", help="folder of .npy/.safetensors latents, or a .parquet file or folder" + store)
+    batch_p.add_argument("output_dir", metavar="OUTPUT", help="folder for the decoded files" + store)
     batch_p.add_argument("--quality", default="lossless", choices=["lossless", "high", "preview"])
     batch_p.add_argument(
-        "--output", choices=["png", "jpeg", "mp4", "npy"], help="default: png for images, mp4 for video models"
+        "--output",
+        choices=[*IMAGE_OUTPUTS, *VIDEO_OUTPUTS, "npy"],
+        help="default: png for images, mp4 for video models",
     )
     batch_p.add_argument(
         "--concurrency", type=int, help="decode engines (actors); default: one per GPU, or 1 without GPUs"

@@ -13,7 +13,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from vae_service.fastpath.rewrites import RETIRED_REWRITES, REWRITE_NAMES
+# the rewrites' names without the fast path itself (torch): the CLI validates a config before it loads a model
+from vae_service.names import RETIRED_REWRITES, REWRITE_NAMES
 
 Precision = Literal["auto", "fp32", "fp16", "bf16"]
 SHUTDOWN_MARGIN_S = 5.0  # past the request timeout: the drain's own bookkeeping
@@ -33,6 +34,13 @@ class Limits(BaseModel):
     max_frames: int = Field(257, gt=0, description="output frames per item (video models)")
     max_decode_tflop: float = Field(
         300.0, gt=0, description="estimated decoder work per request (Wan2.1 81 frames at 480x832: ~275 TFLOP)"
+    )
+    max_encode_seconds: float = Field(
+        10.0,
+        gt=0,
+        description="estimated encoding work per request of file outputs (png, jpeg, webp, avif, mp4, webm): "
+        "one encoder thread's seconds per megapixel at the `encoding` settings, measured upper bounds "
+        "(engine/pricing/encode_cost.py), times the pixels of all items and frames",
     )
     max_decode_bytes: int | None = Field(
         None,
@@ -162,6 +170,43 @@ class Encoding(BaseModel):
     threads: int = Field(4, gt=0, description="encoder threads; a request's items encode in parallel")
 
 
+class Sink(BaseModel):
+    """A named object-storage location a request may have its encoded files written to (`sink`,
+    `key`) instead of answered (vae_service/storage/). Credentials are never part of it: the
+    store's SDK reads them from the replica's environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY,
+    AWS_SESSION_TOKEN, AWS_PROFILE, roles; GOOGLE_APPLICATION_CREDENTIALS)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    uri: str = Field(
+        description="s3://bucket/prefix (S3 or S3-compatible), gs://bucket/prefix (GCS), or a local folder "
+        "(/path or file:///path); a request's key names objects below it and can never leave it",
+    )
+    endpoint_override: str | None = Field(
+        None,
+        description="the store's endpoint, host:port or http(s)://host:port (MinIO, R2, Ceph, a test store); "
+        "default: AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL, else the provider's",
+    )
+    scheme: Literal["http", "https"] | None = Field(None, description="transport to the endpoint (default https)")
+    region: str | None = Field(
+        None, description="S3 region of the bucket (default: AWS_DEFAULT_REGION / AWS_REGION, else us-east-1)"
+    )
+    connect_timeout_s: float = Field(5.0, gt=0, description="connection timeout of each call to the store")
+    request_timeout_s: float = Field(
+        30.0, gt=0, description="read timeout of each call to the store (GCS: its retries' time limit)"
+    )
+    retry_attempts: int = Field(
+        3, ge=1, description="attempts of each call to the store before the request answers 503 naming the sink"
+    )
+
+    @field_validator("uri")
+    @classmethod
+    def _a_location(cls, uri: str) -> str:
+        from vae_service.storage.locations import check_location
+
+        return check_location(uri, absolute=True)
+
+
 class LiveConfig(BaseModel):
     """What `reconfigure` (Serve's `user_config`) may change on running replicas."""
 
@@ -219,6 +264,12 @@ class ServiceConfig(BaseModel):
     batching: Batching = Batching()
     serving: Serving = Serving()
     parallel: Parallel = Parallel()
+    sinks: dict[Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")], Sink] = Field(
+        {},
+        description="named object-storage sinks: a request naming one (`sink`, `key`) has each encoded file "
+        "written there and answers, instead of the bytes, `output` as [{uri, size, sha256}] (/health lists the "
+        "names)",
+    )
 
     def live(self) -> LiveConfig:
         return LiveConfig(limits=self.limits, batching=self.batching)

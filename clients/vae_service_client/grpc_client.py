@@ -108,8 +108,8 @@ class VaeGrpcClient(_Base):
             raise self._error(exc) from None
 
     def decode_frames(self, latents, quality: str = "lossless", output: str = "uint8", **options) -> FrameStream:
-        """Video frames as they are decoded (DecodeFrames; video models, uint8/float output; mp4:
-        Mp4Fragments, see decode_mp4)."""
+        """Video frames as they are decoded (DecodeFrames; video models, uint8/float output; mp4 or
+        webm: Mp4Fragments, see decode_video)."""
         request = request_proto(latents, quality, output, **options)
 
         def messages():
@@ -123,9 +123,16 @@ class VaeGrpcClient(_Base):
         return FrameStream(messages())
 
     def decode_mp4(self, latents, target: str | Path | BinaryIO, quality: str = "lossless", **options) -> StreamSummary:
-        """A video as a fragmented MP4 streamed into `target` (a path or a binary file) while it
-        decodes (DecodeFrames with output mp4); returns the summary (see VaeClient.decode_mp4)."""
-        stream = self.decode_frames(latents, quality, "mp4", **options)
+        """decode_video with output "mp4"."""
+        return self.decode_video(latents, target, quality, output="mp4", **options)
+
+    def decode_video(
+        self, latents, target: str | Path | BinaryIO, quality: str = "lossless", output: str = "mp4", **options
+    ) -> StreamSummary:
+        """A video as a fragmented MP4 (`output` "mp4") or a WebM ("webm") streamed into `target` (a
+        path or a binary file) while it decodes (DecodeFrames); returns the summary (see
+        VaeClient.decode_video)."""
+        stream = self.decode_frames(latents, quality, output, **options)
         write_fragments(stream, target)
         return stream.summary
 
@@ -182,7 +189,12 @@ class AsyncVaeGrpcClient(_Base):
     async def decode_mp4(
         self, latents, target: str | Path | BinaryIO, quality: str = "lossless", **options
     ) -> StreamSummary:
-        stream = self.decode_frames(latents, quality, "mp4", **options)
+        return await self.decode_video(latents, target, quality, output="mp4", **options)
+
+    async def decode_video(
+        self, latents, target: str | Path | BinaryIO, quality: str = "lossless", output: str = "mp4", **options
+    ) -> StreamSummary:
+        stream = self.decode_frames(latents, quality, output, **options)
         await write_fragments_async(stream, target)
         return stream.summary
 

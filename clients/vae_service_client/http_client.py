@@ -1,4 +1,4 @@
-"""HTTP clients (sync and async) for `POST /decode` (whole answers, frame streams, streamed mp4) and
+"""HTTP clients (sync and async) for `POST /decode` (whole answers, frame streams, streamed mp4 and webm) and
 `GET /health`, with retries on 429/503 (retries.py), and transport failures as typed errors."""
 
 from __future__ import annotations
@@ -141,14 +141,21 @@ class VaeClient(_Base):
         return FrameStream(messages())
 
     def decode_mp4(self, latents, target: str | Path | BinaryIO, quality: str = "lossless", **options) -> StreamSummary:
-        """A video as a fragmented MP4 streamed into `target` (a path or a binary file) while it
-        decodes, each fragment written and flushed as it arrives (a player can follow the file);
-        returns the summary. The file is the whole `mp4` answer of the same request (of the
-        frames sent, where the item fell back to fp32 after some: `summary.fallback_from_frame`)."""
-        response = self._open_stream(pack(request_map(latents, quality, "mp4", stream=True, **options)))
+        """decode_video with output "mp4"."""
+        return self.decode_video(latents, target, quality, output="mp4", **options)
+
+    def decode_video(
+        self, latents, target: str | Path | BinaryIO, quality: str = "lossless", output: str = "mp4", **options
+    ) -> StreamSummary:
+        """A video as a fragmented MP4 (`output` "mp4") or a WebM ("webm") streamed into `target` (a
+        path or a binary file) while it decodes, each fragment written and flushed as it arrives (a
+        player can follow the file); returns the summary. The file is the whole `mp4` (`webm`) answer
+        of the same request (of the frames sent, where the item fell back to fp32 after some:
+        `summary.fallback_from_frame`)."""
+        response = self._open_stream(pack(request_map(latents, quality, output, stream=True, **options)))
         try:
             with self._transport(response.request):
-                return StreamSummary(write_chunks(response.iter_bytes(), target))
+                return StreamSummary(write_chunks(response.iter_bytes(), target, output))
         finally:
             response.close()
 
@@ -216,10 +223,16 @@ class AsyncVaeClient(_Base):
         self, latents, target: str | Path | BinaryIO, quality: str = "lossless", **options
     ) -> StreamSummary:
         """Like VaeClient.decode_mp4."""
-        response = await self._open_stream(pack(request_map(latents, quality, "mp4", stream=True, **options)))
+        return await self.decode_video(latents, target, quality, output="mp4", **options)
+
+    async def decode_video(
+        self, latents, target: str | Path | BinaryIO, quality: str = "lossless", output: str = "mp4", **options
+    ) -> StreamSummary:
+        """Like VaeClient.decode_video."""
+        response = await self._open_stream(pack(request_map(latents, quality, output, stream=True, **options)))
         try:
             with self._transport(response.request):
-                return StreamSummary(await write_chunks_async(response.aiter_bytes(), target))
+                return StreamSummary(await write_chunks_async(response.aiter_bytes(), target, output))
         finally:
             await response.aclose()
 

@@ -31,7 +31,11 @@ REQUEST_KEYS = (
     "stream",
     "decode_timestep",
     "tiling",
+    "sink",
+    "key",
 )
+# `sink`, `key` (HTTP and handles): the encoded files go to the server's sink of that name, under that
+# key, and `output` answers [{uri, size, sha256}] per item instead of the bytes
 # `tiling`: "auto" (the server tiles above its memory bound), "model" (`lossless` through the
 # model class's own tiled decode, as `vae.enable_tiling(); vae.decode`), "none" (never tiled)
 TILINGS = ("auto", "model", "none")
@@ -111,7 +115,7 @@ def request_map(latents, quality: str = "lossless", output: str = "uint8", **opt
     for key in ("scaling_factor", "shift_factor"):
         if options.get(key, UNSET) is not UNSET:
             body[key] = options[key]
-    for key in ("height", "width", "request_id", "model", "decode_timestep", "tiling"):
+    for key in ("height", "width", "request_id", "model", "decode_timestep", "tiling", "sink", "key"):
         if options.get(key) is not None:
             body[key] = options[key]
     return body
@@ -131,10 +135,16 @@ def request_fields(obj: object) -> dict:
     return {**obj, "latents": decode_tensor(obj["latents"], "latents", LATENT_DTYPES)}
 
 
+HTTP_ONLY = ("sink", "key")  # the DecodeRequest message has no such fields
+
+
 def request_proto(latents, quality: str = "lossless", output: str = "uint8", **options):
     """The same request as `request_map` (same arguments) as a DecodeRequest message."""
     from vae_service_client.grpc_gen import decode_pb2
 
+    for name in HTTP_ONLY:
+        if options.get(name) is not None:
+            raise refused_here(name, "object-storage sinks are asked for over HTTP and Serve handles, not gRPC")
     fields = request_map(latents, quality, output, **options)
     fields.pop("stream", None)  # gRPC streams frames with the DecodeFrames RPC
     msg = decode_pb2.DecodeRequest(latents=tensor_proto(encoded=fields.pop("latents")))
@@ -268,8 +278,9 @@ class DecodeResponse:
         )
 
     def images(self) -> list:
-        """PIL images for png/jpeg outputs and for uint8 image outputs; needs Pillow (`pip install
-        "./clients[images]"`). Without it, `output` holds the png/jpeg files' bytes as they are."""
+        """PIL images for image file outputs (png, jpeg, webp, avif) and for uint8 image outputs; needs
+        Pillow (`pip install "./clients[images]"`). Without it, `output` holds the files' bytes as
+        they are."""
         try:
             from PIL import Image
         except ImportError:
@@ -279,9 +290,11 @@ class DecodeResponse:
             ) from None
 
         if isinstance(self.output, list):
+            if any(isinstance(item, dict) for item in self.output):
+                raise ValueError("images(): the files went to a sink; output holds their uri, size and sha256")
             return [Image.open(io.BytesIO(b)) for b in self.output]
         if self.output.dtype != np.uint8 or self.output.ndim != 4:
-            raise ValueError("images() needs output='uint8', 'png' or 'jpeg' from an image model")
+            raise ValueError("images() needs output='uint8' or an image file output from an image model")
         return [Image.fromarray(a) for a in self.output]
 
 

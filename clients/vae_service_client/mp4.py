@@ -14,6 +14,9 @@ the fragments before that frame are the first decode's, as sent; see frames.py).
 
 gRPC `DecodeFrames` carries the same bytes in its chunks (`fragment`: the first one begins with the
 init segment), then `done`.
+
+Output "webm" streams the same way in WebM (VP9), a Cluster per fragment, closed by a Void element
+in place of the `free` box (vae_service_client.webm); `write_chunks(..., output="webm")` reads it.
 """
 
 from __future__ import annotations
@@ -41,23 +44,60 @@ def trailer(tag: bytes, fields: dict) -> bytes:
 
 @dataclass(frozen=True)
 class Mp4Fragment:
-    """Frames `frame`.. (`frames` of them) of an mp4 stream as bytes to append (the first one
-    begins with the init segment): a DecodeFrames chunk, or a replica's Mp4Stream event."""
+    """Frames `frame`.. (`frames` of them) of an mp4 (or webm: a Cluster) stream as bytes to append (the
+    first one begins with the init segment): a DecodeFrames chunk, or a replica's VideoStream event."""
 
     frame: int
     frames: int
     data: bytes
 
 
-class BoxReader:
-    """Top-level ISO BMFF boxes out of byte chunks of any size: media bytes are passed on as soon as
-    a box is whole; the trailing vae-service box is kept apart as the summary, or the error that
-    `close` raises (after every media byte before it was passed on)."""
+class TrailerReader:
+    """What BoxReader and webm.ElementReader share: the bytes not yet whole, and the trailing vae-service
+    box (element) kept apart as the summary, or the error that `close` raises (after every media byte
+    before it was passed on). A subclass's `feed` passes each whole trailer's payload to `_keep`."""
+
+    container = ""  # "mp4", "webm": for close's errors
+    unit = ""  # "a box", "an element"
 
     def __init__(self) -> None:
         self._buffer = bytearray()
         self.summary: dict | None = None
         self._error: dict | None = None
+
+    def _keep(self, payload: bytes) -> bool:
+        """Keeps a trailer payload's summary or error; False if it is neither (media, then)."""
+        if payload.startswith(ERROR_TAG):
+            self._error = json.loads(payload[len(ERROR_TAG) :])
+        elif payload.startswith(DONE_TAG):
+            self.summary = json.loads(payload[len(DONE_TAG) :])
+        else:
+            return False
+        return True
+
+    def close(self) -> dict:
+        """The summary; raises the stream's error, or if it ended before its summary (cut off, or
+        inside a box or element)."""
+        if self._error is not None:
+            err = self._error
+            raise make_error(err.get("type", "internal"), err.get("field"), err.get("message", ""))
+        if self._buffer:
+            raise make_error(
+                "unavailable",
+                None,
+                f"the {self.container} stream ended inside {self.unit} ({len(self._buffer)} bytes left)",
+            )
+        if self.summary is None:
+            raise make_error("unavailable", None, f"the {self.container} stream ended before its summary")
+        return self.summary
+
+
+class BoxReader(TrailerReader):
+    """Top-level ISO BMFF boxes out of byte chunks of any size: media bytes are passed on as soon as
+    a box is whole; the trailing vae-service box is kept apart as the summary, or the error that
+    `close` raises (after every media byte before it was passed on)."""
+
+    container, unit = "mp4", "a box"
 
     def feed(self, data: bytes) -> bytes:
         """The media bytes of every box `data` completes."""
@@ -77,27 +117,10 @@ class BoxReader:
                 break
             box = bytes(self._buffer[start : start + size])
             start += size
-            payload = box[header:]
-            if kind == TRAILER_BOX and payload.startswith(ERROR_TAG):
-                self._error = json.loads(payload[len(ERROR_TAG) :])
-            elif kind == TRAILER_BOX and payload.startswith(DONE_TAG):
-                self.summary = json.loads(payload[len(DONE_TAG) :])
-            else:
+            if not (kind == TRAILER_BOX and self._keep(box[header:])):
                 media += box
         del self._buffer[:start]
         return bytes(media)
-
-    def close(self) -> dict:
-        """The summary; raises the stream's error, or if it ended before its summary (cut off, or
-        inside a box)."""
-        if self._error is not None:
-            err = self._error
-            raise make_error(err.get("type", "internal"), err.get("field"), err.get("message", ""))
-        if self._buffer:
-            raise make_error("unavailable", None, f"the mp4 stream ended inside a box ({len(self._buffer)} bytes left)")
-        if self.summary is None:
-            raise make_error("unavailable", None, "the mp4 stream ended before its summary")
-        return self.summary
 
 
 def _open(target: str | Path | BinaryIO) -> tuple[BinaryIO, bool]:
@@ -106,11 +129,21 @@ def _open(target: str | Path | BinaryIO) -> tuple[BinaryIO, bool]:
     return target, False
 
 
-def write_chunks(chunks: Iterable[bytes], target: str | Path | BinaryIO) -> dict:
-    """An mp4 stream's body chunks -> `target` (a path or a binary file), each box written and
-    flushed as soon as it is whole; returns the summary."""
+def stream_reader(output: str = "mp4"):
+    """The reader of a streamed video's body: BoxReader for mp4, webm.ElementReader for webm."""
+    from vae_service_client.webm import ElementReader  # webm imports this module (TrailerReader)
+
+    readers = {"mp4": BoxReader, "webm": ElementReader}
+    if output not in readers:
+        raise ValueError(f"output {output!r} is not a streamed video ({', '.join(readers)})")
+    return readers[output]()
+
+
+def write_chunks(chunks: Iterable[bytes], target: str | Path | BinaryIO, output: str = "mp4") -> dict:
+    """A video stream's body chunks (`output` mp4 or webm) -> `target` (a path or a binary file), each
+    box (element) written and flushed as soon as it is whole; returns the summary."""
     out, owned = _open(target)
-    reader = BoxReader()
+    reader = stream_reader(output)
     try:
         for data in chunks:
             _write(out, reader.feed(data))
@@ -120,9 +153,9 @@ def write_chunks(chunks: Iterable[bytes], target: str | Path | BinaryIO) -> dict
             out.close()
 
 
-async def write_chunks_async(chunks: AsyncIterable[bytes], target: str | Path | BinaryIO) -> dict:
+async def write_chunks_async(chunks: AsyncIterable[bytes], target: str | Path | BinaryIO, output: str = "mp4") -> dict:
     out, owned = _open(target)
-    reader = BoxReader()
+    reader = stream_reader(output)
     try:
         async for data in chunks:
             _write(out, reader.feed(data))

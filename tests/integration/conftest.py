@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 
 from tests.ports import free_port
+from tests.s3 import S3_ENV
 from vae_service.config import ServiceConfig
 from vae_service.serving.app import GRPC_SERVICER
 from vae_service.serving.proxy_guard import proxy_guard_env
@@ -35,6 +36,8 @@ def ray_cluster():
             "env_vars": {
                 "RAY_AUTH_MODE": "disabled",
                 "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")])),
+                # the test store's dummy credentials (tests/s3.py), as replicas and batch engines read them
+                **S3_ENV,
             }
         },
     )

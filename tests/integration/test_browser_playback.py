@@ -1,8 +1,8 @@
-"""A real browser plays the service's streamed mp4: headless Chromium feeds `POST /decode` with
-`stream: true, output: "mp4"` into a <video> element through Media Source Extensions
-(tests/browser.py, tests/browser_page.html), buffers frames while the answer is still open (the
-page's relay holds the rest of the answer until the browser says so), and plays to the clip's
-duration."""
+"""A real browser plays the service's streamed mp4 and webm: headless Chromium feeds `POST /decode`
+with `stream: true, output: "mp4"` (`"webm"`) into a <video> element through Media Source
+Extensions (tests/browser.py, tests/browser_page.html), buffers frames while the answer is still
+open (the page's relay holds the rest of the answer after the first fragment, webm's first Cluster,
+until the browser says so), and plays to the clip's duration."""
 
 import contextlib
 
@@ -10,22 +10,22 @@ import httpx
 import pytest
 import torch
 
-from tests.browser import avc1_codecs, browser_page, require_chromium, split_boxes
+from tests.browser import avc1_codecs, browser_page, iter_elements, require_chromium, split_boxes
 from vae_service.config import Encoding
 from vae_service_client.messages import MSGPACK, pack, request_map
-from vae_service_client.mp4 import BoxReader
+from vae_service_client.mp4 import stream_reader
 
 pytestmark = pytest.mark.integration
 FPS = Encoding().mp4_fps  # the wan app's default
 
 
-@pytest.mark.parametrize("quality", ["lossless", "high"])
-def test_chromium_buffers_the_stream_while_it_is_open_and_plays_it_to_the_end(wan_url, quality):
+@pytest.mark.parametrize("quality, output", [("lossless", "mp4"), ("high", "mp4"), ("high", "webm")])
+def test_chromium_buffers_the_stream_while_it_is_open_and_plays_it_to_the_end(wan_url, quality, output):
     require_chromium()
     latent_frames = 4
     z = torch.randn(1, 4, latent_frames, 4, 6, generator=torch.Generator().manual_seed(7))
     frames = 1 + 4 * (latent_frames - 1)
-    body = pack(request_map(z, quality, "mp4", stream=True, request_id="browser"))
+    body = pack(request_map(z, quality, output, stream=True, request_id="browser"))
 
     @contextlib.contextmanager
     def source():
@@ -50,8 +50,13 @@ def test_chromium_buffers_the_stream_while_it_is_open_and_plays_it_to_the_end(wa
     assert abs(ended["currentTime"] - ended["duration"]) < 0.5 / FPS, page.explain()
     assert (done["request_id"], done["quality"]) == ("browser", quality)
     # what the browser got: the init segment and one fragment per latent frame, as the header says
-    reader = BoxReader()
+    reader = stream_reader(output)
     media = reader.feed(bytes(relay.body))
-    pieces = split_boxes(media)
-    assert len(pieces) == 2 + 2 * latent_frames and reader.close()["request_id"] == "browser"
+    assert reader.close()["request_id"] == "browser"
+    if output == "webm":
+        elements = [e.type for e in iter_elements(media)]
+        assert elements == ["EBML", "Segment", "Info", "Tracks"] + ["Cluster"] * latent_frames
+        assert relay.boxes == [*elements, "Void"] and relay.content_type == 'video/webm; codecs="vp9"'
+        return
+    assert len(split_boxes(media)) == 2 + 2 * latent_frames
     assert relay.content_type == f'video/mp4; codecs="{avc1_codecs(media)}"'

@@ -1,6 +1,6 @@
-"""Through Serve with real clients: a streamed mp4 over HTTP (the model's own ingress and a router
-in front), gRPC DecodeFrames and a streaming handle is the whole `mp4` answer byte for byte, written
-to a file by the client as it arrives; an fp16 deployment answers an overflowing item with its fp32
+"""Through Serve with real clients: a streamed mp4 (webm) over HTTP (the model's own ingress and a
+router in front), gRPC DecodeFrames and a streaming handle is the whole `mp4` (`webm`) answer byte
+for byte, written to a file by the client as it arrives; an fp16 deployment answers an overflowing item with its fp32
 decode and says so over HTTP, gRPC and handles, in /health and in its metric."""
 
 import io
@@ -39,33 +39,38 @@ def frames_of(data: bytes) -> list[np.ndarray]:
         return [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
 
 
-@pytest.mark.parametrize("quality", ["lossless", "high"])
-def test_http_mp4_stream_is_written_to_a_file_as_the_whole_answer(wan_url, tmp_path, quality):
+CONTENT_TYPES = {"mp4": 'video/mp4; codecs="avc1.', "webm": 'video/webm; codecs="vp9"'}
+
+
+@pytest.mark.parametrize("quality, output", [("lossless", "mp4"), ("high", "mp4"), ("high", "webm")])
+def test_http_video_stream_is_written_to_a_file_as_the_whole_answer(wan_url, tmp_path, quality, output):
     z = latents(seed=1)
+    path = tmp_path / f"clip.{output}"
     with VaeClient(wan_url) as client:
-        whole = client.decode(z, quality, "mp4", request_id="w").output[0]
-        summary = client.decode_mp4(z, tmp_path / "clip.mp4", quality, request_id="s")
-        body = pack(request_map(z, quality, "mp4", stream=True))
+        whole = client.decode(z, quality, output, request_id="w").output[0]
+        summary = client.decode_video(z, path, quality, output=output, request_id="s")
+        body = pack(request_map(z, quality, output, stream=True))
         with httpx.stream("POST", f"{wan_url}/decode", content=body, headers={"content-type": MSGPACK}) as r:
-            content_type = r.headers["content-type"]
+            headers = r.headers
             r.read()
-    streamed = (tmp_path / "clip.mp4").read_bytes()
+    streamed = path.read_bytes()
     assert streamed == whole
     assert len(frames_of(streamed)) == 9
-    assert content_type.startswith('video/mp4; codecs="avc1.')
+    assert headers["content-type"].startswith(CONTENT_TYPES[output]) and headers["x-vae-stream"] == output
     assert (summary.model, summary.quality, summary.request_id, summary.fallback) == ("wan", quality, "s", [])
     assert summary.timing["encode_ms"] > 0
 
 
-async def test_router_and_grpc_stream_the_same_bytes(multi_url, grpc_target, tmp_path):
+@pytest.mark.parametrize("output", ["mp4", "webm"])
+async def test_router_and_grpc_stream_the_same_bytes(multi_url, grpc_target, tmp_path, output):
     z = latents(seed=2)
     async with AsyncVaeClient(multi_url) as http:
-        whole = (await http.decode(z, "high", "mp4", model="wan")).output[0]
+        whole = (await http.decode(z, "high", output, model="wan")).output[0]
         out = io.BytesIO()
-        summary = await http.decode_mp4(z, out, "high", model="wan")
+        summary = await http.decode_video(z, out, "high", output=output, model="wan")
     async with AsyncVaeGrpcClient(grpc_target, application="multi", retries=0) as rpc:
         over_grpc = io.BytesIO()
-        grpc_summary = await rpc.decode_mp4(z, over_grpc, "high", model="wan")
+        grpc_summary = await rpc.decode_video(z, over_grpc, "high", output=output, model="wan")
     assert out.getvalue() == whole == over_grpc.getvalue()
     assert summary.model == grpc_summary.model == "wan"
 
@@ -103,7 +108,7 @@ def test_the_cli_writes_a_streamed_mp4_as_it_decodes(wan_url, tmp_path):
     )  # fmt: skip
     assert run.returncode == 0, run.stderr
     assert "as it decoded" in run.stdout
-    assert (tmp_path / "out" / "000.mp4").read_bytes() == VaeClient(wan_url).decode(z, output="mp4").output[0]
+    assert (tmp_path / "out" / "z.mp4").read_bytes() == VaeClient(wan_url).decode(z, output="mp4").output[0]
 
 
 def test_streaming_handle_yields_fragments(ray_cluster, wan_url):

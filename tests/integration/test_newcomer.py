@@ -160,7 +160,7 @@ def tiny_wan_url(ray_cluster):
 
 
 RUNNABLE = [e for e in all_examples() if e.kind in (*SERVICES, "standalone")]
-WRITES = re.compile(r"\b[\w/]+\.(?:png|mp4)\b")  # the files an example says (code or comment) it writes
+WRITES = re.compile(r"\b[\w/-]+\.(?:png|mp4|webm|webp|avif)\b")  # the files an example says (code or comment) it writes
 
 
 @pytest.mark.parametrize("example", RUNNABLE, ids=lambda e: e.id)
@@ -296,7 +296,7 @@ def test_the_streaming_cli_shows_each_chunk_as_it_arrives(wan_url, tmp_path):
     assert done.stdout.startswith("first frames after ")
     chunks = [line.split(" after ")[0] for line in done.stdout.splitlines() if line.startswith("item ")]
     assert chunks == ["item 0: frames 0-0", "item 0: frames 1-4", "item 0: frames 5-8"]  # Wan: 1, then 4 per latent
-    assert len(list(tmp_path.glob("item00_frame*.png"))) == 9
+    assert len(list(tmp_path.glob("random-frame*.png"))) == 9
 
 
 def test_api_docs_need_the_token_when_one_is_configured(app, tmp_path):

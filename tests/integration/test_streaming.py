@@ -173,7 +173,7 @@ def test_cli_writes_streamed_frames(wan_url, tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "first frames after" in proc.stdout
     files = sorted(out.glob("*.png"))
-    assert [f.name for f in files] == [f"item00_frame{t:04d}.png" for t in range(5)]
+    assert [f.name for f in files] == [f"z-frame{t:04d}.png" for t in range(5)]
     whole = VaeClient(wan_url).decode(z).output[0]
     np.testing.assert_array_equal(np.stack([np.asarray(Image.open(f)) for f in files]), whole)
 

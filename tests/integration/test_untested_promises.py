@@ -267,7 +267,7 @@ def test_the_printed_example_runs_from_a_new_shell(kl_url, tmp_path):
     env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
     done = subprocess.run(command, shell=True, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
-    assert [p.name for p in (tmp_path / "out").iterdir()] == ["000.png"]
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["random.png"]
 
 
 def test_the_readmes_first_decode_runs_as_written(kl_url, tmp_path, monkeypatch):

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from vae_service.config import ServiceConfig
-from vae_service.serving import mp4_stream
+from vae_service.serving import video_stream
 from vae_service.serving.decode_service import DecodeService
 from vae_service.serving.http_routes import decode_events
 from vae_service_client import AsyncVaeClient, VaeClient, VaeServiceError
@@ -57,7 +57,7 @@ def bodies(wan_dir) -> dict[str, bytes]:
         config = ServiceConfig(model=str(wan_dir), device="cpu", cpu_threads=1, serving={"fit_prices_at_start": False})
         whole = await streamed_body(DecodeService(config))
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(mp4_stream, "mp4_writer", failing_writer(mp4_stream.mp4_writer))
+            patch.setattr(video_stream, "video_writer", failing_writer(video_stream.video_writer))
             failed = await streamed_body(DecodeService(config))
         return {"whole": whole, "failed": failed}
 

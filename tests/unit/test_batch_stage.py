@@ -207,15 +207,16 @@ def test_pickle_of_trap_would_fire(tmp_path):
     assert marker.exists()
 
 
-def test_video_models_write_an_mp4_of_every_decoded_frame_by_default(wan_dir, wan_vae, tmp_path):
+@pytest.mark.parametrize("output", [None, "webm"])
+def test_video_models_write_an_mp4_of_every_decoded_frame_by_default(wan_dir, wan_vae, tmp_path, output):
     import av
 
     z = np.random.default_rng(5).standard_normal((1, wan_vae.config.z_dim, 2, 3, 4)).astype(np.float32)
     np.save(tmp_path / "clip.npy", z)
     with torch_threads(torch.get_num_threads()):
-        stage = DecodeStage({"model": str(wan_dir), "cpu_threads": 1}, str(tmp_path / "out"), None)
+        stage = DecodeStage({"model": str(wan_dir), "cpu_threads": 1}, str(tmp_path / "out"), output)
         assert as_dict(stage(rows(tmp_path / "clip.npy"))) == {"clip": ("decoded", 1, "")}
-    with av.open(str(tmp_path / "out" / "clip.mp4")) as container:
+    with av.open(str(tmp_path / "out" / f"clip.{output or 'mp4'}")) as container:
         frames = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
     assert len(frames) == 5 and frames[0].shape == (24, 32, 3)  # Wan: 4T-3 frames, 8x per side
 

@@ -24,7 +24,7 @@ from vae_service.protocol.requests import parse_decode_body
 from vae_service.serving.admission import TOKEN_ENV
 from vae_service.serving.http_routes import HttpAnswer
 from vae_service.serving.router import VaeRouter
-from vae_service_client.messages import MSGPACK, pack
+from vae_service_client.messages import MSGPACK, REQUEST_KEYS, pack
 from vae_service_client.tensors import encode_tensor
 
 MAX_BYTES = Limits().max_request_bytes
@@ -32,7 +32,11 @@ MODELS = ("kl", "wan")
 CPU_BOUND_S = 0.5  # the bounded walk takes well under a millisecond; the unbounded peek took seconds
 MIB = 1 << 20
 
-BOUNDS = "over the bounds of a /decode body (at most 24 map entries, 12 array items, 1024-char strings)"
+# protocol/msgpack_body.py's bounds: maps of at most twice the request's keys
+BOUNDS = (
+    f"over the bounds of a /decode body (at most {2 * len(REQUEST_KEYS)} map entries, 12 array items, "
+    "1024-char strings)"
+)
 DEEP = "nested deeper than a /decode body ever is"
 TRUNCATED = "it ends early (truncated)"
 TOO_MANY = "more values than a /decode body ever has"

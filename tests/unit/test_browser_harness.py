@@ -19,7 +19,9 @@ from tests.browser import (
     avc1_codecs,
     box_header,
     browser_page,
+    element_header,
     iter_boxes,
+    iter_elements,
     require_chromium,
     split_boxes,
 )
@@ -158,6 +160,22 @@ def test_box_headers():
     assert box_header((0).to_bytes(4, "big") + b"mdat") == ("mdat", 8, -1)
     with pytest.raises(ValueError):
         box_header((4).to_bytes(4, "big") + b"mdat")
+
+
+def test_ebml_elements_as_the_relay_reads_a_webm_stream():
+    from vae_service.engine.media.webm import ClusteredWebm
+    from vae_service_client import webm
+
+    writer = ClusteredWebm(16, 16, FPS)
+    frames = np.zeros((3, 16, 16, 3), np.uint8)
+    stream = writer.init_segment() + writer.fragment(frames[:1]) + writer.fragment(frames[1:])
+    stream += webm.trailer(DONE_TAG, {"frames": 3})
+    expected = ["EBML", "Segment", "Info", "Tracks", "Cluster", "Cluster", "Void"]
+    assert [e.type for e in iter_elements(stream)] == expected
+    assert [e.type for e in iter_elements(stream[:-1])] == expected[:-1]  # an incomplete one ends the scan
+    assert element_header(stream[:1]) is None and element_header(bytes([0xEC, 0x81, 0])) == ("Void", 2, 3)
+    with pytest.raises(ValueError):
+        element_header(b"\x00\x81")
 
 
 class Reader:

@@ -1,11 +1,14 @@
 """`vae-service serve|bench --config FILE`: a ServiceConfig in YAML or JSON, flags on top; what
 `serve` refuses before Ray starts (a mistyped model or field, a port in use), in one line; the
-generated preset list of --help; `guard-env`."""
+generated preset list of --help; `guard-env`; what `decode` sends and how it names its files."""
 
 import argparse
 import json
 import shlex
 import socket
+from pathlib import Path
+from types import SimpleNamespace
+from typing import ClassVar
 
 import numpy as np
 import pytest
@@ -134,8 +137,8 @@ def test_the_banner_is_short_true_and_ends_with_the_command_to_try():
     from vae_service.cli import banner
 
     health = {
-        "class": "AutoencoderKL", "weights": "random (decodes noise)", "precision": "fp32", "device": "cpu",
-        "tiers": ["lossless", "high", "preview"],
+        "class": "AutoencoderKL", "family": "image", "weights": "random (decodes noise)", "precision": "fp32",
+        "device": "cpu", "tiers": ["lossless", "high", "preview"],
         "geometry": {"min_latent_side": 1, "spatial_scale": 8, "latent_channels": 4},
     }  # fmt: skip
     off = banner("sd", health, "http://127.0.0.1:8000", 0, token=False).strip().splitlines()
@@ -145,6 +148,19 @@ def test_the_banner_is_short_true_and_ends_with_the_command_to_try():
     on = banner("sd", health, "http://127.0.0.1:8000", 9000, token=False).strip().splitlines()
     assert "port 9000" in on[2] and "all interfaces" in on[2] and "no token" in on[2]
     assert max(len(line) for line in off + on) <= 140
+
+
+def test_the_banner_of_a_video_model_suggests_video_latents():
+    """Before: tiny-wan's banner suggested image latents (1x4x16x16), one frame, not a clip."""
+    from vae_service.cli import banner
+
+    health = {
+        "class": "AutoencoderKLWan", "family": "video", "weights": "random (decodes noise)", "precision": "fp32",
+        "device": "cpu", "tiers": ["lossless", "high", "preview"],
+        "geometry": {"min_latent_side": 1, "spatial_scale": 8, "latent_channels": 4, "min_latent_frames": 1},
+    }  # fmt: skip
+    command = shlex.split(banner("tiny-wan", health, "http://127.0.0.1:8000", 0, token=False).strip().splitlines()[-1])
+    assert command[command.index("--random-latents") + 1] == "1x4x3x16x16"
 
 
 def test_guard_env_prints_the_environment_of_a_yamls_applications(tmp_path, capsys):
@@ -176,3 +192,115 @@ def test_decode_refuses_what_it_cannot_send_in_one_line_before_any_request(tmp_p
     assert exc.value.code == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("vae-service: ") and text in err[0] and "uint8" not in err[0]
+
+
+class FakeClient:
+    """The VaeClient `decode` uses, answering as the service would without one: a file per item
+    (one mp4 per streamed request), two frames per item streamed. `sent`: the latents it got."""
+
+    sent: ClassVar[list] = []
+    summary = SimpleNamespace(model="m", quality="lossless", precision="fp32", timing={})
+
+    def __init__(self, url, token=None):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def decode(self, latents, quality, output, **options):
+        self.sent.append(latents)
+        return SimpleNamespace(output=[f"{output} {i}".encode() for i in range(len(latents))], **vars(self.summary))
+
+    def decode_video(self, latents, path, quality, output="mp4"):
+        self.sent.append(latents)
+        Path(path).write_bytes(output.encode())
+        return self.summary
+
+    def decode_frames(self, latents, quality):
+        self.sent.append(latents)
+        return FakeStream(len(latents), self.summary)
+
+
+class FakeStream(list):
+    def __init__(self, items: int, summary):
+        one = np.zeros((1, 2, 2, 2, 3), np.uint8)  # [items, frames, H, W, RGB]
+        super().__init__(SimpleNamespace(pixels=one, frame_axis=1, item=i, frame=0) for i in range(items))
+        self.summary = summary
+
+
+@pytest.fixture
+def fake_client(monkeypatch):
+    import vae_service_client
+
+    FakeClient.sent = []
+    monkeypatch.setattr(vae_service_client, "VaeClient", FakeClient)
+    return FakeClient
+
+
+@pytest.mark.parametrize(
+    "items, flags, names",
+    [
+        (1, [], ["z.png"]),
+        (2, [], ["z-0.png", "z-1.png"]),
+        (2, ["--format", "jpeg"], ["z-0.jpeg", "z-1.jpeg"]),
+        (1, ["--video"], ["z.mp4"]),
+        (2, ["--stream", "--video"], ["z.mp4"]),  # one streamed file for the request
+        (1, ["--stream", "--format", "webm"], ["z.webm"]),  # a streamed WebM, named as the mp4 is
+        (1, ["--stream"], ["z-frame0000.png", "z-frame0001.png"]),
+        (2, ["--stream"], ["z-0-frame0000.png", "z-0-frame0001.png", "z-1-frame0000.png", "z-1-frame0001.png"]),
+    ],
+)
+def test_decode_names_its_outputs_after_the_input_as_batch_decode_does(fake_client, tmp_path, items, flags, names):
+    np.save(tmp_path / "z.npy", np.zeros((items, 4, 8, 8), np.float32))
+    main(["decode", str(tmp_path / "z.npy"), *flags, "--out", str(tmp_path / "out")])
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == names
+
+
+def test_random_latents_are_numpys_seeded_normals_named_random(fake_client, tmp_path):
+    main(["decode", "--random-latents", "2x4x8x8", "--seed", "3", "--out", str(tmp_path)])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["random-0.png", "random-1.png"]
+    expected = np.random.default_rng(3).standard_normal((2, 4, 8, 8), dtype=np.float32)
+    np.testing.assert_array_equal(fake_client.sent[0], expected)
+
+
+def test_a_safetensors_file_is_sent_as_numpy_unless_it_holds_bfloat16(fake_client, tmp_path):
+    """NumPy has no bfloat16: such latents come through torch, to go on the wire as bfloat16."""
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({"z": torch.zeros(1, 4, 8, 8, dtype=torch.float16)}, tmp_path / "half.safetensors")
+    save_file({"z": torch.zeros(1, 4, 8, 8, dtype=torch.bfloat16)}, tmp_path / "brain.safetensors")
+    for name in ("half", "brain"):
+        main(["decode", str(tmp_path / f"{name}.safetensors"), "--out", str(tmp_path / "out")])
+    half, brain = fake_client.sent
+    assert isinstance(half, np.ndarray) and half.dtype == np.float16
+    assert isinstance(brain, torch.Tensor) and brain.dtype == torch.bfloat16
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["brain.png", "half.png"]
+
+
+def test_a_hidden_latents_file_is_refused_before_anything_is_sent(fake_client, tmp_path, capsys):
+    np.save(tmp_path / ".z.npy", np.zeros((1, 4, 8, 8), np.float32))
+    with pytest.raises(SystemExit) as exc:
+        main(["decode", str(tmp_path / ".z.npy"), "--out", str(tmp_path / "out")])
+    assert exc.value.code == 2 and fake_client.sent == []
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "its name cannot name the output files" in err[0], err
+
+
+@pytest.mark.parametrize(
+    "output, said",
+    [
+        ("ftp://host/out", "scheme 'ftp' is not one of"),
+        ("s3://bucket/out?access_key=x", "credentials never go in a URI"),
+        ("s3://bucket/out?bogus=1", "unknown option 'bogus'"),
+    ],
+)
+def test_batch_decode_refuses_an_output_no_store_reads_in_one_line_before_ray(tmp_path, capsys, output, said):
+    np.save(tmp_path / "z.npy", np.zeros((1, 4, 8, 8), np.float32))
+    with pytest.raises(SystemExit) as exit_:
+        main(["batch-decode", str(tmp_path), output, "--model", "tiny-kl"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1 and said in err and "starting Ray" not in err

@@ -19,7 +19,7 @@ Columns, one test function each, parametrized over every row, so a new row inher
   `fallback_from_frame`, `retried_from_frame`) say what happened.
 
 Engine level, no Ray: DecodeEngine on a device thread of its own (as the service's), streams through
-serving's framework-free FrameStream / Mp4Stream, shared tiles with an in-process peer replica
+serving's framework-free FrameStream / VideoStream, shared tiles with an in-process peer replica
 (tests/peers.py). Engines are built once per module, each from a saved folder, as the service
 loads them. A row's answer is decoded once and cached; each column adds only its own runs."""
 
@@ -53,7 +53,7 @@ from vae_service.engine.request.result import DecodeResult
 from vae_service.engine.runtime import wan_walk
 from vae_service.serving.encoders import EncoderPool
 from vae_service.serving.frame_stream import FrameStream
-from vae_service.serving.mp4_stream import Mp4Stream
+from vae_service.serving.video_stream import VideoStream
 from vae_service_client.mp4 import Mp4Fragment
 
 RUN_TIMEOUT_S = 120.0  # a request's deadline where the run is not about deadlines (a hang fails, late)
@@ -290,7 +290,7 @@ def _kept(event):
 
 async def _streamed(setup: Setup, prepared, peers, measure: bool) -> Ran:
     """The request streamed as serving/decode_service.py streams it, without its batcher: the decode
-    on the device thread handing chunks to a FrameStream (an Mp4Stream over it for mp4), a reader
+    on the device thread handing chunks to a FrameStream (a VideoStream over it for mp4), a reader
     taking every event; a reader that leaves abandons the request."""
     context = prepared.context
     frames = FrameStream(prepared.items, context)
@@ -309,7 +309,7 @@ async def _streamed(setup: Setup, prepared, peers, measure: bool) -> Ran:
     decode = asyncio.ensure_future(decoded())
     stream = frames
     if prepared.request.output == "mp4":
-        stream = Mp4Stream(frames, setup.encoders, setup.engine.mp4_fragments(prepared), context)
+        stream = VideoStream(frames, setup.encoders, "mp4", setup.engine.video_fragments(prepared), context)
     events, done = [], None
     try:
         await stream.start(decode)
@@ -592,7 +592,7 @@ def check_stream(outcome: Outcome) -> DecodeResult:
         if expected.equal(whole.output):
             want = outcome.setup.engine.encode(whole).output[0]  # the whole mp4 answer's bytes
         else:  # the whole answer's encoding of the frames the stream says it sent
-            fragments = outcome.setup.engine.mp4_fragments(outcome.prepared)
+            fragments = outcome.setup.engine.video_fragments(outcome.prepared)
             want = encode_item(expected[0].numpy(), "mp4", outcome.setup.engine.encode_settings, fragments)
         assert streamed == want, "the mp4 stream is not the whole answer's mp4 of the frames it says it sent"
         return whole

@@ -20,7 +20,7 @@ VAE_SERVICE = Path(sys.executable).with_name("vae-service")
 
 def test_the_reader_finds_the_examples_the_documents_show():
     assert {e.document for e in EXAMPLES} >= {"README.md", "docs/interfaces.md", "docs/ray-native.md"}
-    assert {e.language for e in EXAMPLES} == {"python", "shell"}
+    assert {e.language for e in EXAMPLES} == {"python", "shell", "yaml"}
     assert len(EXAMPLES) >= 15
 
 
@@ -35,6 +35,15 @@ def test_every_example_says_what_it_runs_against(example):
 @pytest.mark.parametrize("example", [e for e in EXAMPLES if e.language == "python"], ids=lambda e: e.id)
 def test_every_python_example_parses(example):
     compile(example.code, example.id, "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT | ast.PyCF_ONLY_AST)
+
+
+@pytest.mark.parametrize("example", [e for e in EXAMPLES if e.language == "yaml"], ids=lambda e: e.id)
+def test_every_yaml_example_is_a_valid_service_config(example):
+    import yaml
+
+    from vae_service.config import ServiceConfig
+
+    ServiceConfig.model_validate(yaml.safe_load(example.code))
 
 
 @functools.cache

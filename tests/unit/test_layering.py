@@ -44,6 +44,9 @@ def offenders(
 
 # the Ray-native entry points (a plain decoder actor, offline batch decode) sit on top, beside Serve
 RAY_NATIVE = ("vae_service.ray", "vae_service.batch")
+# object storage (locations, keys, whole writes) sits below serving and batch, which use it; nothing
+# of the decode core uses it, and it imports nothing of the package but itself
+STORAGE = "vae_service.storage"
 
 
 @pytest.mark.parametrize(
@@ -59,12 +62,21 @@ RAY_NATIVE = ("vae_service.ray", "vae_service.batch")
                 "starlette",
                 "grpc",
                 "vae_service_client",
+                STORAGE,
                 *RAY_NATIVE,
             ),
         ),
         (
             "vae_service/models",
-            ("vae_service.protocol", "vae_service.serving", "vae_service.engine", "ray", "fastapi", *RAY_NATIVE),
+            (
+                "vae_service.protocol",
+                "vae_service.serving",
+                "vae_service.engine",
+                "ray",
+                "fastapi",
+                STORAGE,
+                *RAY_NATIVE,
+            ),
         ),
         (
             "vae_service/fastpath",
@@ -75,6 +87,7 @@ RAY_NATIVE = ("vae_service.ray", "vae_service.batch")
                 "vae_service.config",
                 "ray",
                 "fastapi",
+                STORAGE,
                 *RAY_NATIVE,
             ),
         ),
@@ -87,10 +100,31 @@ RAY_NATIVE = ("vae_service.ray", "vae_service.batch")
                 "ray",
                 "fastapi",
                 "starlette",
+                STORAGE,
                 *RAY_NATIVE,
             ),
         ),
         ("vae_service/serving", RAY_NATIVE),
+        # pure: no request, Serve, protocol or model code; pyarrow.fs only
+        (
+            "vae_service/storage",
+            (
+                "vae_service.engine",
+                "vae_service.protocol",
+                "vae_service.serving",
+                "vae_service.models",
+                "vae_service.fastpath",
+                "vae_service.config",
+                "vae_service.cli",
+                "ray",
+                "fastapi",
+                "starlette",
+                "grpc",
+                "torch",
+                "vae_service_client",
+                *RAY_NATIVE,
+            ),
+        ),
         # Ray-native entry points beside Serve: the engine (and the service core) without HTTP or gRPC
         ("vae_service/ray", ("fastapi", "starlette", "grpc", "vae_service.fastpath", "vae_service.batch")),
         (

@@ -18,8 +18,8 @@ from pydantic import ValidationError
 from vae_service.config import ServiceConfig
 from vae_service.engine import DecodeRequest, InvalidInput
 from vae_service.engine.request.result import DecodeResult
-from vae_service.protocol.responses import mp4_stream_bytes
-from vae_service.serving import mp4_stream
+from vae_service.protocol.responses import video_stream_bytes
+from vae_service.serving import video_stream
 from vae_service.serving.decode_service import DecodeService
 from vae_service.serving.frame_stream import CHUNKS_AHEAD
 from vae_service.serving.http_routes import decode_events
@@ -104,10 +104,12 @@ async def test_a_decoder_that_hands_the_whole_clip_over_still_streams_a_fragment
     assert b"".join(f.data for f in events[:-1]) == whole.output[0]
 
 
-async def test_the_first_fragment_leaves_before_the_second_latent_frame_is_decoded(wan_dir):
+@pytest.mark.parametrize("output", ["mp4", "webm"])
+async def test_the_first_fragment_leaves_before_the_second_latent_frame_is_decoded(wan_dir, output):
     """The decoder's mid-block attention runs once per latent frame: the second run waits until
     the first fragment reached the caller. Were the fragment made only after the second latent
-    frame (a muxer that closes a fragment when the next frame arrives), it would wait in vain."""
+    frame (a muxer that closes a fragment when the next frame arrives), it would wait in vain.
+    The same for webm, whose stream is its whole answer byte for byte too (a Cluster per fragment)."""
     service = service_for(wan_dir)
     first_out, waited = threading.Event(), []
     runs = []
@@ -119,19 +121,25 @@ async def test_the_first_fragment_leaves_before_the_second_latent_frame_is_decod
 
     service.engine.vae.decoder.mid_block.attentions[0].register_forward_pre_hook(second_waits)
     z = latents(3)
-    stream = await service.submit(lambda: DecodeRequest(z, "lossless", "mp4", stream=True), z.nbytes)
+    stream = await service.submit(lambda: DecodeRequest(z, "lossless", output, stream=True), z.nbytes)
     events = stream.events()
     first = await anext(events)
     first_out.set()
     rest = [e async for e in events]
-    assert isinstance(first, Mp4Fragment) and first.frames == 1 and boxes(first.data)[:2] == [b"ftyp", b"moov"]
+    assert isinstance(first, Mp4Fragment) and first.frames == 1
     assert waited == [True] and len(rest) == 3  # two more fragments and the result
+    if output == "mp4":
+        assert boxes(first.data)[:2] == [b"ftyp", b"moov"]
+        return
+    assert first.data.startswith(b"\x1a\x45\xdf\xa3") and stream.media_type == 'video/webm; codecs="vp9"'
+    whole = await service.decode(DecodeRequest(z, "lossless", "webm"))
+    assert b"".join(e.data for e in [first, *rest[:-1]]) == whole.output[0]
 
 
 async def test_a_slow_encoder_holds_the_decode_back_on_the_pools_threads(wan_dir, monkeypatch):
     service = service_for(wan_dir)
     release, threads, runs = threading.Event(), [], []
-    make_writer = mp4_stream.mp4_writer
+    make_writer = video_stream.video_writer
 
     class SlowWriter:
         def __init__(self, *args):
@@ -149,7 +157,7 @@ async def test_a_slow_encoder_holds_the_decode_back_on_the_pools_threads(wan_dir
         def close(self):
             self.writer.close()
 
-    monkeypatch.setattr(mp4_stream, "mp4_writer", SlowWriter)
+    monkeypatch.setattr(video_stream, "video_writer", SlowWriter)
     service.engine.vae.decoder.mid_block.attentions[0].register_forward_pre_hook(lambda m, a: runs.append(1))
     z = latents(len(WAN_FRAMES), 2, 2)
     stream = await service.submit(lambda: DecodeRequest(z, "lossless", "mp4", stream=True), z.nbytes)
@@ -166,7 +174,7 @@ async def test_a_slow_encoder_holds_the_decode_back_on_the_pools_threads(wan_dir
 
 async def test_an_encode_that_fails_mid_stream_ends_with_an_error_box(wan_dir, monkeypatch):
     service = service_for(wan_dir)
-    make_writer, calls = mp4_stream.mp4_writer, []
+    make_writer, calls = video_stream.video_writer, []
 
     def failing_writer(*args):
         writer = make_writer(*args)
@@ -181,7 +189,7 @@ async def test_an_encode_that_fails_mid_stream_ends_with_an_error_box(wan_dir, m
         writer.fragment = second_fails
         return writer
 
-    monkeypatch.setattr(mp4_stream, "mp4_writer", failing_writer)
+    monkeypatch.setattr(video_stream, "video_writer", failing_writer)
     events = decode_events(service, pack(request_map(latents(3), "lossless", "mp4", stream=True)), MSGPACK)
     opened = await anext(events)
     assert opened.status == 200 and opened.media_type.startswith('video/mp4; codecs="avc1.')
@@ -228,7 +236,7 @@ async def test_the_client_writes_each_box_as_soon_as_it_is_whole(service):
     z = latents(3, seed=2)
     _, events = await stream_events(service, z)
     media = b"".join(e.data for e in events[:-1])
-    body = media + mp4_stream_bytes(events[-1])
+    body = media + video_stream_bytes(events[-1], "mp4")
     pieces = [body[i : i + 777] for i in range(0, len(body), 777)]  # cut anywhere, boxes straddle pieces
     written = []
 

@@ -10,7 +10,7 @@ import torch
 from vae_service.config import Limits
 from vae_service.protocol.errors import ANSWERABLE, error_type, wire_error
 from vae_service.protocol.requests import parse_decode_body
-from vae_service_client.messages import pack
+from vae_service_client.messages import REQUEST_KEYS, pack
 from vae_service_client.tensors import encode_tensor
 
 MAX_BYTES = Limits().max_request_bytes
@@ -19,7 +19,11 @@ MSGPACK = "application/msgpack"
 
 # msgpack's own words (its exception names, `unpack(b)`, its bounds' parameter names) say nothing to a caller
 MSGPACK_INTERNALS = ("ExtraData", "StackError", "FormatError", "ValueError", "unpack(b)", "max_array_len", "max_map")
-BOUNDS = "over the bounds of a /decode body (at most 24 map entries, 12 array items, 1024-char strings)"
+# protocol/msgpack_body.py's bounds: maps of at most twice the request's keys
+BOUNDS = (
+    f"over the bounds of a /decode body (at most {2 * len(REQUEST_KEYS)} map entries, 12 array items, "
+    "1024-char strings)"
+)
 
 
 def body(**fields):

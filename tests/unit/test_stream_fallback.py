@@ -22,7 +22,7 @@ from vae_service.engine import DecodeEngine, DecodeRequest
 from vae_service.engine.execution.video import FrameChunk
 from vae_service.engine.media.encoding import encode_item
 from vae_service.engine.request.result import DecodeResult
-from vae_service.protocol.responses import grpc_frame_message, http_frame_message, mp4_stream_bytes, response_of
+from vae_service.protocol.responses import grpc_frame_message, http_frame_message, response_of, video_stream_bytes
 from vae_service.serving.decode_service import DecodeService
 from vae_service_client.frames import AsyncFrameStream, FrameStream, MessageReader, StreamSummary, message_of_proto
 from vae_service_client.grpc_gen import decode_pb2
@@ -218,10 +218,11 @@ def test_a_streamed_mp4_that_falls_back_is_the_whole_mp4_of_the_frames_it_sent(f
     # the frames stream of the same request: the same frames, so the whole mp4 answer of them
     *chunks, _ = stream(fp16, z)
     told = joined(chunks, 1)
-    encoded = encode_item(told[0].numpy(), "mp4", fp16.encoders.settings, fp16.engine.mp4_fragments(prepared(fp16, z)))
+    fragments = fp16.engine.video_fragments(prepared(fp16, z))
+    encoded = encode_item(told[0].numpy(), "mp4", fp16.encoders.settings, fragments)
     assert streamed == encoded
     target = _Sink()
-    summary = StreamSummary(write_chunks([streamed, mp4_stream_bytes(done)], target))
+    summary = StreamSummary(write_chunks([streamed, video_stream_bytes(done, "mp4")], target))
     assert target.data == streamed
     assert (summary.precision, summary.fallback, summary.fallback_from_frame) == ("fp16", [0], [FIRST_FP32])
 

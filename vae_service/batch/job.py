@@ -1,5 +1,6 @@
 """Offline decode of whole datasets on Ray Data: inputs listed (a folder of latents files, or a
-Parquet dataset with one latent per row) with every output path computed before anything is
+Parquet dataset with one latent per row; local, or in object storage: s3://bucket/prefix, gs://...,
+through vae_service/storage) with every output path computed before anything is
 decoded (two inputs that would write one file are refused, naming both), decoded by an actor pool
 of engines, files written under the output folder, progress shown while it runs and a summary at
 the end. Finished inputs are found by their files, so a rerun after an interruption decodes only
@@ -19,6 +20,7 @@ from vae_service.batch.outputs import BATCH_OUTPUTS, OutputFolder
 from vae_service.batch.stage import DecodeStage
 from vae_service.config import ServiceConfig
 from vae_service.engine import QUALITIES
+from vae_service.storage import Location, LocationError, StoreUnavailable, open_location
 
 PARQUET_COLUMNS = ("name", "latents")
 
@@ -31,11 +33,12 @@ class BatchInputError(ValueError):
 @dataclass(frozen=True)
 class Inputs:
     """A job's inputs, listed without Ray: a folder's latents files (`files`) or Parquet files
-    (`parquet`, under `root`), with the number of latent items of each input (`items`)."""
+    (`parquet`, under `root`), with the number of latent items of each input (`items`); local or
+    in a store (storage Locations)."""
 
-    root: Path
-    files: tuple[Path, ...] = ()
-    parquet: tuple[Path, ...] = ()
+    root: Location
+    files: tuple[Location, ...] = ()
+    parquet: tuple[Location, ...] = ()
     items: dict[str, int] = field(default_factory=dict)  # input name -> latent items
 
     @property
@@ -51,23 +54,33 @@ class Inputs:
         import ray.data
 
         if self.parquet:
-            return ray.data.read_parquet(str(self.root)).select_columns(list(PARQUET_COLUMNS))
-        # a block per file: the pool's actors share the work evenly and progress moves file by file
-        rows = [{"name": p.stem, "path": str(p)} for p in self.files]
+            parquet = ray.data.read_parquet(self.root.path, filesystem=self.root.fs)
+            return parquet.select_columns(list(PARQUET_COLUMNS))
+        # a block per file: the pool's actors share the work evenly and progress moves file by file;
+        # `path` a local path or a URI with its store's options (no credentials: workers read theirs)
+        rows = [{"name": p.stem, "path": p.spec} for p in self.files]
         return ray.data.from_items(rows, override_num_blocks=len(rows))
 
 
-def list_inputs(path: str | Path, output: str | None = None) -> Inputs:
-    """The inputs under `path`, every output path computed (`output`: the output kind, unset for
-    the default; the names are the same for png, jpeg and mp4). Raises BatchInputError."""
-    path = Path(path)
-    if path.is_file() and path.suffix == ".parquet":
+def list_inputs(path: str | Path | Location, output: str | None = None) -> Inputs:
+    """The inputs under `path` (a local path, a URI such as s3://bucket/prefix?endpoint_override=...,
+    or a Location), every output path computed (`output`: the output kind, unset for the default;
+    the names are the same for png, jpeg and mp4). Raises BatchInputError, also for a location
+    that cannot be read."""
+    try:
+        return _list_inputs(path if isinstance(path, Location) else open_location(str(path)), output)
+    except (LocationError, StoreUnavailable) as exc:
+        raise BatchInputError(str(exc)) from None
+
+
+def _list_inputs(path: Location, output: str | None) -> Inputs:
+    if path.suffix == ".parquet" and path.is_file():
         return _parquet_inputs(path, [path], output)
     if not path.is_dir():
         raise BatchInputError(f"{path}: not a folder of latents files nor a .parquet file")
-    files = sorted(p for p in path.iterdir() if p.is_file() and p.suffix in LATENT_SUFFIXES)
+    files = [p for p in path.files() if p.suffix in LATENT_SUFFIXES]
     if not files:
-        parquet = sorted(path.rglob("*.parquet"))
+        parquet = [p for p in path.files(recursive=True) if p.suffix == ".parquet"]
         if parquet:
             return _parquet_inputs(path, parquet, output)
         raise BatchInputError(f"{path}: holds no {', '.join(LATENT_SUFFIXES)} or .parquet files")
@@ -81,7 +94,7 @@ def list_inputs(path: str | Path, output: str | None = None) -> Inputs:
     return Inputs(path, files=tuple(files), items=items)
 
 
-def _items_of(path: Path) -> int:
+def _items_of(path: Location) -> int:
     """Its latents' batch dimension from the file's header; an unreadable file fails when it is
     decoded (and writes nothing): one item here."""
     try:
@@ -91,14 +104,18 @@ def _items_of(path: Path) -> int:
     return shape[0] if shape else 1
 
 
-def _parquet_inputs(root: Path, files: list[Path], output: str | None) -> Inputs:
+def _parquet_inputs(root: Location, files: list[Location], output: str | None) -> Inputs:
     import pyarrow.parquet as pq
 
-    columns = pq.read_schema(files[0]).names
+    columns = pq.read_schema(files[0].path, filesystem=files[0].fs).names
     missing = [c for c in PARQUET_COLUMNS if c not in columns]
     if missing:
         raise BatchInputError(f"{files[0]}: needs columns {list(PARQUET_COLUMNS)}, lacks {missing}")
-    names = [str(n) for f in files for n in pq.read_table(f, columns=["name"]).column("name").to_pylist()]
+    names = [
+        str(n)
+        for f in files
+        for n in pq.read_table(f.path, columns=["name"], filesystem=f.fs).column("name").to_pylist()
+    ]
     seen: dict[str, int] = {}
     for row, name in enumerate(names):
         if name in seen:
@@ -112,7 +129,7 @@ def _parquet_inputs(root: Path, files: list[Path], output: str | None) -> Inputs
     return Inputs(root, parquet=tuple(files), items=items)
 
 
-def _refuse_clashes(root: Path, described: dict[str, str], items: dict[str, int], output: str | None) -> None:
+def _refuse_clashes(root: Location, described: dict[str, str], items: dict[str, int], output: str | None) -> None:
     """Two inputs whose outputs share a path (x.npy of two items writes x-1.png, as x-1.npy does)."""
     folder = OutputFolder(root, output or "png")
     writer: dict[str, str] = {}
@@ -129,7 +146,7 @@ def _refuse_clashes(root: Path, described: dict[str, str], items: dict[str, int]
             writer[out.name] = described[name]
 
 
-def read_inputs(path: str | Path):
+def read_inputs(path: str | Path | Location):
     """A Ray Dataset of inputs: rows {name, path} for a folder of .npy/.safetensors files (each
     file one request's latents, batch dimension first), or {name, latents} from Parquet (each
     row one latent item, no batch dimension; `name` names its output files)."""
@@ -139,7 +156,7 @@ def read_inputs(path: str | Path):
 def decode_dataset(
     ds,
     config: dict | ServiceConfig,
-    output_dir: str | Path,
+    output_dir: str | Path | Location,
     *,
     quality: str = "lossless",
     output: str | None = None,
@@ -151,8 +168,9 @@ def decode_dataset(
     max_restarts: int = 0,
 ):
     """Decode every row of `ds` ({name, path} or {name, latents} rows, as read_inputs makes them)
-    into files under `output_dir`. Returns the lazy Dataset of per-input results (name, status:
-    decoded | skipped | failed, files, items, error, decode_ms); consuming it runs the job.
+    into files under `output_dir` (a local folder, or a store's URI: s3://bucket/prefix, ...).
+    Returns the lazy Dataset of per-input results (name, status: decoded | skipped | failed, files,
+    items, error, decode_ms); consuming it runs the job.
     `options` are further /decode keys (scaling_factor, height, width, decode_timestep, ...).
 
     `max_restarts`: an engine that dies is not restarted by default, so the job stops with the
@@ -164,6 +182,8 @@ def decode_dataset(
         raise ValueError(f"quality {quality!r}: one of {list(QUALITIES)}")
     if output is not None and output not in BATCH_OUTPUTS:
         raise ValueError(f"output {output!r}: one of {list(BATCH_OUTPUTS)}")
+    # checked here (LocationError is a ValueError), before any engine starts; a local path made absolute
+    output_dir = (output_dir if isinstance(output_dir, Location) else open_location(str(output_dir))).spec
     from ray.data import ActorPoolStrategy
 
     with warnings.catch_warnings():
@@ -251,7 +271,7 @@ class Progress:
 
 def run_batch_decode(
     input_path: str | Path | Inputs,
-    output_dir: str | Path,
+    output_dir: str | Path | Location,
     config: dict | ServiceConfig,
     progress: TextIO | None = None,
     **options,

@@ -1,15 +1,18 @@
-"""Where a decoded input goes: files named after the input, written whole or not at all, so that
-a rerun can tell finished inputs from the rest by their files alone."""
+"""Where a decoded input goes: files named after the input (storage's object_names, as a request's
+sink names them), in a local folder or object storage (`s3://bucket/prefix`, `gs://...`: through
+vae_service/storage), written whole or not at all, so that a rerun can tell finished inputs from
+the rest by their files alone."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
 
+from vae_service.storage import Location, object_names, open_location
+
 # npy: the service's `uint8` answer, [B, H, W, 3] or [B, T, H, W, 3], one file per input
-BATCH_OUTPUTS = ("png", "jpeg", "mp4", "npy")
+BATCH_OUTPUTS = ("png", "jpeg", "webp", "avif", "mp4", "webm", "npy")
 
 
 def check_name(name: str) -> str:
@@ -20,29 +23,32 @@ def check_name(name: str) -> str:
 
 
 class OutputFolder:
-    def __init__(self, folder: str | Path, output: str):
+    def __init__(self, folder: str | Path | Location, output: str):
+        """`folder`: a local path, a URI (s3://bucket/prefix?endpoint_override=..., gs://..., file://...)
+        or a Location (raises storage's LocationError, a ValueError, for one that names none)."""
         if output not in BATCH_OUTPUTS:
             raise ValueError(f"output {output!r}: one of {list(BATCH_OUTPUTS)}")
-        self.folder, self.output = Path(folder), output
+        self.folder = folder if isinstance(folder, Location) else open_location(str(folder))
+        self.output = output
 
-    def paths(self, name: str, items: int) -> list[Path]:
+    def paths(self, name: str, items: int) -> list[Location]:
         """One npy per input; otherwise one file per item, suffixed by its index when there are several."""
-        name = check_name(name)
-        if self.output == "npy" or items == 1:
-            return [self.folder / f"{name}.{self.output}"]
-        return [self.folder / f"{name}-{i}.{self.output}" for i in range(items)]
+        names = object_names(check_name(name), self.output, 1 if self.output == "npy" else items)
+        return [self.folder.child(n) for n in names]
 
-    @staticmethod
-    def finished(paths: list[Path]) -> bool:
-        return all(p.is_file() for p in paths)
+    def finished(self, paths: list[Location]) -> bool:
+        """Whether every file exists (on a store: one existence check per file, no listing)."""
+        return self.folder.all_exist([p.name for p in paths])
 
-    def write(self, paths: list[Path], output) -> None:
-        """`output`: encoded files (one per path) or, for npy, the uint8 pixels as one array."""
+    def write(self, paths: list[Location], output) -> None:
+        """`output`: encoded files (one per path) or, for npy, the uint8 pixels as one array. Each
+        written whole (a temporary beside it, then moved): a run stopped mid-write leaves only a
+        hidden temporary, never a truncated output."""
         blobs = [_npy_bytes(output)] if self.output == "npy" else output
         if len(blobs) != len(paths):
             raise ValueError(f"{len(blobs)} outputs for {len(paths)} files")
         for path, blob in zip(paths, blobs, strict=True):
-            _write_whole(path, blob)
+            path.write_whole(blob)
 
 
 def _npy_bytes(pixels) -> bytes:
@@ -51,10 +57,3 @@ def _npy_bytes(pixels) -> bytes:
     buf = io.BytesIO()
     np.save(buf, np.asarray(pixels), allow_pickle=False)
     return buf.getvalue()
-
-
-def _write_whole(path: Path, blob: bytes) -> None:
-    # a run stopped mid-write leaves only a hidden temporary, never a truncated output
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_bytes(blob)
-    os.replace(tmp, path)

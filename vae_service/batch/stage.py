@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
@@ -18,6 +17,7 @@ from vae_service.batch.outputs import OutputFolder
 from vae_service.config import ServiceConfig
 from vae_service.engine import DecodeEngine, DecodeError
 from vae_service.protocol.requests import request_from_call
+from vae_service.storage import StoreUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -36,11 +36,12 @@ class ItemResult:
 
 class DecodeStage:
     def __init__(self, config: dict, output_dir: str, output: str | None, quality: str = "lossless", options=None):
+        """`output_dir`: a local folder or a store's URI (s3://bucket/prefix?endpoint_override=...)."""
         self.engine = DecodeEngine(ServiceConfig.model_validate(config))
         self.engine.bind_thread()
         # unset: what a service client asks for by default, PNGs of images and MP4s of videos
         self.folder = OutputFolder(output_dir, output or ("mp4" if self.engine.video else "png"))
-        self.folder.folder.mkdir(parents=True, exist_ok=True)
+        self.folder.folder.make_dirs()  # a local folder; a store needs none
         self.quality, self.options = quality, dict(options or {})
         log.info("decode stage in pid %d: %s", os.getpid(), self.engine.spec.name)
 
@@ -54,6 +55,8 @@ class DecodeStage:
             return self.decode_item(name, _row_latents(batch, i))
         except (DecodeError, ValueError) as exc:  # bad input: the item's own fault
             return ItemResult(name, "failed", error=str(exc))
+        except StoreUnavailable as exc:  # the output's store failed: a rerun writes it
+            return ItemResult(name, "failed", error=f"not stored: {exc}")
         except Exception as exc:  # a fault of ours: reported, logged, and the job goes on
             log.exception("decoding %s failed", name)
             return ItemResult(name, "failed", error=f"internal error ({type(exc).__name__}): {exc}")
@@ -84,7 +87,7 @@ def _row_latents(batch: dict[str, np.ndarray], i: int):
     """A row holds a file's path (the file's latents, as `vae-service decode` sends them) or one
     latent item itself (Parquet: without the batch dimension)."""
     if "path" in batch:
-        return load_latents(Path(str(batch["path"][i])))
+        return load_latents(str(batch["path"][i]))  # a local path or a store's URI
     value = batch["latents"][i]
     if value.dtype == object:  # a Parquet list column: arrays of arrays, numbers without a dtype
         value = _stacked(value).astype(np.float32)

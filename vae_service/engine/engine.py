@@ -40,9 +40,10 @@ from vae_service.engine.execution.peer_contract import TilePeers
 from vae_service.engine.media.encoding import ENCODED_OUTPUTS, EncodeSettings, encode_all, fragment_frames
 from vae_service.engine.planning.planner import plan_batch, plan_request, retry_plan
 from vae_service.engine.pricing.cost_model import CostModel
+from vae_service.engine.pricing.encode_cost import EncodePrice
 from vae_service.engine.pricing.preview_price import preview_price
 from vae_service.engine.request.context import RequestContext
-from vae_service.engine.request.decode_request import QUALITIES, DecodeRequest
+from vae_service.engine.request.decode_request import QUALITIES, VIDEO_OUTPUTS, DecodeRequest
 from vae_service.engine.request.errors import DecodeFailed, WrongFingerprint
 from vae_service.engine.request.latents import PreparedRequest, check_finite, check_output, decoder_latents
 from vae_service.engine.request.result import DecodeResult, PendingResult, Timing
@@ -62,6 +63,7 @@ class DecodeEngine:
         self.limits: Limits = config.limits  # the live limits of callers without a context (reconfigure)
         self.share_from_pixels = config.parallel.min_output_pixels
         self.encode_settings = EncodeSettings.of(config.encoding)
+        self.encode_price = EncodePrice(self.encode_settings)  # its files' price per megapixel, per output
         runtime = self.runtime
         self.preview = build_preview(config, runtime.spec, runtime.scaling, runtime.device, runtime.whole_batch)
         self.cost.price_preview(preview_price(self.preview, self.cost.facts))  # priced like a decode
@@ -155,7 +157,13 @@ class DecodeEngine:
         frames = cost.output_frames(z, limits)
         cost.check_limits(z, limits, frames)
         check_output(request, self.spec, frames, z)
+        self.check_encode(request.output, z, frames, limits)
         return PreparedRequest(request, z, frames, form, timestep, context)
+
+    def check_encode(self, output: str, z: torch.Tensor, frames: int, limits: Limits) -> None:
+        """The files' encoding price against max_encode_seconds (engine/pricing/encode_cost.py)."""
+        pixels = z.shape[0] * frames * z.shape[-2] * z.shape[-1] * self.spec.spatial_scale**2
+        self.encode_price.check(output, pixels, limits)
 
     def needs_shape_work(self, prepared: PreparedRequest) -> bool:
         """Whether `price` runs work that grows with the request (a trace, a per-shape price)."""
@@ -170,6 +178,7 @@ class DecodeEngine:
                 frames = cost.output_frames(prepared.latents, limits)
                 cost.check_limits(prepared.latents, limits, frames)
                 check_output(prepared.request, self.spec, frames, prepared.latents)
+                self.check_encode(prepared.request.output, prepared.latents, frames, limits)
                 prepared = replace(prepared, frames=frames)
             tiling = plan_request(prepared, cost, cost.bound(limits), self.share_from_pixels)
         check_finite(prepared.latents)
@@ -253,12 +262,12 @@ class DecodeEngine:
             timing,
             encode_as,
             tiled,
-            fragments=self.mp4_fragments(prepared) if request.output == "mp4" else (),
+            fragments=self.video_fragments(prepared) if request.output in VIDEO_OUTPUTS else (),
             fallback=tuple(fell_back),
         )
 
-    def mp4_fragments(self, prepared: PreparedRequest) -> tuple[int, ...]:
-        """Frames per fragment of this request's mp4 answer, streamed or whole alike."""
+    def video_fragments(self, prepared: PreparedRequest) -> tuple[int, ...]:
+        """Frames per fragment (a WebM cluster) of this request's mp4 or webm answer, streamed or whole alike."""
         frames = self.spec.geometry.frames
         return fragment_frames(prepared.frames, prepared.latent_frames, frames.law if frames else None)
 

@@ -4,7 +4,8 @@ rewrites change no arithmetic (tests prove bit-identity with diffusers), so both
 the others are `high` only. A rewrite declares what it builds on (`requires`: other rewrites, and
 `triton`: the fused norms on their Triton backend); the plan admits it only when those are in.
 
-No diffusers import here: the config validates names against this table.
+No diffusers import here; the config validates names against vae_service/names.py, which a test
+keeps equal to this table.
 """
 
 from __future__ import annotations

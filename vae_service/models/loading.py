@@ -25,7 +25,7 @@ from vae_service.models.catalog import CLASSES, REFUSED, entry_for
 from vae_service.models.errors import ModelLoadError
 from vae_service.models.presets import PRESETS
 from vae_service.models.spec import ENCODER_SIDE, ModelSpec, geometry_of, inspect_vae
-from vae_service_client.errors import did_you_mean
+from vae_service.names import hub_shaped, unknown_source
 
 log = logging.getLogger(__name__)
 
@@ -163,18 +163,12 @@ def check_source(source: str) -> None:
     starts): a preset, a local diffusers folder whose config names a served class and which holds
     safetensors weights, or a name shaped like a hub id. Raises ModelLoadError naming `model`, with
     close matches for a mistyped preset or folder."""
-    if source in PRESETS:
-        return
+    unknown = unknown_source(source)
+    if unknown:
+        raise ModelLoadError(unknown)
     path = Path(source).expanduser()
-    if not path.exists():
-        if _hub_shaped(source):
-            return  # fetched where it is loaded (the replica)
-        siblings = [p.name for p in path.parent.iterdir()] if path.parent.is_dir() and path.parent != Path() else []
-        hint = did_you_mean(source, PRESETS) or did_you_mean(path.name, siblings)
-        raise ModelLoadError(
-            f"model: {source!r} is neither a preset, a local folder nor a hub id (org/name){hint} "
-            "(the presets: vae-service serve --help)"
-        )
+    if source in PRESETS or not path.exists():
+        return  # a preset, or a hub id fetched where it is loaded (the replica)
     folder = _vae_folder(path)
     try:
         class_name = json.loads((folder / "config.json").read_text()).get("_class_name", "")
@@ -182,10 +176,6 @@ def check_source(source: str) -> None:
         raise ModelLoadError(f"model: {folder / 'config.json'} is not a diffusers config ({exc})") from None
     _autoencoder_class(class_name)
     _weight_files(folder)
-
-
-def _hub_shaped(source: str) -> bool:
-    return source.count("/") == 1 and not source.startswith((".", "/", "~"))
 
 
 def _vae_folder(path: Path) -> Path:
@@ -199,7 +189,7 @@ def _resolve_folder(source: str) -> Path:
     path = Path(source).expanduser()
     if path.exists():
         return _vae_folder(path)
-    if _hub_shaped(source):
+    if hub_shaped(source):
         return _download_from_hub(source)
     raise ModelLoadError(
         f"model: '{source}' is neither a preset ({', '.join(PRESETS)}), a local diffusers folder, "

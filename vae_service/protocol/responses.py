@@ -11,9 +11,10 @@ from vae_service.engine.execution.video import FrameChunk
 from vae_service.engine.request.result import DecodeResult
 from vae_service.protocol.errors import WireErrorInfo
 from vae_service.protocol.tensors import to_numpy
+from vae_service_client import mp4, webm
 from vae_service_client.frames import frame_message_proto, framed, frames_message
 from vae_service_client.messages import MSGPACK, DecodeResponse, pack
-from vae_service_client.mp4 import DONE_TAG, ERROR_TAG, Mp4Fragment, trailer
+from vae_service_client.mp4 import DONE_TAG, ERROR_TAG, Mp4Fragment
 
 CONTENT_TYPE = MSGPACK  # of a whole /decode answer
 
@@ -88,15 +89,20 @@ def done_summary(result: DecodeResult) -> dict:
     return summary
 
 
-def mp4_stream_bytes(event: Mp4Fragment | DecodeResult) -> bytes:
-    """An HTTP mp4 stream's next bytes (vae_service_client.mp4): a fragment, or the summary box."""
+# the closing element of a streamed video: mp4's `free` box, webm's Void element
+TRAILERS = {"mp4": mp4.trailer, "webm": webm.trailer}
+
+
+def video_stream_bytes(event: Mp4Fragment | DecodeResult, output: str) -> bytes:
+    """An HTTP video stream's next bytes (vae_service_client.mp4, .webm): a fragment, or the summary's
+    closing box (element)."""
     if isinstance(event, Mp4Fragment):
         return event.data
-    return trailer(DONE_TAG, done_summary(event))
+    return TRAILERS[output](DONE_TAG, done_summary(event))
 
 
-def mp4_error_bytes(info: WireErrorInfo) -> bytes:
-    return trailer(ERROR_TAG, {"type": info.type, "field": info.field, "message": info.message})
+def video_error_bytes(info: WireErrorInfo, output: str) -> bytes:
+    return TRAILERS[output](ERROR_TAG, {"type": info.type, "field": info.field, "message": info.message})
 
 
 def http_frame_message(event: StreamEvent) -> bytes:

@@ -22,15 +22,17 @@ from vae_service.config import LiveConfig, ServiceConfig
 from vae_service.engine import DecodeEngine, DecodeRequest, DecodeResult, PreparedRequest
 from vae_service.engine.execution.peer_contract import TilePeers
 from vae_service.engine.request.context import RequestContext
+from vae_service.engine.request.decode_request import VIDEO_OUTPUTS
 from vae_service.engine.request.errors import DecodeTimeout, InvalidInput, OutOfMemory, Overloaded
 from vae_service.engine.request.result import PendingResult
 from vae_service.engine.runtime.tile_jobs import TileJob
 from vae_service.serving.batcher import BatcherLimits, BatchStats, DeadlineExceeded, KeyedBatcher, QueueFull
 from vae_service.serving.encoders import EncoderPool
 from vae_service.serving.frame_stream import FrameStream
-from vae_service.serving.mp4_stream import Mp4Stream
 from vae_service.serving.request_pricing import RequestPricing
+from vae_service.serving.sinks import Sinks
 from vae_service.serving.tile_surface import TileSurface
+from vae_service.serving.video_stream import VideoStream
 
 
 def batcher_limits(config: ServiceConfig) -> BatcherLimits:
@@ -60,6 +62,7 @@ class DecodeService:
             self._decode_batch, batcher_limits(config), self._observe, executor=self.device_thread
         )
         self.encoders = EncoderPool(self.engine.encode_settings, config.encoding.threads)
+        self.sinks = Sinks(config.sinks, serving.retry_after_s)  # object storage a request may name
         self.on_batch, self.on_rejected = on_batch, on_rejected
         self.on_decoded, self.on_first_frames = on_decoded, on_first_frames  # (quality, ms)
         self.decoded_items = 0  # latent items that reached the device (requests given up on never do)
@@ -108,9 +111,9 @@ class DecodeService:
             raise InvalidInput("stream", "this call answers whole outputs; stream frames with the streaming call")
         return await self._decode_prepared(prepared)
 
-    async def submit(self, parse: Callable[[], DecodeRequest], size: int) -> DecodeResult | FrameStream | Mp4Stream:
+    async def submit(self, parse: Callable[[], DecodeRequest], size: int) -> DecodeResult | FrameStream | VideoStream:
         """Like decode_from, but a request with `stream` set comes back as a FrameStream (output
-        mp4: an Mp4Stream) once its first frames are decoded (errors before them are raised here)."""
+        mp4 or webm: a VideoStream) once its first frames are decoded (errors before them are raised here)."""
         arrived = time.perf_counter()
         prepared = await self._prepare(parse, size)
         if not prepared.request.stream:
@@ -118,15 +121,19 @@ class DecodeService:
         frames = FrameStream(prepared.items, prepared.context)
         decode = asyncio.ensure_future(self._decode_prepared(replace(prepared, sink=frames.sink)))
         stream = frames
-        if prepared.request.output == "mp4":
-            stream = Mp4Stream(frames, self.encoders, self.engine.mp4_fragments(prepared), prepared.context)
+        output = prepared.request.output
+        if output in VIDEO_OUTPUTS:
+            stream = VideoStream(frames, self.encoders, output, self.engine.video_fragments(prepared), prepared.context)
         await stream.start(decode)
         if self.on_first_frames is not None:
             self.on_first_frames(prepared.request.quality, (time.perf_counter() - arrived) * 1e3)
         return stream
 
     async def _prepare(self, parse: Callable[[], DecodeRequest], size: int) -> PreparedRequest:
-        return await self.pricing.prepare(parse, size, self.admit(), self.config.batching.max_queued_items)
+        def parse_checked() -> DecodeRequest:  # its sink and key too, before anything is decoded
+            return self.sinks.check(parse())
+
+        return await self.pricing.prepare(parse_checked, size, self.admit(), self.config.batching.max_queued_items)
 
     async def _decode_prepared(self, prepared: PreparedRequest) -> DecodeResult:
         arrived, context = time.perf_counter(), prepared.context
@@ -159,9 +166,12 @@ class DecodeService:
         if result.encode_as is None:  # raw pixels: nothing to encode
             return result
         try:
-            return await asyncio.wait_for(self.encoders.finish(result), context.remaining())
+            result = await asyncio.wait_for(self.encoders.finish(result), context.remaining())
         except TimeoutError:
             raise DecodeTimeout("output", "not encoded within request_timeout_s") from None
+        if prepared.request.sink is not None:  # the files to object storage, within the same deadline
+            result = await self.sinks.store(result, prepared.request, context)
+        return result
 
     # ---- a tile of another replica's request -------------------------------------------------
     def tile(self, job: TileJob, fingerprint: str, remaining_s: float, replica: str) -> AsyncIterator:
@@ -178,6 +188,7 @@ class DecodeService:
             "queued_items": self.batcher.queued_items(),
             "running_batches": self.batcher.running,
             "decoded_items": self.decoded_items,
+            "sinks": self.sinks.names,
         }
 
     def release_folded(self) -> int:
@@ -189,4 +200,5 @@ class DecodeService:
         self.device_thread.shutdown(wait=False)
         self.pricing.shutdown()
         self.encoders.shutdown()
+        self.sinks.shutdown()
         return drained

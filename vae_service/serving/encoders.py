@@ -1,4 +1,4 @@
-"""PNG/JPEG/MP4 encoding off the device thread: the device hands decoded uint8 pixels over and
+"""Encoding (png, jpeg, webp, avif; mp4, webm) off the device thread: the device hands decoded uint8 pixels over and
 takes its next batch while a bounded pool encodes; the items of one request encode in parallel;
 a failed encode fails its own request only (nothing is decoded again)."""
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 from fastapi import FastAPI
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
@@ -19,18 +20,17 @@ from vae_service.protocol.responses import (
     CONTENT_TYPE,
     http_error_message,
     http_frame_message,
-    mp4_error_bytes,
-    mp4_stream_bytes,
     msgpack_response,
+    video_error_bytes,
+    video_stream_bytes,
 )
 from vae_service.serving.admission import Admission
 from vae_service.serving.decode_service import DecodeService
 from vae_service.serving.frame_stream import FrameStream
-from vae_service.serving.mp4_stream import Mp4Stream
+from vae_service.serving.video_stream import VideoStream
 from vae_service_client.frames import STREAM_MEDIA_TYPE
-from vae_service_client.mp4 import MP4_MEDIA_TYPE
 
-STREAM_HEADER = "x-vae-stream"  # on a streamed answer: what it streams ("frames" or "mp4")
+STREAM_HEADER = "x-vae-stream"  # on a streamed answer: what it streams ("frames", "mp4" or "webm")
 
 
 @dataclass
@@ -61,7 +61,7 @@ async def decode_answer(service: DecodeService, body: bytes, content_type: str |
 async def decode_events(service: DecodeService, body: bytes, content_type: str | None) -> AsyncIterator:
     """The answer to a /decode body: one HttpAnswer; for `stream: true`, an HttpAnswer that opens
     the stream (200, its media type, no body) and then the stream's bytes: message by message, or
-    an mp4 stream's fragments. Plain data, so a routing ingress can relay it from a streaming handle."""
+    a video stream's fragments. Plain data, so a routing ingress can relay it from a streaming handle."""
     max_bytes = service.config.limits.max_request_bytes
     try:
         outcome = await service.submit(lambda: parse_decode_body(body, content_type, max_bytes), len(body))
@@ -71,9 +71,11 @@ async def decode_events(service: DecodeService, body: bytes, content_type: str |
     if isinstance(outcome, DecodeResult):
         yield HttpAnswer(200, msgpack_response(outcome), CONTENT_TYPE)
         return
-    if isinstance(outcome, Mp4Stream):
-        yield HttpAnswer(200, b"", f'{MP4_MEDIA_TYPE}; codecs="{outcome.codecs}"', {STREAM_HEADER: "mp4"})
-        async for data in _stream_bytes(service, outcome, mp4_stream_bytes, mp4_error_bytes):
+    if isinstance(outcome, VideoStream):
+        output = outcome.output
+        yield HttpAnswer(200, b"", outcome.media_type, {STREAM_HEADER: output})
+        encode, encode_error = partial(video_stream_bytes, output=output), partial(video_error_bytes, output=output)
+        async for data in _stream_bytes(service, outcome, encode, encode_error):
             yield data
         return
     yield HttpAnswer(200, b"", STREAM_MEDIA_TYPE, {STREAM_HEADER: "frames"})
@@ -82,7 +84,7 @@ async def decode_events(service: DecodeService, body: bytes, content_type: str |
 
 
 async def _stream_bytes(
-    service: DecodeService, stream: FrameStream | Mp4Stream, encode: Callable, encode_error: Callable
+    service: DecodeService, stream: FrameStream | VideoStream, encode: Callable, encode_error: Callable
 ) -> AsyncIterator[bytes]:
     try:
         async for event in stream.events():

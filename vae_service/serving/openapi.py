@@ -8,6 +8,7 @@ from vae_service.engine.request.decode_request import QUALITIES
 from vae_service_client.frames import STREAM_MEDIA_TYPE
 from vae_service_client.messages import REQUEST_KEYS
 from vae_service_client.mp4 import MP4_MEDIA_TYPE
+from vae_service_client.webm import WEBM_MEDIA_TYPE
 
 _ERRORS = {
     str(code): {"description": text, "content": {"application/json": {"schema": {"type": "object"}}}}
@@ -19,7 +20,7 @@ _ERRORS = {
         (415, "wrong content type"),
         (422, "the decoder produced NaN/Inf"),
         (429, "overloaded (Retry-After)"),
-        (503, "replica lost or out of memory (Retry-After)"),
+        (503, "replica lost, out of memory, or a sink's store unavailable (Retry-After)"),
         (504, "timed out"),
     )
 }
@@ -32,14 +33,17 @@ DECODE = {
     },
     "responses": {
         "200": {
-            "description": "msgpack map: output, model, quality, precision, request_id, timing, tiled, fallback; "
+            "description": "msgpack map: output, model, quality, precision, request_id, timing, tiled, fallback "
+            "(with `sink` and `key`, `output` is [{uri, size, sha256}], one per item, the files stored in the sink); "
             "with `stream: true` (video), length-prefixed msgpack messages: frames as they are decoded, then "
             "`done`; with `stream: true, output: mp4`, a fragmented MP4 (`codecs` in the media type) written as "
-            "it decodes, ending with a `free` box holding `done`",
+            "it decodes, ending with a `free` box holding `done`; with `output: webm`, a WebM (VP9) written the same "
+            "way, a Cluster per fragment, ending with a Void element holding `done`",
             "content": {
                 "application/msgpack": {"schema": {"type": "string", "format": "binary"}},
                 STREAM_MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}},
                 MP4_MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}},
+                WEBM_MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}},
             },
         },
         **_ERRORS,

@@ -14,15 +14,18 @@ container) and the boxes are written by hand, so a fragment leaves as soon as it
 - Colour: RGB becomes BT.709 limited-range YUV 4:2:0 and the SPS says so; left unsaid, browsers guess
   (often BT.709) while libswscale converts with BT.601, and colours would shift.
 
+The encoder's set-up, the frame checks and the encode loop are video_codec.py's, shared with webm.py.
+
 libx264 extradata (SPS, PPS) and packets come in Annex B form (start codes); the avcC box and the samples use
 4-byte length prefixes instead. libx264 accepts any even size from 2x2 and refuses odd ones (4:2:0)."""
 
 from __future__ import annotations
 
 import struct
-from fractions import Fraction
 
 import numpy as np
+
+from vae_service.engine.media.video_codec import VideoWriter, check_rate, open_encoder
 
 _NAL_IDR = 5
 _NAL_SPS = 7
@@ -35,8 +38,6 @@ _SYNC_SAMPLE = 2 << 24  # sample_depends_on = 2: depends on no other sample
 _NON_SYNC_SAMPLE = 1 << 24 | 1 << 16  # sample_depends_on = 1, sample_is_non_sync_sample = 1
 
 _UNITY_MATRIX = struct.pack(">9I", 0x10000, 0, 0, 0, 0x10000, 0, 0, 0, 0x40000000)
-_BT709 = 1  # the same code for primaries, transfer and matrix (H.264 VUI and FFmpeg's enums alike)
-_LIMITED_RANGE = 1
 
 
 def _box(kind: bytes, *parts: bytes) -> bytes:
@@ -58,8 +59,11 @@ def _nal_type(unit: bytes) -> int:
     return unit[0] & 0x1F
 
 
-class FragmentedMp4:
+class FragmentedMp4(VideoWriter):
     """One H.264 track; init_segment() first, then fragment() per chunk of frames. Not thread-safe."""
+
+    encoder = "libx264"
+    lag_setting = "zerolatency"
 
     def __init__(
         self,
@@ -71,31 +75,10 @@ class FragmentedMp4:
         preset: str = "veryfast",
         threads: int = 1,
     ) -> None:
-        import av  # imported lazily: only video deployments need it
-
         if width < 2 or height < 2 or width % 2 or height % 2:
             raise ValueError(f"libx264 (yuv420p) needs an even width and height of at least 2, not {width}x{height}")
-        if fps < 1:
-            raise ValueError(f"fps must be a positive integer, not {fps}")
-        if threads < 1:
-            raise ValueError(f"threads must be at least 1, not {threads}")
-        if (crf is None) == (bitrate is None):
-            # crf defaults to 23, so bitrate mode takes crf=None: a crf passed with a bitrate is a mistake to flag
-            raise ValueError(f"set exactly one of crf and bitrate (crf=None for bitrate mode), not {crf=}, {bitrate=}")
-        if crf is not None and not 0 <= crf <= 51:
-            raise ValueError(f"crf must be within 0..51, not {crf}")
-        if bitrate is not None and bitrate < 1:
-            raise ValueError(f"bitrate must be a positive number of bits per second, not {bitrate}")
+        check_rate(fps, threads, crf, bitrate, max_crf=51)
 
-        self.width, self.height, self.fps = width, height, fps
-        self._av = av
-        codec = av.CodecContext.create("libx264", "w")
-        codec.width, codec.height, codec.pix_fmt = width, height, "yuv420p"
-        codec.time_base, codec.framerate = Fraction(1, fps), Fraction(fps)
-        codec.flags |= av.codec.context.Flags.global_header  # SPS/PPS once, as extradata, for avcC
-        codec.thread_count = threads
-        codec.colorspace = codec.color_primaries = codec.color_trc = _BT709
-        codec.color_range = _LIMITED_RANGE
         options = {
             "tune": "zerolatency",
             "preset": preset,
@@ -103,12 +86,9 @@ class FragmentedMp4:
             "x264-params": "keyint=infinite:scenecut=0",
         }
         options.update({"crf": str(crf)} if crf is not None else {"b": str(bitrate)})
-        codec.options = options
-        try:
-            codec.open()
-        except av.error.FFmpegError as error:
-            raise ValueError(f"libx264 refused {width}x{height} at {fps} fps with {options}: {error}") from error
-        self._codec = codec
+        # global header: SPS/PPS once, as extradata, for avcC
+        codec = open_encoder(self.encoder, width, height, fps, threads, options, global_header=True)
+        super().__init__(width, height, fps, codec)
 
         units = _nal_units(bytes(codec.extradata or b""))
         sps = [unit for unit in units if _nal_type(unit) == _NAL_SPS]
@@ -118,35 +98,11 @@ class FragmentedMp4:
         self._sps, self._pps = sps[0], pps[0]
         self.codecs = f"avc1.{self._sps[1:4].hex()}"
         self._init = self._build_init_segment()
-        self._frames_written = 0
         self._sequence = 0
-
-    @property
-    def duration_s(self) -> float:
-        return self._frames_written / self.fps
-
-    def init_segment(self) -> bytes:
-        return self._init
 
     def fragment(self, frames: np.ndarray) -> bytes:
         """uint8 [T, H, W, 3] RGB, T >= 1 -> moof + mdat holding exactly these T frames, the first an IDR."""
-        codec = self._codec  # held for the whole fragment: a close meanwhile lets it finish
-        if codec is None:
-            raise RuntimeError("this FragmentedMp4 is closed")
-        expected = (self.height, self.width, 3)
-        if not isinstance(frames, np.ndarray) or frames.dtype != np.uint8:
-            raise ValueError(f"frames must be a uint8 numpy array, not {getattr(frames, 'dtype', type(frames))}")
-        if frames.ndim != 4 or frames.shape[1:] != expected or frames.shape[0] < 1:
-            raise ValueError(f"frames must be [T >= 1, {', '.join(map(str, expected))}], not {list(frames.shape)}")
-
-        samples = []
-        for index, rgb in enumerate(frames):
-            packets = codec.encode(self._yuv_frame(rgb, self._frames_written + index, key=index == 0))
-            samples.extend(bytes(packet) for packet in packets)
-        if len(samples) != len(frames):
-            # a lagging encoder would put one chunk's frames into another's fragment, with wrong timestamps
-            raise RuntimeError(f"libx264 gave {len(samples)} packets for {len(frames)} frames; zerolatency lost?")
-
+        samples = [bytes(packet) for packet in self._encode(frames)]
         sample_units = [_nal_units(sample) for sample in samples]
         key = [any(_nal_type(unit) == _NAL_IDR for unit in units) for units in sample_units]
         if not key[0]:
@@ -166,18 +122,6 @@ class FragmentedMp4:
         moof = self._build_moof(payloads, key, data_offset=len(moof) + 8)  # the offset does not change the size
         self._frames_written += len(frames)
         return moof + _box(b"mdat", *payloads)
-
-    def close(self) -> None:
-        self._codec = None  # PyAV frees the encoder with its last reference
-
-    def _yuv_frame(self, rgb: np.ndarray, pts: int, key: bool):
-        av = self._av
-        frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(rgb), format="rgb24")
-        # one swscale thread, as for x264: callers choose the parallelism (say, a pool of encoders)
-        frame = frame.reformat(format="yuv420p", dst_colorspace="itu709", dst_color_range=_LIMITED_RANGE, threads=1)
-        frame.pts = pts
-        frame.pict_type = av.video.frame.PictureType.I if key else av.video.frame.PictureType.NONE
-        return frame
 
     def _build_moof(self, payloads: list[bytes], key: list[bool], data_offset: int) -> bytes:
         trun_flags = 0x000001 | 0x000100 | 0x000200 | 0x000400  # data offset; per-sample duration, size, flags

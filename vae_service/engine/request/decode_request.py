@@ -11,10 +11,9 @@ from difflib import get_close_matches
 import torch
 
 from vae_service.engine.request.errors import InvalidInput
+from vae_service.names import IMAGE_OUTPUTS, VIDEO_OUTPUTS
 
 QUALITIES = ("lossless", "high", "preview")
-IMAGE_OUTPUTS = ("png", "jpeg", "webp", "avif")  # encoded files of one image each
-VIDEO_OUTPUTS = ("mp4", "webm")  # encoded fragmented videos (video models)
 OUTPUTS = ("uint8", "float", *IMAGE_OUTPUTS, *VIDEO_OUTPUTS)
 # "auto": tiled above the memory bound (`high` in spatial tiles, `lossless` by the class's own tiled
 # decode); "model": `lossless` through the class's own tiled decode whatever the bound, as
@@ -44,6 +43,10 @@ class DecodeRequest:
     stream: bool = False  # video: frames handed over chunk by chunk as they are decoded
     decode_timestep: float | None = None  # timestep-conditioned decoders (LTX); None: the pipeline's default
     tiling: str = "auto"  # TILINGS; honoured by engine/planning/planner.py's plan_request
+    # object storage (the serving layer's: serving/sinks.py): a configured sink's name and the key its
+    # files go under; the engine decodes and encodes as without them
+    sink: str | None = None
+    key: str | None = None
 
     def __post_init__(self) -> None:
         _check_latents(self.latents)
@@ -66,14 +69,35 @@ class DecodeRequest:
         for key in ("stream", "latents_scaled"):
             if type(getattr(self, key)) is not bool:
                 raise InvalidInput(key, f"must be true or false, got {getattr(self, key)!r}")
-        for key in ("request_id", "model"):
+        for key in ("request_id", "model", "sink"):
             value = getattr(self, key)
             if value is not None and (not isinstance(value, str) or len(value) > _MAX_ID_CHARS):
                 raise InvalidInput(key, f"must be a string of at most {_MAX_ID_CHARS} characters")
+        _check_sink(self)
 
     @property
     def items(self) -> int:
         return self.latents.shape[0]
+
+
+def _check_sink(request: DecodeRequest) -> None:
+    """A sink and a key come together, for encoded files, answered whole; the key's form and the
+    sink's name are the serving layer's to check (vae_service/storage/keys.py, the config's sinks)."""
+    if request.sink is None and request.key is None:
+        return
+    if request.sink is None:
+        raise InvalidInput("sink", "is required with `key` (the name of one of the deployment's sinks)")
+    if request.key is None:
+        raise InvalidInput("key", f"is required with `sink`: the object name its files get under sink {request.sink!r}")
+    if not isinstance(request.key, str):
+        raise InvalidInput("key", f"must be a string, got {type(request.key).__name__}")
+    if request.output not in (*IMAGE_OUTPUTS, *VIDEO_OUTPUTS):
+        raise InvalidInput(
+            "output",
+            f"a sink stores encoded files: one of {[*IMAGE_OUTPUTS, *VIDEO_OUTPUTS]}, got {request.output!r}",
+        )
+    if request.stream:
+        raise InvalidInput("stream", "a sink answers once every file is stored: send stream false with a sink")
 
 
 def _check_latents(z: object) -> None:

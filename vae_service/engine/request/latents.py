@@ -98,9 +98,11 @@ def _timestep(request: DecodeRequest, spec: ModelSpec) -> float | None:
 
 
 # What the encoders can write, checked before any decode (PIL refuses wider JPEGs, libwebp wider
-# WebPs; x264 and libvpx with 4:2:0 need even sides, which an 8x VAE always gives).
-MAX_IMAGE_SIDE = {"jpeg": 65_500, "webp": 16_383}
-STREAMED_OUTPUTS = ("uint8", "float", *VIDEO_OUTPUTS)  # a video: one fragmented file (serving/mp4_stream.py)
+# WebPs; x264 and libvpx with 4:2:0 need even sides, which an 8x VAE always gives). AVIF: aom
+# writes up to 65536, but libavif's decoders refuse a side over 32768 by default (Pillow cannot
+# open one), so no wider AVIF is answered.
+MAX_IMAGE_SIDE = {"jpeg": 65_500, "webp": 16_383, "avif": 32_768}
+STREAMED_OUTPUTS = ("uint8", "float", *VIDEO_OUTPUTS)  # a video: one fragmented file (serving/video_stream.py)
 
 
 def check_output(request: DecodeRequest, spec: ModelSpec, frames: int, z: torch.Tensor) -> None:

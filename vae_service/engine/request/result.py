@@ -31,7 +31,7 @@ class DecodeResult:
     encode_as: str | None = None  # png | jpeg | mp4 while `output` still holds the pixels to encode
     tiled: bool = False  # decoded in overlapping spatial tiles to stay within limits.max_decode_bytes
     retried_from_frame: int | None = None  # streams: every item's frames before it: the first attempt's
-    fragments: tuple[int, ...] = ()  # mp4: frames per fragment (engine/media/encoding.py's fragment_frames)
+    fragments: tuple[int, ...] = ()  # mp4, webm: frames per fragment (engine/media/encoding.py's fragment_frames)
     fallback: tuple[int, ...] = ()  # items decoded again in fp32: their output overflowed `precision` (fallback.py)
     # streams: per item in `fallback`, the first of its frames sent from the fp32 decode (those before it
     # went out from the first decode, finite); None for a whole answer, whose fallen-back items are all fp32

@@ -1,14 +1,15 @@
-"""A streamed `mp4` answer inside a replica: the request's frames, as its FrameStream hands them
-over, cut into the answer's fragments (engine/media/encoding.py's `fragment_frames`: one latent frame's
-worth each) and each encoded in the encoder pool as soon as its frames are in: off the device
-thread and the event loop, so a slow encode never stalls the device.
+"""A streamed video answer (`mp4` or `webm`) inside a replica: the request's frames, as its
+FrameStream hands them over, cut into the answer's fragments (engine/media/encoding.py's
+`fragment_frames`: one latent frame's worth each; a WebM fragment is a Cluster) and each encoded in
+the encoder pool as soon as its frames are in: off the device thread and the event loop, so a slow
+encode never stalls the device.
 
 Nothing piles up: a fragment is encoded before the next chunk is taken, and the FrameStream holds
 at most CHUNKS_AHEAD chunks its reader has not taken (the device thread waits for room), so a slow
 encoder slows its own decode instead of buffering the clip. The encoder and the decode overlap:
 the device decodes the next latent frames while a fragment encodes.
 
-The bytes are those of the whole `mp4` answer of the same frames: init segment, fragments, in
+The bytes are those of the whole `mp4` (`webm`) answer of the same frames: init segment, fragments, in
 order (a retried decode's frames pass on from where the first attempt stopped, as for raw frames).
 So is an item that fell back to fp32 after fragments went out: the fragments sent stay, the fp32
 frames fill the fragments from the first frame not sent (always a fragment's first: the first
@@ -26,18 +27,34 @@ from dataclasses import replace
 import numpy as np
 
 from vae_service.engine.execution.video import FrameChunk
-from vae_service.engine.media.encoding import mp4_writer
+from vae_service.engine.media.encoding import video_writer
 from vae_service.engine.request.context import RequestContext
 from vae_service.engine.request.errors import DecodeTimeout
 from vae_service.engine.request.result import DecodeResult
 from vae_service.serving.encoders import EncoderPool, failed_encode
 from vae_service.serving.frame_stream import FrameStream
-from vae_service_client.mp4 import Mp4Fragment
+from vae_service_client.mp4 import MP4_MEDIA_TYPE, Mp4Fragment
+from vae_service_client.webm import WEBM_MEDIA_TYPE
+
+MEDIA_TYPES = {"mp4": MP4_MEDIA_TYPE, "webm": WEBM_MEDIA_TYPE}
 
 
-class Mp4Stream:
-    def __init__(self, frames: FrameStream, pool: EncoderPool, fragments: tuple[int, ...], context: RequestContext):
+class VideoStream:
+    """`output`: mp4 or webm. Its events are Mp4Fragments (a fragment of either container: the name is
+    the wire's, vae_service_client.mp4), then the DecodeResult."""
+
+    def __init__(
+        self,
+        frames: FrameStream,
+        pool: EncoderPool,
+        output: str,
+        fragments: tuple[int, ...],
+        context: RequestContext,
+    ):
+        if output not in MEDIA_TYPES:
+            raise ValueError(f"{output!r} is not a streamed video output ({', '.join(MEDIA_TYPES)})")
         self._frames, self._pool, self._context = frames, pool, context
+        self.output = output
         self._fragments = list(fragments)
         self._pending: list[np.ndarray] = []  # frames [t, H, W, 3] of the fragment being gathered
         self._gathered = 0
@@ -47,6 +64,11 @@ class Mp4Stream:
         self._encode_s = 0.0
         self.codecs = ""  # RFC 6381, known once the first frames opened the encoder (`start`)
 
+    @property
+    def media_type(self) -> str:
+        """The answer's Content-Type, codecs included (known after `start`)."""
+        return f'{MEDIA_TYPES[self.output]}; codecs="{self.codecs}"'
+
     async def start(self, decode: asyncio.Future) -> None:
         """Wait for the first frames and open the encoder with them: errors before either are
         raised here, where the caller can still answer with an ordinary error status."""
@@ -54,7 +76,7 @@ class Mp4Stream:
         first = self._frames.first_chunk.pixels
         height, width = first.shape[-3:-1]
         try:
-            self._writer = await self._encode(mp4_writer, int(width), int(height), self._pool.settings)
+            self._writer = await self._encode(video_writer, self.output, int(width), int(height), self._pool.settings)
             self._init = self._writer.init_segment()
         except BaseException:
             await self._frames.close()
@@ -111,6 +133,6 @@ class Mp4Stream:
         except TimeoutError:
             raise DecodeTimeout("output", "not encoded within request_timeout_s") from None
         except Exception as exc:
-            raise failed_encode("mp4", exc) from None
+            raise failed_encode(self.output, exc) from None
         finally:
             self._encode_s += time.perf_counter() - start

@@ -1,0 +1,109 @@
+"""Object-storage sinks end to end, against a real S3-compatible store (moto's server, tests/s3.py)
+read and written by the replicas' pyarrow S3FileSystem: `POST /decode` with a sink stores the
+bytes the same request answers without one; a key that would leave the prefix is 400, a store
+that stopped 503 naming the sink; batch-decode reads its inputs from the store and writes its
+outputs there, and a rerun decodes only what is missing."""
+
+import hashlib
+import io
+
+import httpx
+import numpy as np
+import pytest
+import torch
+
+from tests.integration.conftest import TEST_DEPLOYMENT
+from tests.s3 import BUCKET, Gate
+from vae_service.batch import run_batch_decode
+from vae_service_client import VaeClient
+from vae_service_client.messages import MSGPACK, pack, request_map
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def sinks_app(ray_cluster, kl_dir, s3_server):
+    """tiny-kl (as the kl_url service) with two sinks: `results` on the store, `gated` on the
+    same store through a relay the test can stop."""
+    from ray import serve
+
+    from vae_service.serving.app import decoder_app
+
+    gate = Gate(s3_server.endpoint)
+    http = {"scheme": "http", "retry_attempts": 1, "connect_timeout_s": 1.0}
+    config = {
+        "model": str(kl_dir),
+        "model_name": "kl",
+        "cpu_threads": 1,
+        "sinks": {
+            "results": {"uri": f"s3://{BUCKET}/served", "endpoint_override": s3_server.endpoint, **http},
+            "gated": {"uri": f"s3://{BUCKET}/gated", "endpoint_override": gate.endpoint, **http},
+        },
+    }
+    serve.run(decoder_app(config, **TEST_DEPLOYMENT), name="sinks", route_prefix="/sinks")
+    yield f"{ray_cluster}/sinks", gate
+    serve.delete("sinks")
+    gate.close()
+
+
+def post(url: str, z, **options) -> httpx.Response:
+    body = pack(request_map(z, "lossless", "png", **options))
+    return httpx.post(f"{url}/decode", content=body, headers={"content-type": MSGPACK}, timeout=60)
+
+
+def test_a_sink_stores_the_answers_bytes_and_refuses_keys_and_stores_it_cannot_use(sinks_app, s3_server):
+    url, gate = sinks_app
+    z = torch.randn(2, 4, 4, 6, generator=torch.Generator().manual_seed(11))
+    with VaeClient(url) as client:
+        files = client.decode(z, "lossless", "png").output
+        stored = client.decode(z, "lossless", "png", sink="results", key="job-42/frame").output
+        assert client.health()["sinks"] == ["gated", "results"]  # names only
+    assert stored == [
+        {"uri": f"s3://{BUCKET}/served/job-42/frame-{i}.png", "size": len(f), "sha256": hashlib.sha256(f).hexdigest()}
+        for i, f in enumerate(files)
+    ]
+    assert [s3_server.read(f"served/job-42/frame-{i}.png") for i in range(2)] == files
+    # a key that would leave the prefix, a sink the deployment does not have: 400 naming them
+    for options, field in (({"sink": "results", "key": "../gated/x"}, "key"), ({"sink": "s3", "key": "x"}, "sink")):
+        answer = post(url, z, **options)
+        assert (answer.status_code, answer.json()["error"]["field"]) == (400, field)
+    assert s3_server.listing("gated") == [] and s3_server.listing("served") == [
+        f"served/job-42/frame-{i}.png" for i in range(2)
+    ]
+    # the store stops: 503 naming the sink, with Retry-After, and nothing under the name
+    gate.close()
+    answer = post(url, z[:1], sink="gated", key="after-stop")
+    error = answer.json()["error"]
+    assert (answer.status_code, error["type"], error["field"]) == (503, "unavailable", "sink")
+    assert "Retry-After" in answer.headers and "sink 'gated'" in error["message"]
+    assert s3_server.read("gated/after-stop.png") is None
+
+
+def _npy(z: torch.Tensor) -> bytes:
+    buf = io.BytesIO()
+    np.save(buf, z.numpy(), allow_pickle=False)
+    return buf.getvalue()
+
+
+def test_batch_decode_reads_and_writes_the_store_and_a_rerun_decodes_only_the_rest(sinks_app, s3_server, kl_dir):
+    url, _ = sinks_app
+    gen = torch.Generator().manual_seed(7)
+    latents = {"odd": torch.randn(1, 4, 5, 3, generator=gen), "pair": torch.randn(2, 4, 4, 6, generator=gen)}
+    fs = s3_server.filesystem()
+    for name, z in latents.items():
+        with fs.open_output_stream(f"{BUCKET}/batch/in/{name}.npy") as f:
+            f.write(_npy(z))
+    config = {"model": str(kl_dir), "model_name": "kl", "cpu_threads": 1}
+    source, target = s3_server.uri("batch/in"), s3_server.uri("batch/out")
+    summary = run_batch_decode(source, target, config, output="png")
+    assert (summary.total, summary.counts["decoded"], summary.failures) == (2, 2, [])
+    with VaeClient(url) as client:
+        expected = {name: client.decode(z, "lossless", "png").output for name, z in latents.items()}
+    assert s3_server.read("batch/out/odd.png") == expected["odd"][0]
+    assert [s3_server.read(f"batch/out/pair-{i}.png") for i in range(2)] == expected["pair"]
+    # an interruption between an input's files: only that input is decoded again
+    fs.delete_file(f"{BUCKET}/batch/out/pair-1.png")
+    again = run_batch_decode(source, target, config, output="png")
+    assert (again.counts["skipped"], again.counts["decoded"], again.failures) == (1, 1, [])
+    assert s3_server.listing("batch/out") == ["batch/out/odd.png", "batch/out/pair-0.png", "batch/out/pair-1.png"]
+    assert s3_server.read("batch/out/pair-1.png") == expected["pair"][1]

@@ -1,0 +1,28 @@
+"""Object storage and local folders through pyarrow.fs: locations named by URI (credentials from
+the environment only), caller-chosen keys that cannot leave their prefix, and files written whole
+or not at all. Pure: no Serve, no protocol, no engine; the serving layer (request sinks) and
+batch-decode (inputs and outputs) use it."""
+
+from vae_service.storage.keys import InvalidKey, check_key, object_names
+from vae_service.storage.locations import (
+    Location,
+    LocationError,
+    StoredObject,
+    StoreUnavailable,
+    check_location,
+    open_location,
+    parse_uri,
+)
+
+__all__ = [
+    "InvalidKey",
+    "Location",
+    "LocationError",
+    "StoreUnavailable",
+    "StoredObject",
+    "check_key",
+    "check_location",
+    "object_names",
+    "open_location",
+    "parse_uri",
+]

@@ -1,0 +1,56 @@
+"""Object names a caller may choose: a relative key under a location's prefix, checked so that it
+can only name an object below that prefix (never another bucket, endpoint or folder), and the
+names of a request's files (`{key}.{ext}` for one item, `{key}-{i}.{ext}` for several: the way
+batch-decode names its files)."""
+
+from __future__ import annotations
+
+import unicodedata
+
+MAX_KEY_CHARS = 512
+# every segment of a key: well within a local file system's 255-byte names once an item's index,
+# the extension and a temporary object's decoration (locations.py) are added to the last one
+MAX_SEGMENT_BYTES = 200
+MAX_OBJECT_BYTES = 1024  # S3's and GCS's bound on an object's name (UTF-8), prefix included
+# control and format characters (bidi overrides, zero-width joiners) and lone surrogates
+_REFUSED_CATEGORIES = ("Cc", "Cf", "Cs")
+_REFUSED_CHARS = "\\?#"  # a separator elsewhere; what would end a URI's path
+
+
+class InvalidKey(ValueError):
+    """A key that is not a plain relative object name; the message says why."""
+
+
+def check_key(key: object) -> str:
+    """`key` as given, when it is a relative name of segments separated by `/`, none empty, none
+    starting with `.` (so no `.` or `..`, and no name of a temporary object), no control or
+    format characters, no `\\`, `?` or `#`, at most MAX_KEY_CHARS; else InvalidKey."""
+    if not isinstance(key, str) or not key:
+        raise InvalidKey(f"must be a non-empty string, got {key!r}")
+    if len(key) > MAX_KEY_CHARS:
+        raise InvalidKey(f"must be at most {MAX_KEY_CHARS} characters, got {len(key)}")
+    for ch in key:
+        if ch in _REFUSED_CHARS or unicodedata.category(ch) in _REFUSED_CATEGORIES:
+            raise InvalidKey(f"must not contain {ch!r} (U+{ord(ch):04X}); it names an object under the sink's prefix")
+    if key.startswith("/"):
+        raise InvalidKey(f"{key!r} is absolute; a key is relative to the sink's prefix")
+    for segment in key.split("/"):
+        if not segment:
+            raise InvalidKey(f"{key!r} has an empty segment (a leading, trailing or doubled '/')")
+        if segment.startswith("."):
+            raise InvalidKey(f"{key!r}: segment {segment!r} starts with '.' (no '.', '..' or hidden names)")
+        if len(segment.encode()) > MAX_SEGMENT_BYTES:
+            raise InvalidKey(f"{key!r}: segment of {len(segment.encode())} bytes; at most {MAX_SEGMENT_BYTES}")
+    return key
+
+
+def object_names(key: object, ext: str, items: int, prefix: str = "") -> list[str]:
+    """The names of `items` files under a prefix: `{key}.{ext}` for one, `{key}-{i}.{ext}` for
+    several. `prefix`: the object key of the location they go under (its length counts toward
+    MAX_OBJECT_BYTES). Raises InvalidKey."""
+    key = check_key(key)
+    names = [f"{key}.{ext}"] if items == 1 else [f"{key}-{i}.{ext}" for i in range(items)]
+    longest = max(len(f"{prefix}/{n}".encode()) for n in names)
+    if longest > MAX_OBJECT_BYTES:
+        raise InvalidKey(f"makes an object name of {longest} bytes under the prefix; at most {MAX_OBJECT_BYTES}")
+    return names

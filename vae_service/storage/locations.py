@@ -1,0 +1,360 @@
+"""Where files are read and written, through pyarrow.fs: S3 and S3-compatible stores
+(`s3://bucket/prefix`), Google Cloud Storage (`gs://bucket/prefix`) or a local folder (`/path`,
+`file:///path`, or for batch-decode a relative path).
+
+Credentials never appear in a URI or a config: pyarrow takes them from the environment the way the
+AWS and Google SDKs (and Ray) do: AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_SESSION_TOKEN,
+AWS_PROFILE and ~/.aws, instance and pod roles; GOOGLE_APPLICATION_CREDENTIALS or the metadata
+server. A URI that carries any (`s3://key:secret@bucket`, `?access_key=`) is refused.
+
+An S3 endpoint (a test store, MinIO, R2, Ceph ...) is named by `endpoint_override` (an option, or
+the URI's query: `s3://bucket/prefix?endpoint_override=127.0.0.1:9000&scheme=http`), else by
+AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL, read here as pyarrow 26's FileSystem.from_uri reads
+them (its S3FileSystem constructor alone does not).
+
+Every file is written whole or not at all (`Location.write_whole`): into a temporary object beside
+it (`.{name}.{random}.tmp`), then moved to its name; on S3 and GCS a move is a server-side copy and
+a delete, so the final name appears whole. A failure removes the temporary where the store still
+answers; one left by a killed process or an unreachable store starts with `.` and ends `.tmp`.
+
+Pure: nothing here knows of requests, Serve or Ray; pyarrow is imported on first use."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import posixpath
+import re
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit
+
+SCHEMES = {"s3": "s3", "gs": "gs", "gcs": "gs", "file": "file"}
+# what a URI's query may set (the same names as the options of open_location)
+URI_OPTIONS = ("endpoint_override", "scheme", "region", "connect_timeout_s", "request_timeout_s", "retry_attempts")
+CREDENTIAL_OPTIONS = ("access_key", "secret_key", "session_token", "role_arn", "external_id", "access_token")
+CHUNK_BYTES = 8 * 2**20  # a write checks whether it should stop between chunks of this size
+
+
+class LocationError(ValueError):
+    """A URI or option that names no location this package reads (the message says why)."""
+
+
+class StoreUnavailable(OSError):
+    """The store did not answer, or refused, a read or write (pyarrow's OSError, with its text)."""
+
+
+@dataclass(frozen=True)
+class StoreOptions:
+    endpoint_override: str | None = None  # host:port or http(s)://host:port
+    scheme: str | None = None  # http | https
+    region: str | None = None
+    connect_timeout_s: float | None = None
+    request_timeout_s: float | None = None
+    retry_attempts: int | None = None
+
+    def query(self) -> str:
+        return urlencode({k: v for k, v in vars(self).items() if v is not None}, safe=":/")
+
+
+@dataclass(frozen=True)
+class StoredObject:
+    """A file written whole: its URI (no query, no credentials), size in bytes and SHA-256 (hex)."""
+
+    uri: str
+    size: int
+    sha256: str
+
+    def to_map(self) -> dict:
+        return {"uri": self.uri, "size": self.size, "sha256": self.sha256}
+
+
+@dataclass(frozen=True)
+class ParsedUri:
+    kind: str  # s3 | gs | file
+    path: str  # the file system's path: "bucket/prefix" or "/abs/folder"
+    options: StoreOptions
+
+    @property
+    def object_key(self) -> str:
+        """The prefix within the bucket ("" for a bucket's root); a local path as it is."""
+        return self.path if self.kind == "file" else self.path.partition("/")[2]
+
+
+def parse_uri(uri: str, **options) -> ParsedUri:
+    """Check a URI (and options beside its query) without opening anything. Raises LocationError."""
+    if not isinstance(uri, str) or not uri.strip():
+        raise LocationError(f"location {uri!r}: must be a non-empty string")
+    if "://" not in uri:
+        if "?" in uri or "#" in uri:
+            raise LocationError(f"{uri}: a local folder's path has no query; use file:// or s3:// URIs for options")
+        return ParsedUri("file", os.path.abspath(uri), _options(uri, options))
+    parts = urlsplit(uri)
+    kind = SCHEMES.get(parts.scheme.lower())
+    if kind is None:
+        raise LocationError(f"{uri}: scheme {parts.scheme!r} is not one of {sorted(SCHEMES)} (or a local path)")
+    if parts.fragment:
+        raise LocationError(f"{uri}: a location has no #fragment")
+    query = dict(parse_qsl(parts.query, keep_blank_values=True))
+    leaked = sorted(k for k in query if k in CREDENTIAL_OPTIONS)
+    if "@" in parts.netloc or leaked:
+        raise LocationError(
+            f"{_redacted(parts)}: credentials never go in a URI or config; the store's SDK reads them from the "
+            "environment (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY/AWS_PROFILE, GOOGLE_APPLICATION_CREDENTIALS)"
+        )
+    unknown = sorted(k for k in query if k not in URI_OPTIONS)
+    if unknown:
+        raise LocationError(f"{_redacted(parts)}: unknown option {unknown[0]!r} (allowed: {list(URI_OPTIONS)})")
+    if kind == "file":
+        if parts.netloc not in ("", "localhost") or query:
+            raise LocationError(f"{uri}: a file:// URI names a local folder (file:///path), without options")
+        path = unquote(parts.path)
+        if not path.startswith("/"):
+            raise LocationError(f"{uri}: a file:// URI needs an absolute path")
+        _check_segments(uri, path)
+        return ParsedUri("file", posixpath.normpath(path), StoreOptions())
+    bucket = parts.netloc
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", bucket):
+        raise LocationError(f"{_redacted(parts)}: names no bucket ({kind}://bucket/prefix; the endpoint goes apart)")
+    prefix = unquote(parts.path).strip("/")
+    _check_segments(uri, prefix)
+    path = f"{bucket}/{prefix}" if prefix else bucket
+    return ParsedUri(kind, path, _options(uri, {**query, **{k: v for k, v in options.items() if v is not None}}))
+
+
+def _redacted(parts) -> str:
+    """A URI to show in an error: without userinfo or query (either may hold secrets)."""
+    host = parts.netloc.rsplit("@", 1)[-1]
+    return f"{parts.scheme}://{host}{parts.path}"
+
+
+def _check_segments(uri: str, path: str) -> None:
+    if any(s in (".", "..") for s in path.split("/")):
+        raise LocationError(f"{uri}: '.' and '..' are not allowed in a location's path")
+
+
+def _options(uri: str, given: dict) -> StoreOptions:
+    unknown = sorted(k for k in given if k not in URI_OPTIONS)
+    if unknown:
+        raise LocationError(f"{uri}: unknown option {unknown[0]!r} (allowed: {list(URI_OPTIONS)})")
+    typed: dict = {}
+    for key, value in given.items():
+        if value is None:
+            continue
+        try:
+            if key in ("connect_timeout_s", "request_timeout_s"):
+                typed[key] = float(value)
+                ok = typed[key] > 0
+            elif key == "retry_attempts":
+                typed[key] = int(value)
+                ok = typed[key] >= 1
+            else:
+                typed[key] = str(value)
+                ok = bool(typed[key]) and (key != "scheme" or typed[key] in ("http", "https"))
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise LocationError(f"{uri}: option {key}={value!r} is not valid")
+    return StoreOptions(**typed)
+
+
+def check_location(uri: str, absolute: bool = False, **options) -> str:
+    """`uri` when it names a location (for a config: `absolute`, a local folder must be given as
+    /path or file:///path); raises LocationError."""
+    if absolute and "://" not in uri and not uri.startswith("/"):
+        raise LocationError(f"{uri}: a local folder must be an absolute path (/path or file:///path)")
+    parse_uri(uri, **options)
+    return uri
+
+
+def open_location(uri: str, **options) -> Location:
+    """The location a URI (or a local path) names; `options` (StoreOptions' fields, None: unset)
+    beside the URI's query. Opens no connection: a store that is down fails the first read or write."""
+    parsed = parse_uri(uri, **options)
+    store = parsed.options
+    if parsed.kind == "s3" and store.endpoint_override is None:  # as pyarrow's from_uri reads them
+        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
+        store = replace(store, endpoint_override=endpoint)
+    fs = _filesystem(parsed.kind, store)
+    if parsed.kind == "file":
+        return Location(fs, parsed.path, "file://" + quote(parsed.path), "")
+    shown = f"{parsed.kind}://{quote(parsed.path)}"
+    return Location(fs, parsed.path, shown, parsed.options.query())
+
+
+@functools.lru_cache(maxsize=64)
+def _filesystem(kind: str, options: StoreOptions):
+    import pyarrow.fs as pafs
+
+    if kind == "file":
+        return pafs.LocalFileSystem()
+    endpoint = options.endpoint_override
+    if kind == "gs":
+        kwargs: dict = {"endpoint_override": endpoint, "scheme": options.scheme}
+        if options.request_timeout_s is not None:
+            from datetime import timedelta
+
+            kwargs["retry_time_limit"] = timedelta(seconds=options.request_timeout_s)
+        return pafs.GcsFileSystem(**{k: v for k, v in kwargs.items() if v is not None})
+    kwargs = {
+        "endpoint_override": endpoint,
+        "scheme": options.scheme,
+        "region": options.region,
+        "connect_timeout": options.connect_timeout_s,
+        "request_timeout": options.request_timeout_s,
+    }
+    if options.retry_attempts is not None:
+        kwargs["retry_strategy"] = pafs.AwsStandardS3RetryStrategy(max_attempts=options.retry_attempts)
+    return pafs.S3FileSystem(**{k: v for k, v in kwargs.items() if v is not None})
+
+
+@dataclass(frozen=True)
+class Location:
+    """A folder or a file in a store: `fs` (a pyarrow FileSystem), `path` (the file system's path:
+    "bucket/prefix" or "/abs/path"), `uri` (to show and answer: no query, no credentials) and
+    `query` (the non-secret options of the URI it was opened from: `spec` reopens it)."""
+
+    fs: object
+    path: str
+    uri: str
+    query: str = ""
+
+    def __str__(self) -> str:
+        return self.path if self.local else self.uri
+
+    @property
+    def local(self) -> bool:
+        return self.uri.startswith("file://")
+
+    @property
+    def spec(self) -> str:
+        """A string open_location turns back into this location (a local path, or the URI with its
+        options): what crosses to Ray workers."""
+        if self.local:
+            return self.path
+        return f"{self.uri}?{self.query}" if self.query else self.uri
+
+    @property
+    def name(self) -> str:
+        return posixpath.basename(self.path)
+
+    @property
+    def suffix(self) -> str:
+        return posixpath.splitext(self.name)[1]
+
+    @property
+    def stem(self) -> str:
+        return posixpath.splitext(self.name)[0]
+
+    def child(self, name: str) -> Location:
+        """The file or folder `name` (a relative name, `/` between segments; keys.check_key's) below."""
+        return replace(self, path=f"{self.path.rstrip('/')}/{name}", uri=f"{self.uri.rstrip('/')}/{quote(name)}")
+
+    @property
+    def object_key(self) -> str:
+        """The object's name within its bucket ("" for a bucket); a local path as it is."""
+        return self.path if self.local else self.path.partition("/")[2]
+
+    # ---- reading ---------------------------------------------------------------------------------
+    def _type(self):
+        with _store_errors(self):
+            return self.fs.get_file_info(self.path).type
+
+    def is_file(self) -> bool:
+        import pyarrow.fs as pafs
+
+        return self._type() == pafs.FileType.File
+
+    def is_dir(self) -> bool:
+        """A folder, or a prefix under which objects exist (object stores have no folders)."""
+        import pyarrow.fs as pafs
+
+        return self._type() == pafs.FileType.Directory
+
+    def all_exist(self, names: list[str]) -> bool:
+        """Whether a file exists under each of these names (one listing call for all of them)."""
+        import pyarrow.fs as pafs
+
+        with _store_errors(self):
+            infos = self.fs.get_file_info([self.child(n).path for n in names])
+        return all(info.type == pafs.FileType.File for info in infos)
+
+    def files(self, recursive: bool = False) -> list[Location]:
+        """The files below this folder, sorted by path."""
+        import pyarrow.fs as pafs
+
+        with _store_errors(self):
+            infos = self.fs.get_file_info(pafs.FileSelector(self.path, recursive=recursive))
+        base = self.path.rstrip("/") + "/"
+        found = []
+        for info in sorted(infos, key=lambda i: i.path):
+            relative = info.path[len(base) :] if info.path.startswith(base) else info.base_name
+            if info.type == pafs.FileType.File:
+                found.append(self.child(relative))
+        return found
+
+    def open_input(self):
+        """A seekable binary file (pyarrow's RandomAccessFile: read(n), seek, size)."""
+        with _store_errors(self):
+            return self.fs.open_input_file(self.path)
+
+    def read_bytes(self) -> bytes:
+        with self.open_input() as f, _store_errors(self):
+            return f.read()
+
+    # ---- writing ---------------------------------------------------------------------------------
+    def make_dirs(self) -> None:
+        """Create the folder on a local file system (object stores need none: nothing is made there)."""
+        if self.local:
+            with _store_errors(self, writing=True):
+                self.fs.create_dir(self.path, recursive=True)
+
+    def write_whole(self, data: bytes, check: Callable[[], None] | None = None) -> StoredObject:
+        """Write `data` under this name whole or not at all: a temporary object beside it, then a
+        move. `check` is called between chunks and before the move: whatever it raises stops the
+        write (the temporary removed, nothing under this name). Store failures raise StoreUnavailable."""
+        digest = hashlib.sha256(data).hexdigest()
+        parent, name = posixpath.split(self.path)
+        temporary = f"{parent}/.{name}.{uuid.uuid4().hex[:16]}.tmp"
+        view = memoryview(data)
+        try:
+            with _store_errors(self, writing=True):
+                if self.local:
+                    self.fs.create_dir(parent, recursive=True)
+                with self.fs.open_output_stream(temporary) as out:
+                    for start in range(0, max(len(view), 1), CHUNK_BYTES):
+                        if check is not None:
+                            check()
+                        out.write(view[start : start + CHUNK_BYTES])
+                if check is not None:
+                    check()
+                self.fs.move(temporary, self.path)
+        except BaseException:
+            _discard(self.fs, temporary)
+            raise
+        return StoredObject(self.uri, len(data), digest)
+
+
+def _discard(fs, path: str) -> None:
+    """Remove a temporary, where the store still answers (else it stays: a `.` name ending .tmp)."""
+    try:
+        fs.delete_file(path)
+    except Exception:
+        pass
+
+
+@contextmanager
+def _store_errors(location: Location, writing: bool = False) -> Iterator[None]:
+    """pyarrow's OSErrors as StoreUnavailable naming the location; a missing file, when reading,
+    stays a FileNotFoundError (the caller says what was missing)."""
+    try:
+        yield
+    except StoreUnavailable:
+        raise
+    except OSError as exc:
+        if isinstance(exc, FileNotFoundError) and not writing:
+            raise
+        raise StoreUnavailable(f"{location.uri}: {' '.join(str(exc).split())}") from exc
