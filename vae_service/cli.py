@@ -87,7 +87,8 @@ def config_errors(exc: ValidationError) -> str:
             got = err.get("input")
             parts.append(f"{name}: {got!r} is not one of {', '.join(choices)}{did_you_mean(got, choices)}")
         else:
-            parts.append(f"{name}: {err['msg']} (got {err.get('input')!r})")
+            got = "" if loc[0] == "sinks" else f" (got {err.get('input')!r})"  # a sink's value may hold a secret
+            parts.append(f"{name}: {err['msg']}{got}")
     return "invalid configuration: " + "; ".join(parts)
 
 
@@ -415,7 +416,7 @@ def cmd_decode(args: argparse.Namespace) -> None:
     latents = _load_latents(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    fmt = "mp4" if args.video else args.format
+    fmt = args.format if args.format in VIDEO_OUTPUTS or not args.video else "mp4"  # --video: a video, mp4 unless named
     start = time.perf_counter()
     with VaeClient(args.url, token=os.environ.get("VAE_SERVICE_AUTH_TOKEN")) as client:
         try:

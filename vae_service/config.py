@@ -176,7 +176,8 @@ class Sink(BaseModel):
     store's SDK reads them from the replica's environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY,
     AWS_SESSION_TOKEN, AWS_PROFILE, roles; GOOGLE_APPLICATION_CREDENTIALS)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # a refused value may hold a credential (s3://KEY:SECRET@bucket): never echoed in an error
+    model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
 
     uri: str = Field(
         description="s3://bucket/prefix (S3 or S3-compatible), gs://bucket/prefix (GCS), or a local folder "
@@ -191,12 +192,12 @@ class Sink(BaseModel):
     region: str | None = Field(
         None, description="S3 region of the bucket (default: AWS_DEFAULT_REGION / AWS_REGION, else us-east-1)"
     )
-    connect_timeout_s: float = Field(5.0, gt=0, description="connection timeout of each call to the store")
+    connect_timeout_s: float = Field(5.0, gt=0, description="connection timeout of each call to the store (S3)")
     request_timeout_s: float = Field(
         30.0, gt=0, description="read timeout of each call to the store (GCS: its retries' time limit)"
     )
     retry_attempts: int = Field(
-        3, ge=1, description="attempts of each call to the store before the request answers 503 naming the sink"
+        3, ge=1, description="attempts of each call to the store (S3) before the request answers 503 naming the sink"
     )
 
     @field_validator("uri")
@@ -205,6 +206,15 @@ class Sink(BaseModel):
         from vae_service.storage.locations import check_location
 
         return check_location(uri, absolute=True)
+
+    @field_validator("endpoint_override")
+    @classmethod
+    def _an_endpoint(cls, endpoint: str | None) -> str | None:
+        from vae_service.storage.locations import check_location
+
+        if endpoint is not None:  # refused with a credential in it, as a URI is
+            check_location("s3://bucket", endpoint_override=endpoint)
+        return endpoint
 
 
 class LiveConfig(BaseModel):
@@ -220,7 +230,7 @@ LIVE_FIELDS = tuple(LiveConfig.model_fields)
 
 
 class ServiceConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)  # a sink may hold a secret
 
     model: str = Field(
         "sd",

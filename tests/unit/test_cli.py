@@ -249,6 +249,7 @@ def fake_client(monkeypatch):
         (1, ["--video"], ["z.mp4"]),
         (2, ["--stream", "--video"], ["z.mp4"]),  # one streamed file for the request
         (1, ["--stream", "--format", "webm"], ["z.webm"]),  # a streamed WebM, named as the mp4 is
+        (1, ["--stream", "--video", "--format", "webm"], ["z.webm"]),  # the container named wins over --video
         (1, ["--stream"], ["z-frame0000.png", "z-frame0001.png"]),
         (2, ["--stream"], ["z-0-frame0000.png", "z-0-frame0001.png", "z-1-frame0000.png", "z-1-frame0001.png"]),
     ],
@@ -304,3 +305,11 @@ def test_batch_decode_refuses_an_output_no_store_reads_in_one_line_before_ray(tm
         main(["batch-decode", str(tmp_path), output, "--model", "tiny-kl"])
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and err.count("\n") == 1 and said in err and "starting Ray" not in err
+
+
+def test_decode_of_a_uri_no_store_reads_is_one_line(capsys):
+    """Before: a LocationError traceback from reading the latents."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["decode", "s3://bad!bucket/x.npy", "--url", "http://127.0.0.1:9"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 1 and err.count("\n") == 1 and err.startswith("vae-service: s3://bad!bucket/x.npy")

@@ -141,7 +141,7 @@ def test_nothing_listening_is_unreachable_at_once_naming_the_url():
             client.health()
         with pytest.raises(ServiceUnreachable, match=f"^HTTP unreachable: POST {url}/decode: connection refused"):
             list(client.decode_frames(Z))
-    assert time.monotonic() - start < 2
+    assert time.monotonic() - start < 5  # a retry alone would have waited backoff_s (5 s)
 
 
 async def test_nothing_listening_is_unreachable_for_the_async_client_too():
@@ -226,7 +226,7 @@ def test_grpc_nothing_listening_is_unreachable_at_once_naming_the_target():
         assert (err.value.via, err.value.grpc_code) == ("grpc", "UNAVAILABLE")
         with pytest.raises(ServiceUnreachable, match=f"^gRPC UNAVAILABLE unreachable: {target}: connection refused"):
             list(client.decode_frames(Z))
-    assert time.monotonic() - start < 2
+    assert time.monotonic() - start < 5  # a retry alone would have waited backoff_s (5 s)
 
 
 async def test_async_grpc_nothing_listening_is_unreachable():

@@ -10,7 +10,11 @@ VENV = Path(sys.executable).parent.parent
 
 
 def test_every_step_of_make_test_is_announced_and_timed():
-    dry = subprocess.run(["make", "-n", "test", f"VENV={VENV}"], cwd=REPO, capture_output=True, text=True, check=True)
+    # the install stamps taken as made (-o): a pyproject newer than them adds the install recipe here
+    stamps = [f"-o{VENV}/.installed", f"-o{VENV}/.installed-serving"]
+    dry = subprocess.run(
+        ["make", "-n", *stamps, "test", f"VENV={VENV}"], cwd=REPO, capture_output=True, text=True, check=True
+    )
     steps = [line for line in dry.stdout.splitlines() if f"{VENV}/bin/" in line and "pip install" not in line]
     assert len(steps) >= 5, dry.stdout  # ruff twice, hadolint, the unit suite, the Ray suites
     for step in steps:

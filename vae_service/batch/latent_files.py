@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from vae_service.storage import Location, open_location
+from vae_service.storage import Location, LocationError, open_location
 
 LATENT_SUFFIXES = (".npy", ".safetensors")
 
@@ -68,7 +68,10 @@ def _source(path: str | Path | Location) -> Path | Location:
     if isinstance(path, Location):
         return Path(path.path) if path.local else path
     if isinstance(path, str) and "://" in path:
-        return _source(open_location(path))
+        try:
+            return _source(open_location(path))
+        except LocationError as exc:  # a URI no store reads: said in one line, as a bad file is
+            raise LatentFileError(str(exc)) from None
     return Path(path)
 
 
@@ -94,18 +97,26 @@ def latents_shape(path: str | Path | Location, key: str | None = None) -> tuple[
     raise LatentFileError(f"{name}: expected one of {list(LATENT_SUFFIXES)}")
 
 
-def _safetensors_tensor(data: bytes, chosen: str):
-    """The tensor `chosen` of a .safetensors file's bytes, as NumPy's array: `vae-service decode`
-    then never imports torch (seconds). A file holding bfloat16, which NumPy lacks, is read by
-    torch: such latents go on the wire as bfloat16, at half float32's size."""
+def _safetensors_tensor(source: Path | bytes, chosen: str):
+    """The tensor `chosen` of a local .safetensors file (memory-mapped: only that tensor is read)
+    or of a stored one's bytes, as NumPy's array: `vae-service decode` then never imports torch
+    (seconds). A tensor of bfloat16, which NumPy lacks, is read by torch: such latents go on the
+    wire as bfloat16, at half float32's size."""
+    from safetensors import safe_open
     from safetensors.numpy import load
 
     try:
-        return load(data)[chosen]
-    except KeyError:  # safetensors.numpy has no "BF16"
+        if isinstance(source, Path):
+            with safe_open(str(source), framework="numpy") as f:
+                return f.get_tensor(chosen)
+        return load(source)[chosen]
+    except (KeyError, TypeError):  # NumPy has no bfloat16
         from safetensors.torch import load as load_torch
 
-        return load_torch(data)[chosen]
+        if isinstance(source, Path):
+            with safe_open(str(source), framework="pt") as f:
+                return f.get_tensor(chosen)
+        return load_torch(source)[chosen]
 
 
 def load_latents(path: str | Path | Location, key: str | None = None):
@@ -130,7 +141,7 @@ def load_latents(path: str | Path | Location, key: str | None = None):
         if source.suffix == ".safetensors":
             with _open(source) if local else io.BytesIO(data) as f:
                 chosen = _chosen(name, _safetensors_header(name, f), key)
-            return _safetensors_tensor(source.read_bytes() if local else data, chosen)
+            return _safetensors_tensor(source if local else data, chosen)
     except LatentFileError:
         raise
     except OSError as exc:

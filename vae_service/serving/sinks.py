@@ -91,7 +91,7 @@ class Sinks:
         ]
         try:
             stored: list[StoredObject] = await asyncio.wait_for(asyncio.gather(*work), context.remaining())
-        except TimeoutError:
+        except (TimeoutError, DecodeTimeout):  # the wait's, or a write's own check of the deadline
             raise DecodeTimeout("sink", f"not written to sink {request.sink!r} within request_timeout_s") from None
         except StoreUnavailable as exc:
             raise self._unavailable(request.sink, exc) from None

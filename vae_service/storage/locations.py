@@ -156,6 +156,9 @@ def _options(uri: str, given: dict) -> StoreOptions:
                 ok = bool(typed[key]) and (key != "scheme" or typed[key] in ("http", "https"))
         except (TypeError, ValueError):
             ok = False
+        if key == "endpoint_override" and "@" in str(value):  # user:secret@host: a credential, said nowhere
+            raise LocationError(f"{uri}: credentials never go in endpoint_override; the store's SDK reads them from "
+                                "the environment")  # fmt: skip
         if not ok:
             raise LocationError(f"{uri}: option {key}={value!r} is not valid")
     return StoreOptions(**typed)

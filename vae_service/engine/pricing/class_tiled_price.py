@@ -39,6 +39,7 @@ from __future__ import annotations
 import copy
 import functools
 import logging
+import math
 import threading
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
@@ -142,7 +143,7 @@ class PerShapeClassTiled(ClassTiledPrice):
             return self._measured(h, w, t)
         out = self.spec.output_frames
         (f1, p1), (f2, p2) = [(out(t), self._measured(h, w, t)) for t in LONG_CLIP_PROBES]
-        return int(p2 + (p2 - p1) / (f2 - f1) * (out(t) - f2))
+        return math.ceil(p2 + (p2 - p1) / (f2 - f1) * (out(t) - f2))  # an extrapolation: never under it
 
     def describe(self) -> dict:
         return {"priced": "per shape", "why": self.why}
@@ -218,7 +219,7 @@ class FormulaClassTiled(ClassTiledPrice):
             held = sum(outputs[:k]) + sum(outputs[k + 1 : k + TILE_WINDOW])
             shared = max(shared, held + _decoding(regime, th * tw, frames, per_pixel))
         inputs = _input_bytes(self.fallback.run.facts, tiles, latent_frames)
-        return int(max(local, shared) + inputs)
+        return round(max(local, shared) + inputs)
 
     def local_working(self, h: int, w: int, latent_frames: int = 1) -> int:
         """The class's own tiled decode, tile after tile (what the fit is checked against)."""
@@ -226,12 +227,14 @@ class FormulaClassTiled(ClassTiledPrice):
         per_pixel = self.pixel_bytes * frames
         tiles = self.grid.tiles(h, w)
         if tiles is None:  # the class decodes these latents whole
-            return int(_decoding(regime, h * w, frames, per_pixel))
+            return round(_decoding(regime, h * w, frames, per_pixel))
         held = decoding = 0.0
         for pixels in (th * tw for th, tw in tiles):
             decoding = max(decoding, held + _decoding(regime, pixels, frames, per_pixel))
             held += pixels * per_pixel
-        return int(max(decoding, held + regime.kappa * h * w * per_pixel + regime.per_frame * frames))
+        # to the nearest byte, not truncated: a fit through a measured peak lands a float's noise
+        # below or above it (truncation priced such a decode a byte under what it held)
+        return round(max(decoding, held + regime.kappa * h * w * per_pixel + regime.per_frame * frames))
 
     def describe(self) -> dict:
         g = self.grid
