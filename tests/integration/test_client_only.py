@@ -110,4 +110,4 @@ def test_the_readmes_first_decode_runs_as_written_on_the_client_only_install(cli
     run = subprocess.run([str(client_python), "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     png = (tmp_path / "out.png").read_bytes()
-    assert png[:8] == b"\x89PNG\r\n\x1a\n" and png[16:24] == (512).to_bytes(4, "big") * 2  # 512 x 512
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and png[16:24] == (256).to_bytes(4, "big") * 2  # 256 x 256

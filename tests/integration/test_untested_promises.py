@@ -278,4 +278,4 @@ def test_the_readmes_first_decode_runs_as_written(kl_url, tmp_path, monkeypatch)
     exec(compile(snippet.replace("http://127.0.0.1:8000", kl_url), "README.md", "exec"), {})
     from PIL import Image
 
-    assert Image.open(tmp_path / "out.png").size == (512, 512)  # 64 latent px x the tiny KL's 8
+    assert Image.open(tmp_path / "out.png").size == (256, 256)  # 32 latent px x the tiny KL's 8
