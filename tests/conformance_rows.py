@@ -31,11 +31,12 @@ AXES: dict[str, tuple[str, ...]] = {
     # tile grid, `lossless`: the class's own tiled decode), "model" the class's tiled decode, "none"
     # never tiled
     "plan": ("auto", "auto-tight", "model", "none"),
-    "stream": ("none", "frames", "mp4"),
+    "stream": ("none", "frames", "mp4", "webm"),
     "fallback": ("off", "triggered"),
     "tiles": ("local", "shared"),  # shared: with an in-process peer replica (tests/peers.py)
-    "output": ("uint8", "float"),  # mp4 streams answer mp4
+    "output": ("uint8", "float"),  # a video stream answers its container
 }
+VIDEOS = ("mp4", "webm")  # the streamed video containers (serving/video_stream.py)
 
 # pairs of axes every one of whose meaningful value pairs some row holds
 RISKY_PAIRS = [
@@ -68,10 +69,10 @@ class Row:
     quality: str  # "lossless" | "high" | "preview"
     tiling: str  # the request's: "auto" | "model" | "none"
     bound: str  # "default" (the engine's) | "tight" (below the whole decode's price: tiled)
-    stream: str  # "none" | "frames" (FrameStream) | "mp4" (VideoStream)
+    stream: str  # "none" | "frames" (FrameStream) | "mp4" | "webm" (VideoStream)
     fallback: str  # "off" | "triggered" (items overflow fp16: the fp32 fallback answers them)
     tiles: str  # "local" | "shared" (with an in-process peer replica)
-    output: str  # "uint8" | "float" | "mp4"
+    output: str  # "uint8" | "float" | "mp4" | "webm"
     latent: tuple[int, ...]  # the request's latents, decoder layout
     overflow: tuple[int, ...] = ()  # items scaled to overflow fp16 (fallback: triggered)
     overflow_from: int = 0  # video: the first latent frame scaled (frames before it decode finite)
@@ -136,17 +137,17 @@ def _ways() -> list[dict[str, str]]:
     ways = []
     for values in itertools.product(*AXES.values()):
         way = dict(zip(AXES, values, strict=True))
-        if way["stream"] == "mp4":
-            if way["output"] != "uint8":  # an mp4 stream has one output: mp4
+        if way["stream"] in VIDEOS:
+            if way["output"] != "uint8":  # a video stream has one output: its container
                 continue
-            way["output"] = "mp4"
+            way["output"] = way["stream"]
         if valid(way):
             ways.append(way)
     return ways
 
 
 def _needs(way: dict[str, str]) -> set[tuple]:
-    singles = {((axis, way[axis]),) for axis in AXES if axis != "output" or way["output"] != "mp4"}
+    singles = {((axis, way[axis]),) for axis in AXES if axis != "output" or way["output"] not in VIDEOS}
     pairs = {((a, way[a]), (b, way[b])) for a, b in RISKY_PAIRS}
     return singles | pairs
 
@@ -172,7 +173,7 @@ def latent_shape(way: dict[str, str]) -> tuple[int, ...]:
     room under a tight fp16 bound (KL: 16 px and more)."""
     model, precision, quality, plan = way["model"], way["precision"], way["quality"], way["plan"]
     fp16, tight = precision == "fp16", plan == "auto-tight"
-    one = way["stream"] == "mp4" or (way["fallback"] == "triggered" and (model == "wan" or quality == "high"))
+    one = way["stream"] in VIDEOS or (way["fallback"] == "triggered" and (model == "wan" or quality == "high"))
     if model == "kl":
         if tight and quality == "lossless":
             hw = (16, 16) if fp16 else (12, 10)

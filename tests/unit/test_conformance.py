@@ -1,6 +1,6 @@
-"""One conformance suite for the decode core's promises (issue 41, item 6; ../shared/DESIGN.md, "The
-decode core: stage rooms and the promises they keep"). Rows: the ways a request can be decoded
-(tests/conformance_rows.py: tiers x tiling auto / model / none x stream none / frames / mp4 x
+"""One conformance suite for the decode core's promises (issue 41, item 6; docs/architecture.md).
+Rows: the ways a request can be decoded
+(tests/conformance_rows.py: tiers x tiling auto / model / none x stream none / frames / mp4 / webm x
 fallback off / triggered x tiles local / shared x image / causal video, a covering set of them).
 Columns, one test function each, parametrized over every row, so a new row inherits them all:
 
@@ -36,7 +36,7 @@ from dataclasses import dataclass, field, replace
 import pytest
 import torch
 
-from tests.conformance_rows import ROWS, Row
+from tests.conformance_rows import ROWS, VIDEOS, Row
 from tests.models import OVERFLOW_LATENTS, at_precision, load_reference, overflowing_vae, save_vae, torch_threads
 from tests.peers import Deployment, Replica, here_only
 from vae_service.config import Limits, ServiceConfig
@@ -308,8 +308,9 @@ async def _streamed(setup: Setup, prepared, peers, measure: bool) -> Ran:
 
     decode = asyncio.ensure_future(decoded())
     stream = frames
-    if prepared.request.output == "mp4":
-        stream = VideoStream(frames, setup.encoders, "mp4", setup.engine.video_fragments(prepared), context)
+    if prepared.request.output in VIDEOS:
+        output = prepared.request.output
+        stream = VideoStream(frames, setup.encoders, output, setup.engine.video_fragments(prepared), context)
     events, done = [], None
     try:
         await stream.start(decode)
@@ -577,8 +578,8 @@ def check_stream(outcome: Outcome) -> DecodeResult:
     silent). The whole answer, to check further."""
     row, done = outcome.row, outcome.ran.done
     assert isinstance(done, DecodeResult), said(done)
-    output = "uint8" if row.output == "mp4" else row.output
-    whole = outcome.decode(same_plan=True, output=row.output)  # mp4: its pixels, not yet encoded
+    output = "uint8" if row.output in VIDEOS else row.output
+    whole = outcome.decode(same_plan=True, output=row.output)  # a video: its pixels, not yet encoded
     from_frame = dict(zip(done.fallback, done.fallback_from_frame or (), strict=False))
     expected = whole.output.clone()
     for item in range(row.items):
@@ -586,15 +587,15 @@ def check_stream(outcome: Outcome) -> DecodeResult:
         if start:
             first = first_frames(outcome, item, start, output)
             frames_of(expected[item : item + 1], 0, start).copy_(first.to(expected.dtype))
-    if row.output == "mp4":
-        assert all(isinstance(c, Mp4Fragment) for c in outcome.ran.chunks)
+    if row.output in VIDEOS:
+        assert all(isinstance(c, Mp4Fragment) for c in outcome.ran.chunks)  # either container's fragments
         streamed = b"".join(c.data for c in outcome.ran.chunks)
         if expected.equal(whole.output):
-            want = outcome.setup.engine.encode(whole).output[0]  # the whole mp4 answer's bytes
+            want = outcome.setup.engine.encode(whole).output[0]  # the whole answer's bytes
         else:  # the whole answer's encoding of the frames the stream says it sent
             fragments = outcome.setup.engine.video_fragments(outcome.prepared)
-            want = encode_item(expected[0].numpy(), "mp4", outcome.setup.engine.encode_settings, fragments)
-        assert streamed == want, "the mp4 stream is not the whole answer's mp4 of the frames it says it sent"
+            want = encode_item(expected[0].numpy(), row.output, outcome.setup.engine.encode_settings, fragments)
+        assert streamed == want, f"the {row.output} stream is not the whole answer of the frames it says it sent"
         return whole
     streamed = joined(outcome.ran.chunks, row.items)
     for item in range(row.items):
@@ -651,7 +652,7 @@ def test_the_answer_is_its_reference_bit_for_bit(row, outcomes, setups):
     outcome = outcomes[row]
     answer, exact = outcome.answer, False
     assert isinstance(answer, DecodeResult), said(answer)
-    output = "uint8" if row.output == "mp4" else row.output
+    output = "uint8" if row.output in VIDEOS else row.output
     if row.shared:
         assert outcome.took > 0, "the peer took no tile: the row did not decode shared"
     if row.streamed:  # the whole answer it is checked against is decoded here, alone
