@@ -50,6 +50,16 @@ class Limits(BaseModel):
         "at start-up, 80% of the GPU's memory less the weights, folded weights and 512 MiB; on a CPU half "
         "the RAM or the cgroup limit (smaller) less the weights and folded weights (/health: memory_plan)",
     )
+    max_sessions: int = Field(16, ge=0, description="decode sessions open at once per replica (0: no sessions)")
+    max_session_chunk_frames: int = Field(
+        8, gt=0, description="latent frames per chunk of a decode session (autoregressive denoisers send 1-4)"
+    )
+    max_session_bytes: int | None = Field(
+        None,
+        gt=0,
+        description="memory all open sessions of a replica may hold between chunks (their causal caches, priced at "
+        "open); unset: half the decode bound (max_decode_bytes or its default)",
+    )
 
 
 class Batching(BaseModel):
@@ -64,6 +74,16 @@ class Batching(BaseModel):
     )
     max_queued_items: int = Field(256, gt=0, description="items waiting in the replica before 429")
     request_timeout_s: float = Field(120.0, gt=0, description="a request not done by then gets 504")
+
+
+class Sessions(BaseModel):
+    """Decode sessions (latent chunks in, frames out, the causal cache kept between them); fixed per replica."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    idle_timeout_s: float = Field(
+        60.0, gt=0, description="a session that receives no chunk for this long is freed (its next chunk: session_expired)"
+    )
 
 
 class Serving(BaseModel):
@@ -273,6 +293,7 @@ class ServiceConfig(BaseModel):
     limits: Limits = Limits()
     batching: Batching = Batching()
     serving: Serving = Serving()
+    sessions: Sessions = Sessions()
     parallel: Parallel = Parallel()
     sinks: dict[Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")], Sink] = Field(
         {},

@@ -28,6 +28,9 @@ ERROR_KINDS: dict[str, ErrorKind] = {
     "unavailable": ErrorKind(503, "UNAVAILABLE"),
     "timeout": ErrorKind(504, "DEADLINE_EXCEEDED"),
     "internal": ErrorKind(500, "INTERNAL"),
+    # decode sessions (WebSocket /sessions, handles, the actor): the session's state is gone
+    "session_expired": ErrorKind(410, "FAILED_PRECONDITION"),
+    "session_lost": ErrorKind(503, "UNAVAILABLE"),
 }
 # gRPC answers that carry no `error-type` trailer (Serve's own backpressure, transport errors)
 _GRPC_FALLBACK_STATUS = {
@@ -125,9 +128,25 @@ class ServerError(VaeServiceError):
     """Any other 5xx: a server bug."""
 
 
+class SessionExpired(VaeServiceError):
+    """410 `session_expired`: the decode session was idle past the service's `sessions.idle_timeout_s`
+    (or is closed) and its causal cache is gone; the message names the frames it had decoded. Not
+    retried: open a new session (and replay its latents for the same frames)."""
+
+
+class SessionLost(VaeServiceError):
+    """`session_lost`: the replica holding the decode session went away (its causal cache with it),
+    or the connection dropped mid-session; the message names the last frame received. Not an
+    overload: a session client with `resume=True` replays the session's latents in a new one."""
+
+
 def error_class(status: int, type_: str | None = None) -> type[VaeServiceError]:
     if type_ == "unavailable":
         return Unavailable
+    if type_ == "session_lost":
+        return SessionLost
+    if type_ == "session_expired":
+        return SessionExpired
     if status in (429, 503):
         return Overloaded
     if status == 413:

@@ -139,7 +139,7 @@ def watch(decoder: torch.nn.Module, fallback: bool = False) -> None:
 @pytest.fixture(scope="module", autouse=True)
 def timed_walk():
     """Each chunk of the Wan walk is one decoder call (one latent frame)."""
-    chunk = wan_walk._Walk.chunk
+    chunk = wan_walk.Walk.chunk
 
     def timed(self, x):
         CALLS.start(self.d)
@@ -149,7 +149,7 @@ def timed_walk():
             CALLS.end()
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(wan_walk._Walk, "chunk", timed)
+        patch.setattr(wan_walk.Walk, "chunk", timed)
         yield
 
 

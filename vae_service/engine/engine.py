@@ -37,6 +37,7 @@ from vae_service.engine.execution.call import DecodeCall, checkpoint_hook
 from vae_service.engine.execution.executor import Executor
 from vae_service.engine.execution.fallback import FALLBACK_PRECISION, Fp32Fallback
 from vae_service.engine.execution.peer_contract import TilePeers
+from vae_service.engine.execution.session import DecodeSession, SessionChunk, decode_session_chunks
 from vae_service.engine.media.encoding import ENCODED_OUTPUTS, EncodeSettings, encode_all, fragment_frames
 from vae_service.engine.planning.planner import plan_batch, plan_request, retry_plan
 from vae_service.engine.pricing.cost_model import CostModel
@@ -44,12 +45,15 @@ from vae_service.engine.pricing.encode_cost import EncodePrice
 from vae_service.engine.pricing.preview_price import preview_price
 from vae_service.engine.request.context import RequestContext
 from vae_service.engine.request.decode_request import QUALITIES, VIDEO_OUTPUTS, DecodeRequest
-from vae_service.engine.request.errors import DecodeFailed, WrongFingerprint
+from vae_service.engine.request.errors import DecodeFailed, InvalidInput, LimitExceeded, WrongFingerprint
 from vae_service.engine.request.latents import PreparedRequest, check_finite, check_output, decoder_latents
+from vae_service.models.wan_internals import SESSION_CLASSES
 from vae_service.engine.request.result import DecodeResult, PendingResult, Timing
+from vae_service.engine.request.session import SessionOpen
 from vae_service.engine.runtime.preview import build_preview
 from vae_service.engine.runtime.runtime import Runtime
 from vae_service.engine.runtime.tile_jobs import TileJob
+from vae_service.engine.runtime.wan_walk import Walk
 from vae_service.models import LoadedVae
 from vae_service.models.probe_cache import ProbeCache
 from vae_service.models.spec import jsonable_config, pipeline_statistics
@@ -270,6 +274,102 @@ class DecodeEngine:
         """Frames per fragment (a WebM cluster) of this request's mp4 or webm answer, streamed or whole alike."""
         frames = self.spec.geometry.frames
         return fragment_frames(prepared.frames, prepared.latent_frames, frames.law if frames else None)
+
+    # ---- decode sessions (engine/execution/session.py) ------------------------------------------
+    def sessions_unsupported_because(self) -> str | None:
+        """Why this model cannot decode in sessions (None: it can): a video model whose causal decoder
+        the walk knows, with a frame law (a chunk's frame count in constant work)."""
+        spec, runtime = self.spec, self.runtime
+        if spec.family != "video" or runtime.walks is None or spec.geometry.frames is None:
+            why = "decodes images" if spec.family != "video" else "has no causal frame-by-frame decoder the walk knows"
+            return (
+                f"model '{spec.name}' ({spec.class_name}) {why}; sessions decode {', '.join(SESSION_CLASSES)} "
+                "(Wan 2.1 and 2.2): other classes decode whole latents (`stream: true` streams their frames)"
+            )
+        if spec.geometry.frames.law is None:
+            return f"model '{spec.name}' has no frame law: a chunk's frames would need a trace"
+        return None
+
+    def open_session(self, session_id: str, settings: SessionOpen, limits: Limits | None = None) -> DecodeSession:
+        """A session's state, priced: its walk's history at that size (the tier's `resident` bytes,
+        from the meta-device trace). Raises InvalidInput naming the field (LimitExceeded when a chunk
+        of it could never fit the bound); the caller holds it in its session budget."""
+        limits = limits or self.limits
+        if why := self.sessions_unsupported_because():
+            raise InvalidInput("model", why)
+        if settings.model is not None and settings.model != self.spec.name:
+            raise InvalidInput("model", f"unknown model {settings.model!r}; served: ['{self.spec.name}']")
+        if settings.output in ENCODED_OUTPUTS and settings.output not in VIDEO_OUTPUTS:
+            raise InvalidInput("output", f"a session answers frames or one video, not {settings.output!r}")
+        side = self.spec.geometry.min_latent_side
+        if min(settings.height, settings.width) < side:
+            raise InvalidInput("height", f"model '{self.spec.name}' decodes latents of at least {side}x{side}")
+        settings = replace(settings, quality=self.runtime.tier(settings.quality))
+        if settings.quality == "preview":
+            raise InvalidInput("quality", "sessions decode 'lossless' or 'high' (a preview has no causal state)")
+        held = self.cost.tiers[settings.quality].resident(1, settings.height, settings.width)
+        probe = self._chunk_request(settings, limits.max_session_chunk_frames)
+        self.cost.check_limits(probe.latents, limits, self._chunk_frames(1, limits.max_session_chunk_frames))
+        peak = self.cost.peak(probe, settings.quality)
+        if peak > self.cost.bound(limits):
+            raise LimitExceeded(
+                "height",
+                f"a chunk of {limits.max_session_chunk_frames} latent frames at {settings.height}x{settings.width} "
+                f"would hold about {peak} bytes, over the decode bound of {self.cost.bound(limits)}: open a smaller "
+                "session or lower limits.max_session_chunk_frames",
+            )
+        runtime = self.runtime
+        walk = Walk(runtime.vae.decoder, runtime.walks[settings.quality], runtime.fast_path.folded)
+        return DecodeSession(session_id, settings, walk, held, self.precision)
+
+    def _chunk_request(self, settings: SessionOpen, latent_frames: int) -> PreparedRequest:
+        """A chunk's shape as a request (for prices): [1, C, t, H, W] at the session's dtype."""
+        shape = (1, self.spec.latent_channels, latent_frames, settings.height, settings.width)
+        z = torch.empty(shape, dtype=settings.torch_dtype, device="meta")
+        request = DecodeRequest(z, quality=settings.quality, output=settings.output)
+        return PreparedRequest(request, z, self._chunk_frames(1, latent_frames))
+
+    def _chunk_frames(self, first_latent: int, latent_frames: int) -> int:
+        """Output frames of latent frames first_latent..first_latent+latent_frames-1 of a clip (0-based)."""
+        a, b = self.spec.geometry.frames.law
+        before = 0 if first_latent == 0 else a * first_latent + b
+        return a * (first_latent + latent_frames) + b - before
+
+    def check_chunk(self, session: DecodeSession, request: DecodeRequest, context: RequestContext) -> SessionChunk:
+        """A chunk of `session` ([1, C, t, H, W], its next latent frames), checked in constant work
+        beside the layout change: layout, the session's size, the chunk bound, pixels and FLOPs, the
+        chunk's price, NaN/Inf. Raises InvalidInput naming the field; the session is untouched."""
+        settings, limits = session.settings, context.limits
+        z, form, timestep = decoder_latents(request, self.spec)
+        if z.dim() != 5 or z.shape[0] != 1:
+            raise InvalidInput("latents", f"a session's chunk is [1, C, t, H, W], got {list(z.shape)}")
+        if tuple(z.shape[-2:]) != (settings.height, settings.width):
+            field = "height" if z.shape[-2] != settings.height else "width"
+            raise InvalidInput(
+                field, f"the session decodes {settings.height}x{settings.width} latents, got {list(z.shape[-2:])}"
+            )
+        if z.dtype != settings.torch_dtype:
+            raise InvalidInput("dtype", f"the session was opened for {settings.dtype} chunks, got {z.dtype}")
+        t = z.shape[2]
+        if t > limits.max_session_chunk_frames:
+            raise LimitExceeded(
+                "latents",
+                f"a chunk of {t} latent frames is over the limit of {limits.max_session_chunk_frames} "
+                "(max_session_chunk_frames)",
+            )
+        frames = self._chunk_frames(session.latent_frames, t)
+        self.cost.check_limits(z, limits, frames)
+        check_finite(z)
+        chunk_request = replace(request, quality=settings.quality, output=settings.output)
+        prepared = PreparedRequest(chunk_request, z, frames, form, timestep, context)
+        return SessionChunk(session, prepared, session.frames)
+
+    def decode_session_chunks(self, chunks: list[SessionChunk], abandoned: threading.Event | None = None) -> list:
+        """One batch of session chunks (one batch key), on the device thread: a ChunkFrames per chunk,
+        or its error (DecodeFailed, the timeout of one nobody waits for) in its place."""
+        call = DecodeCall([c.context for c in chunks], self.fingerprint, abandoned)
+        with torch.inference_mode(), self.runtime.gate(chunks[0].session.quality), call.running():
+            return decode_session_chunks(self.runtime, chunks, call)
 
     # ---- tiles of other replicas' requests -----------------------------------------------
     def decodes_otherwise(self, fingerprint: str) -> str | None:

@@ -23,6 +23,8 @@ from torch import nn
 from vae_service.models.structure import exact_type, plain_silu, unknown_modules
 
 HISTORY = 2  # input frames a 3-tap causal conv sees before the current ones
+# the video classes whose decoder the walk knows: what decode sessions decode (engine/execution/session.py)
+SESSION_CLASSES = ("AutoencoderKLWan",)
 
 DECODERS = (wan.WanDecoder3d, qwen.QwenImageDecoder3d)
 RESIDUAL_BLOCKS = (wan.WanResidualBlock, qwen.QwenImageResidualBlock)

@@ -19,6 +19,7 @@ from vae_service.engine.request.errors import (
     Overloaded,
     Unavailable,
 )
+from vae_service.engine.request.session import SessionExpired, SessionLost
 from vae_service_client.errors import ERROR_KINDS, VaeServiceError, error_json, grpc_trailers, make_error
 from vae_service_client.tensors import WireError
 
@@ -40,6 +41,8 @@ class Unauthenticated(DecodeError):
 # most specific first: the first class an exception is an instance of decides its type
 WIRE_TYPES: tuple[tuple[type[Exception], str], ...] = (
     (Unauthenticated, "unauthenticated"),
+    (SessionExpired, "session_expired"),
+    (SessionLost, "session_lost"),
     (UnsupportedMediaType, "unsupported_media_type"),
     (BodyTimeout, "body_timeout"),
     (LimitExceeded, "payload_too_large"),

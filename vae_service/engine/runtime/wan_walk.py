@@ -64,15 +64,62 @@ class WalkOptions:
     conv_bias_fold: bool = False  # conv1's bias added inside norm2's op (needs `norm_silu`)
 
 
-class _Walk:
-    """One decode's pass over the chunks: holds each causal conv's history between chunks."""
+class Walk:
+    """One decode's pass over the chunks: holds each causal conv's history between chunks (a decode
+    session keeps one between requests: engine/execution/session.py).
+
+    A history tensor is never written after it is made (each step replaces it with a new one), so a
+    `fork` (a shallow copy) is a snapshot: a session runs a chunk on a fork and keeps it only when
+    the whole chunk decoded."""
 
     def __init__(self, decoder: nn.Module, options: WalkOptions, folded: FoldedBuffers):
         self.d, self.options, self.folded = decoder, options, folded
         self.history: dict[nn.Module, torch.Tensor] = {}
         self.started_upsamplers: set[nn.Module] = set()
         self.first_chunk = True
+        self.steps = 0  # latent frames walked
         self.format = torch.channels_last_3d if options.channels_last else torch.contiguous_format
+
+    @property
+    def phase(self) -> int:
+        """Which convs hold a history: none (0), all but the temporal upsamplers' (1), all (2).
+        Walks of one phase (and options) have histories of one layout: they can be stacked."""
+        return min(self.steps, 2)
+
+    @property
+    def held_bytes(self) -> int:
+        return sum(t.untyped_storage().nbytes() for t in self.history.values())
+
+    def fork(self) -> Walk:
+        other = object.__new__(Walk)
+        other.__dict__.update(self.__dict__)
+        other.history, other.started_upsamplers = dict(self.history), set(self.started_upsamplers)
+        return other
+
+    @staticmethod
+    def stacked(walks: list[Walk]) -> Walk:
+        """One walk over the batch of `walks` (one phase, one item each): their histories joined on
+        the batch dimension, in order."""
+        first = walks[0]
+        if len(walks) == 1:
+            return first.fork()
+        if any(w.phase != first.phase or w.options != first.options for w in walks):
+            raise ValueError("walks of different phases or options cannot be stacked")
+        joined = first.fork()
+        joined.history = {conv: torch.cat([w.history[conv] for w in walks]) for conv in first.history}
+        return joined
+
+    def split(self, count: int) -> list[Walk]:
+        """The stacked walk's items as walks of their own; each history copied out, so that a session
+        that stops holds its own history, never its batch's."""
+        if count == 1:
+            return [self]
+        parts = []
+        for i in range(count):
+            part = self.fork()
+            part.history = {conv: t[i : i + 1].clone() for conv, t in self.history.items()}
+            parts.append(part)
+        return parts
 
     # ---- causal convs ------------------------------------------------------------------------
     def _input_of(self, conv: nn.Module, like: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
@@ -179,6 +226,7 @@ class _Walk:
             x = self._up_block(up, x)
         x = self._norm_conv(d.norm_out, x, d.conv_out, x_is_spare=True)
         self.first_chunk = False
+        self.steps += 1
         return x
 
 
@@ -201,7 +249,12 @@ def walk_chunks(
     """`vae.decode(z).sample` split along time: one tensor per latent frame ([B, 3, t, H, W],
     clamped like diffusers), whose concatenation is that decode (bit-identical with the default
     options)."""
+    yield from walk_on(vae, Walk(vae.decoder, options, FoldedBuffers() if folded is None else folded), z)
+
+
+def walk_on(vae: nn.Module, walk: Walk, z: torch.Tensor) -> Iterator[torch.Tensor]:
+    """`walk_chunks` continuing `walk` (a session's, carried from its earlier chunks): the post-quant
+    conv is 1x1x1, so a chunk's frames get the bits the whole clip's would."""
     x = vae.post_quant_conv(z)
-    state = _Walk(vae.decoder, options, FoldedBuffers() if folded is None else folded)
     for i in range(x.shape[2]):
-        yield finished_chunk(vae, state.chunk(x[:, :, i : i + 1]))
+        yield finished_chunk(vae, walk.chunk(x[:, :, i : i + 1]))

@@ -1,0 +1,157 @@
+"""Decode sessions: a causal video decoder's walk (engine/runtime/wan_walk.py) kept between requests,
+so that an autoregressive denoiser's latent chunks decode as they come and their frames, joined, are
+the frames of the whole clip.
+
+- Exact: `lossless` walks every session alone with diffusers' arithmetic (each chunk's frames are
+  bit-identical to the same frames of `vae.decode` of all the chunks joined, for every chunking);
+  `high` stacks the walks of the sessions in one batch on the batch dimension and decodes them in
+  one decoder call per latent frame (the fast path's error bound holds per session).
+- Atomic: a chunk runs on a fork of its session's walk, kept only when every one of its latent
+  frames decoded finite; a chunk stopped by its deadline, its caller leaving, or an overflow leaves
+  the session where it was, usable.
+- Bounded: the walk holds two frames of history per causal conv at the session's size, whatever the
+  session's length; a stacked batch's histories are copied out per session (`Walk.split`), so a
+  session never keeps its batch's alive. That history is priced at open (the tier's `resident`
+  bytes, from the meta-device trace) and held in the replica's session budget while it lives.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from vae_service.engine.execution.call import DecodeCall, checked_chunks
+from vae_service.engine.execution.video import NON_FINITE
+from vae_service.engine.media.postprocess import convert, to_host
+from vae_service.engine.request.errors import DecodeAbandoned, DecodeFailed, DecodeTimeout
+from vae_service.engine.request.latents import PreparedRequest
+from vae_service.engine.request.session import SessionOpen
+from vae_service.engine.runtime.runtime import Runtime
+from vae_service.engine.runtime.wan_walk import Walk, walk_on
+
+
+@dataclass(eq=False)
+class DecodeSession:
+    """One session's state on its replica. `settings` as opened (quality the tier that decodes it);
+    `held_price` the bytes its walk holds between chunks, reserved while it is open."""
+
+    id: str
+    settings: SessionOpen
+    walk: Walk
+    held_price: int
+    precision: str
+    latent_frames: int = 0  # latent frames decoded so far
+    frames: int = 0  # frames answered so far
+    chunks: int = 0
+    last_used: float = field(default_factory=time.monotonic)
+    busy: bool = False  # a chunk of it is queued or decoding: the next waits (chunks are in order)
+    closed: bool = False
+
+    @property
+    def quality(self) -> str:
+        return self.settings.quality
+
+    @property
+    def held_bytes(self) -> int:
+        return self.walk.held_bytes
+
+
+@dataclass(frozen=True)
+class SessionChunk:
+    """A session's next latent chunk, checked and priced: what the batcher queues. `frames`: the output
+    frames it adds (the first chunk's first latent frame gives one frame, every later one the law's step)."""
+
+    session: DecodeSession
+    prepared: PreparedRequest  # its latents [1, C, t, H, W] in decoder layout, its context
+    first_frame: int
+
+    @property
+    def items(self) -> int:
+        return 1
+
+    @property
+    def context(self):
+        return self.prepared.context
+
+    @property
+    def batch_key(self) -> tuple:
+        """Sessions share a decoder call only at one tier, size, chunk length and walk phase."""
+        z = self.prepared.latents
+        return ("session", self.session.quality, tuple(z.shape[1:]), z.dtype, self.session.walk.phase)
+
+
+@dataclass(frozen=True)
+class ChunkFrames:
+    """A chunk's frames, on the host: uint8 [1, t, H, W, 3] or float [1, 3, t, H, W]; `frame`,
+    `latent_frame`: the first of each in the session."""
+
+    pixels: torch.Tensor
+    frame: int
+    latent_frame: int
+    precision: str
+    decode_ms: float
+    batch_size: int
+
+    @property
+    def frames(self) -> int:
+        return self.pixels.shape[1 if self.pixels.dtype == torch.uint8 else 2]
+
+
+def decode_session_chunks(
+    runtime: Runtime, chunks: list[SessionChunk], call: DecodeCall
+) -> list[ChunkFrames | Exception]:
+    """One batch of session chunks (one batch key): `high` stacked in one walk, `lossless` each alone.
+    The caller holds the tier's gate and inference mode, and `call.running()`."""
+    start = time.perf_counter()
+    together = chunks[0].session.quality == "high"
+    groups = [list(range(len(chunks)))] if together else [[i] for i in range(len(chunks))]
+    answers: list = [None] * len(chunks)
+    decoded: dict[int, tuple[Walk, torch.Tensor]] = {}
+    for group in groups:
+        members = [i for i in group if not call.gone(i)]
+        for i in set(group) - set(members):
+            answers[i] = call.ended_error(i)
+        if not members:
+            continue
+        call.running_members = tuple(members)
+        try:
+            decoded.update(zip(members, _walk_group(runtime, [chunks[i] for i in members], call), strict=True))
+        except (DecodeAbandoned, DecodeTimeout) as stopped:
+            if not (isinstance(stopped, DecodeAbandoned) or all(call.gone(i) for i in members)):
+                raise
+            for i in members:
+                answers[i] = call.ended_error(i)
+    ms = (time.perf_counter() - start) * 1e3
+    for i, (walk, pixels) in decoded.items():
+        answers[i] = _commit(runtime, chunks[i], walk, pixels, ms, len(chunks))
+    return answers
+
+
+def _walk_group(runtime: Runtime, group: list[SessionChunk], call: DecodeCall) -> list[tuple[Walk, torch.Tensor]]:
+    """Each chunk's walk after it and its decoded frames [1, 3, t, H, W] (not yet checked finite)."""
+    zs = [runtime.scaling.to_decoder_input(c.prepared, runtime.device) for c in group]
+    walk = Walk.stacked([c.session.walk for c in group])
+    z = zs[0] if len(zs) == 1 else torch.cat(zs)
+    del zs
+    outputs = list(checked_chunks(walk_on(runtime.vae, walk, z), call.checkpoint))
+    pixels = outputs[0] if len(outputs) == 1 else torch.cat(outputs, 2)
+    del outputs
+    return list(zip(walk.split(len(group)), pixels.split(1), strict=True))
+
+
+def _commit(
+    runtime: Runtime, chunk: SessionChunk, walk: Walk, pixels: torch.Tensor, ms: float, batch: int
+) -> ChunkFrames | DecodeFailed:
+    """The chunk's answer; its session advanced only when every frame is finite."""
+    if not bool(torch.isfinite(pixels).all()):
+        return DecodeFailed("latents", NON_FINITE + "; the session is where it was before this chunk")
+    session = chunk.session
+    latent_frame = session.latent_frames
+    session.walk = walk
+    session.latent_frames += chunk.prepared.latent_frames
+    session.frames += pixels.shape[2]
+    session.chunks += 1
+    out = to_host(convert(pixels, session.settings.output, runtime.spec.entry.pixels))
+    return ChunkFrames(out, chunk.first_frame, latent_frame, session.precision, ms, batch)
