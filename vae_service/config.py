@@ -82,7 +82,9 @@ class Sessions(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     idle_timeout_s: float = Field(
-        60.0, gt=0, description="a session that receives no chunk for this long is freed (its next chunk: session_expired)"
+        60.0,
+        gt=0,
+        description="a session that receives no chunk for this long is freed (its next chunk: session_expired)",
     )
 
 

@@ -47,7 +47,6 @@ from vae_service.engine.request.context import RequestContext
 from vae_service.engine.request.decode_request import QUALITIES, VIDEO_OUTPUTS, DecodeRequest
 from vae_service.engine.request.errors import DecodeFailed, InvalidInput, LimitExceeded, WrongFingerprint
 from vae_service.engine.request.latents import PreparedRequest, check_finite, check_output, decoder_latents
-from vae_service.models.wan_internals import SESSION_CLASSES
 from vae_service.engine.request.result import DecodeResult, PendingResult, Timing
 from vae_service.engine.request.session import SessionOpen
 from vae_service.engine.runtime.preview import build_preview
@@ -57,6 +56,7 @@ from vae_service.engine.runtime.wan_walk import Walk
 from vae_service.models import LoadedVae
 from vae_service.models.probe_cache import ProbeCache
 from vae_service.models.spec import jsonable_config, pipeline_statistics
+from vae_service.models.wan_internals import SESSION_CLASSES
 
 
 class DecodeEngine:

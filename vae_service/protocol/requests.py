@@ -54,10 +54,16 @@ def request_from_call(latents, resident_device: torch.device | None = None, **op
     if unknown:
         allowed = sorted(set(REQUEST_KEYS) - {"latents"})
         raise InvalidInput(unknown[0], f"unknown argument{did_you_mean(unknown[0], allowed)} (allowed: {allowed})")
+    return DecodeRequest(call_latents(latents, resident_device), **engine_fields(options))
+
+
+def call_latents(latents, resident_device: torch.device | None = None):
+    """A call's latents (numpy or torch) as a torch tensor on the host, or on `resident_device` where
+    they are already there; anything else is left for DecodeRequest to refuse, naming `latents`."""
     if isinstance(latents, np.ndarray):
         latents = from_numpy(latents)
     if isinstance(latents, torch.Tensor):
         latents = latents.detach()
         if latents.device != resident_device:
             latents = latents.cpu()
-    return DecodeRequest(latents, **engine_fields(options))
+    return latents

@@ -22,6 +22,7 @@ import ray
 from vae_service.config import ServiceConfig
 from vae_service.serving.decode_service import DecodeService
 from vae_service.serving.handle_api import handle_decode
+from vae_service.serving.session_socket import SessionCalls
 
 # under Ray's own logger, which Ray workers write to their log files (a bare logger's INFO is dropped)
 log = logging.getLogger("ray.vae_service")
@@ -41,6 +42,7 @@ class Decoder:
         self._loop_thread.start()
         self._closed = False
         self.service: DecodeService = self._run(_start_service(config))
+        self._sessions = SessionCalls(self.service, self.service.engine.device)
         log.info("decoder actor serving %s", self.service.engine.describe())
 
     def _run(self, coroutine: Coroutine) -> Any:
@@ -54,6 +56,18 @@ class Decoder:
         Returns the /decode response fields with `output` a numpy array or a list of bytes."""
         device = self.service.engine.device  # latents a compiled graph put on our GPU stay there
         return self._run(handle_decode(self.service, latents, device, quality=quality, output=output, **options))
+
+    # ---- decode sessions: this actor is the affinity (serving/session_socket.py's SessionCalls) ----
+    def open_session(self, **settings) -> dict:
+        """A decode session (`height`, `width`, `quality`, `output`, `dtype`, factors): its summary."""
+        return self._run(self._sessions.open(**settings))
+
+    def decode_chunk(self, session: str, latents, latent_frame: int | None = None) -> dict:
+        """The session's next latent chunk [1, C, t, H, W]: its frames (numpy) with `done`."""
+        return self._run(self._sessions.chunk(session, latents, latent_frame))
+
+    def close_session(self, session: str) -> dict | None:
+        return self._run(self._sessions.close(session))
 
     def describe(self) -> dict:
         return {"pid": os.getpid(), **self.service.describe()}

@@ -21,6 +21,7 @@ import torch
 from vae_service.config import LiveConfig, ServiceConfig
 from vae_service.engine import DecodeEngine, DecodeRequest, DecodeResult, PreparedRequest
 from vae_service.engine.execution.peer_contract import TilePeers
+from vae_service.engine.execution.session import SessionChunk
 from vae_service.engine.request.context import RequestContext
 from vae_service.engine.request.decode_request import VIDEO_OUTPUTS
 from vae_service.engine.request.errors import DecodeTimeout, InvalidInput, OutOfMemory, Overloaded
@@ -30,6 +31,7 @@ from vae_service.serving.batcher import BatcherLimits, BatchStats, DeadlineExcee
 from vae_service.serving.encoders import EncoderPool
 from vae_service.serving.frame_stream import FrameStream
 from vae_service.serving.request_pricing import RequestPricing
+from vae_service.serving.sessions import SessionRegistry
 from vae_service.serving.sinks import Sinks
 from vae_service.serving.tile_surface import TileSurface
 from vae_service.serving.video_stream import VideoStream
@@ -50,7 +52,9 @@ class DecodeService:
         on_decoded: Callable[[DecodeResult], None] | None = None,
         on_first_frames: Callable[[str, float], None] | None = None,
         peers: TilePeers | None = None,
+        owner: Callable[[], str] = lambda: "local",
     ):
+        """`owner`: this replica's id, the prefix of its sessions' ids (serving/session_router.py)."""
         self.config = config
         self.engine = engine or DecodeEngine(config)
         self.peers = peers  # tiled requests share their tiles with these (serving/tile_peers.py)
@@ -67,8 +71,11 @@ class DecodeService:
         self.on_decoded, self.on_first_frames = on_decoded, on_first_frames  # (quality, ms)
         self.decoded_items = 0  # latent items that reached the device (requests given up on never do)
         self.tiles = TileSurface(self.engine, self.device_thread, self._device_busy, lambda: self.config.limits)
+        self.sessions = SessionRegistry(self, owner)
 
-    def _decode_batch(self, batch: list[PreparedRequest], abandoned) -> list:
+    def _decode_batch(self, batch: list[PreparedRequest | SessionChunk], abandoned) -> list:
+        if isinstance(batch[0], SessionChunk):  # a batch key never mixes sessions' chunks with requests
+            return self.engine.decode_session_chunks(batch, abandoned)
         # the device thread takes its next batch while this one's output is still copied to the
         # host (CUDA); the wait happens in _decode_prepared, off the device thread
         return self.engine.decode(batch, abandoned, defer_host_copy=True, peers=self.peers)
@@ -139,23 +146,7 @@ class DecodeService:
         arrived, context = time.perf_counter(), prepared.context
         if self.peers is not None and getattr(self.peers, "loop", False) is None:
             self.peers.loop = asyncio.get_running_loop()  # where its tiles' answers are read
-        finished = False
-        try:
-            result = await self.batcher.submit(prepared, timeout_s=context.remaining())
-            finished = True
-        except QueueFull as exc:
-            raise Overloaded("body", f"decode queue is full ({exc}); retry later", exc.retry_after_s) from None
-        except DeadlineExceeded as exc:
-            raise DecodeTimeout("body", f"not decoded within request_timeout_s: {exc}") from None
-        except torch.OutOfMemoryError:
-            raise OutOfMemory(
-                "latents",
-                "the device ran out of memory for this request; retry later or send fewer items",
-                self.config.serving.retry_after_s,
-            ) from None
-        finally:
-            if not finished and not context.expired:
-                context.abandon()  # the caller left (cancelled): its tiles and waits stop
+        result = await self.submit_prepared(prepared, context)
         if isinstance(result, PendingResult):
             await asyncio.to_thread(context.wait_until, result.copied, "the copy to the host")
             result = result.result
@@ -171,6 +162,28 @@ class DecodeService:
             raise DecodeTimeout("output", "not encoded within request_timeout_s") from None
         if prepared.request.sink is not None:  # the files to object storage, within the same deadline
             result = await self.sinks.store(result, prepared.request, context)
+        return result
+
+    async def submit_prepared(self, item: PreparedRequest | SessionChunk, context: RequestContext):
+        """Queue a checked request (or a session's chunk) for its batch; its answer, or the error
+        it is answered with (an Exception the batch put in its place is raised)."""
+        finished = False
+        try:
+            result = await self.batcher.submit(item, timeout_s=context.remaining())
+            finished = True
+        except QueueFull as exc:
+            raise Overloaded("body", f"decode queue is full ({exc}); retry later", exc.retry_after_s) from None
+        except DeadlineExceeded as exc:
+            raise DecodeTimeout("body", f"not decoded within request_timeout_s: {exc}") from None
+        except torch.OutOfMemoryError:
+            raise OutOfMemory(
+                "latents",
+                "the device ran out of memory for this request; retry later or send fewer items",
+                self.config.serving.retry_after_s,
+            ) from None
+        finally:
+            if not finished and not context.expired:
+                context.abandon()  # the caller left (cancelled): its tiles and waits stop
         return result
 
     # ---- a tile of another replica's request -------------------------------------------------
@@ -189,6 +202,7 @@ class DecodeService:
             "running_batches": self.batcher.running,
             "decoded_items": self.decoded_items,
             "sinks": self.sinks.names,
+            "sessions": self.sessions.describe(),
         }
 
     def release_folded(self) -> int:
@@ -197,6 +211,7 @@ class DecodeService:
     async def drain(self, timeout_s: float) -> bool:
         """Let queued and running batches finish (shutdown); False if they did not in time."""
         drained = await self.batcher.drain(timeout_s)
+        self.sessions.close_all()
         self.device_thread.shutdown(wait=False)
         self.pricing.shutdown()
         self.encoders.shutdown()

@@ -10,7 +10,7 @@ No `from __future__ import annotations` here: FastAPI must see real `Request` an
 import logging
 import uuid
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, WebSocket
 from fastapi.responses import Response
 from ray import serve
 
@@ -18,6 +18,7 @@ from vae_service.protocol.errors import Unauthenticated
 from vae_service.serving import openapi
 from vae_service.serving.http_routes import api_docs, decode_http, error_answer, health_fields, remote_decode_http
 from vae_service.serving.replica import DecoderReplica
+from vae_service.serving.session_socket import serve_session
 from vae_service_client.errors import error_json
 
 log = logging.getLogger("ray.serve")
@@ -71,6 +72,10 @@ class VaeDecoderHttp(DecoderReplica):
     @http_app.get("/redoc", include_in_schema=False)
     async def redoc(self, request: Request) -> Response:
         return api_docs(self.service, self.admission, request, http_app, "redoc")
+
+    @http_app.websocket("/sessions")
+    async def sessions(self, websocket: WebSocket) -> None:
+        await serve_session(self.service, self.admission, websocket)
 
     @http_app.get("/health")
     async def health(self, request: Request):

@@ -31,6 +31,7 @@ from vae_service.serving.grpc_servicer import (
 from vae_service.serving.handle_api import handle_decode, handle_decode_frames
 from vae_service.serving.http_routes import HttpAnswer, decode_answer, decode_events, remote_decode_answer
 from vae_service.serving.proxy_guard import missing_guard_warning
+from vae_service.serving.session_socket import SessionCalls
 from vae_service.serving.tile_peers import ReplicaPeers
 
 log = logging.getLogger("ray.serve")  # Serve writes it to the replica's own log file
@@ -111,7 +112,9 @@ class DecoderReplica:
             on_rejected=self._count_rejected,
             on_decoded=self._observe_result,
             on_first_frames=self._observe_first_frames,
+            owner=replica_id,
         )
+        self.session_calls = SessionCalls(self.service)
         engine = self.service.engine
         self.model = engine.spec.name
         d = engine.describe()  # one short line; the whole description is GET /health
@@ -222,6 +225,22 @@ class DecoderReplica:
         HTTP stream's messages (vae_service_client.frames) with `pixels` as numpy arrays."""
         async for message in handle_decode_frames(self.service, latents, quality=quality, output=output, **options):
             yield message
+
+    # ---- decode sessions (pinned to this replica by serving/session_router.py) -----------------
+    async def open_session(self, **settings) -> dict:
+        """A decode session on this replica: `height`, `width` (the latents'), and `quality`,
+        `output`, `dtype`, the factors, `request_id` as the WebSocket's open message. Returns the
+        `opened` summary; its `session` id goes with every later call, as
+        `handle.options(session_id=sid)` (which keeps the calls on this replica)."""
+        return await self.session_calls.open(**settings)
+
+    async def decode_chunk(self, session: str, latents, latent_frame: int | None = None) -> dict:
+        """The session's next latent chunk [1, C, t, H, W]: {item, frame, pixels (numpy)} or
+        {fragments: [...]} (mp4/webm), with `done` (the WebSocket's chunk_done)."""
+        return await self.session_calls.chunk(session, latents, latent_frame)
+
+    async def close_session(self, session: str) -> dict | None:
+        return await self.session_calls.close(session)
 
     async def decode_tile_job(self, job, fingerprint: str, remaining_s: float):
         """A tile of another replica's request (engine/runtime/tile_jobs.py), through a streaming handle:

@@ -1,0 +1,278 @@
+"""Decode sessions on the real service: a WebSocket client (the `websockets` library speaking the
+documented messages), Serve handles pinned by the session router, and the Ray actor. One
+deployment of the tiny causal Wan decoder with two replicas serves every test here.
+
+Each test checks what a denoiser relies on: frames after every chunk, the chunks' frames joined
+equal to the whole /decode answer bit for bit, bad chunks refused naming the field with the session
+still exact afterwards, the room priced at open (413/429), idle expiry, a disconnect freeing the
+session, and a killed replica answering `session_lost`."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import msgpack
+import numpy as np
+import pytest
+import ray
+from websockets.exceptions import ConnectionClosed
+from websockets.sync.client import connect
+
+from tests.integration.conftest import TEST_DEPLOYMENT
+from vae_service_client import VaeClient
+from vae_service_client.messages import latents_map, pack
+from vae_service_client.tensors import decode_tensor
+
+pytestmark = pytest.mark.integration
+H, W, C = 6, 10, 4
+
+
+@pytest.fixture(scope="module")
+def sessions_app(ray_cluster, wan_dir):
+    """tiny Wan, two replicas, short idle timeout, at most 3 sessions per replica."""
+    from ray import serve
+
+    from vae_service.serving.app import decoder_app
+
+    config = {
+        "model": str(wan_dir),
+        "model_name": "wan",
+        "cpu_threads": 1,
+        "sessions": {"idle_timeout_s": 1.5},
+        "limits": {"max_sessions": 3, "max_session_chunk_frames": 4},
+        "batching": {"batch_wait_ms": 30},
+    }
+    options = dict(TEST_DEPLOYMENT, num_replicas=2, ray_actor_options={"num_cpus": 0})
+    serve.run(decoder_app(config, **options), name="sessions", route_prefix="/sessions-app")
+    yield f"{ray_cluster}/sessions-app"
+    serve.delete("sessions")
+
+
+def ws_url(http_url: str) -> str:
+    return http_url.replace("http://", "ws://", 1) + "/sessions"
+
+
+def send(ws, kind: str, fields: dict) -> None:
+    ws.send(pack({kind: fields}))
+
+
+def receive(ws) -> dict:
+    return msgpack.unpackb(ws.recv(timeout=60), raw=False)
+
+
+def chunk_answer(ws, z: np.ndarray, latent_frame: int) -> tuple[list[dict], dict]:
+    """Send one chunk; its frame messages and its chunk_done (or the error message)."""
+    send(ws, "chunk", {"latents": latents_map(z), "latent_frame": latent_frame})
+    messages = []
+    while True:
+        message = receive(ws)
+        if "chunk_done" in message or "error" in message:
+            return messages, message
+        messages.append(message)
+
+
+def pixels_of(messages: list[dict]) -> np.ndarray:
+    return np.concatenate([decode_tensor(m["pixels"], "pixels").to_numpy() for m in messages], axis=1)
+
+
+def whole_answer(url: str, z: np.ndarray, **options):
+    return VaeClient(url).decode(z, **options).output
+
+
+def latents(t: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((1, C, t, H, W)).astype(np.float32)
+
+
+@pytest.mark.parametrize("chunking", [[1, 1, 1, 1, 1], [2, 3], [4, 1], [1, 4]], ids=str)
+def test_chunks_joined_are_the_whole_decode_bit_for_bit_with_frames_after_each_chunk(sessions_app, chunking):
+    z = latents(sum(chunking), seed=len(chunking))
+    with connect(ws_url(sessions_app)) as ws:
+        send(ws, "open", {"height": H, "width": W})
+        opened = receive(ws)["opened"]
+        assert opened["quality"] == "lossless" and opened["held_bytes"] > 0 and opened["latent_channels"] == C
+        frames, start = [], 0
+        for t in chunking:
+            messages, done = chunk_answer(ws, z[:, :, start : start + t], start)
+            assert "chunk_done" in done, done
+            assert messages and messages[0]["frame"] == sum(m.shape[1] for m in frames)
+            frames.append(pixels_of(messages))
+            start += t
+            assert done["chunk_done"]["latent_frames"] == start
+        send(ws, "close", {})
+        closed = receive(ws)["closed"]
+    whole = whole_answer(sessions_app, z)
+    joined = np.concatenate(frames, axis=1)
+    assert closed == {"frames": joined.shape[1], "latent_frames": sum(chunking)}
+    np.testing.assert_array_equal(joined, whole)
+
+
+@pytest.mark.parametrize(
+    "bad, field",
+    [
+        (lambda z: z[:, :2], "latents"),  # wrong channels
+        (lambda z: np.concatenate([z, z[:, :, :, :1]], axis=3), "height"),
+        (lambda z: np.concatenate([z, z[..., :1]], axis=4), "width"),
+        (lambda z: np.where(np.arange(z.size).reshape(z.shape) == 3, np.nan, z).astype(np.float32), "latents"),
+        (lambda z: np.concatenate([z, z, z], axis=2), "latents"),  # 6 frames: over max_session_chunk_frames (4)
+    ],
+    ids=["channels", "height", "width", "nan", "chunk-bound"],
+)
+def test_a_bad_chunk_is_refused_naming_its_field_and_the_session_goes_on_exactly(sessions_app, bad, field):
+    z = latents(4, seed=7)
+    with connect(ws_url(sessions_app)) as ws:
+        send(ws, "open", {"height": H, "width": W})
+        receive(ws)
+        first, _ = chunk_answer(ws, z[:, :, :1], 0)
+        _, error = chunk_answer(ws, bad(z[:, :, 1:3]), 1)
+        assert error["error"]["field"] == field, error
+        assert error["error"]["type"] in ("invalid_request", "payload_too_large")
+        _, out_of_order = chunk_answer(ws, z[:, :, 2:4], 2)  # skips latent frame 1
+        assert out_of_order["error"]["field"] == "latent_frame"
+        rest, done = chunk_answer(ws, z[:, :, 1:4], 1)
+        assert "chunk_done" in done
+    whole = whole_answer(sessions_app, z)
+    np.testing.assert_array_equal(np.concatenate([pixels_of(first), pixels_of(rest)], axis=1), whole)
+
+
+def sessions_open(url: str) -> int:
+    """Open sessions over both replicas (each /health answer is one replica's)."""
+    seen = {}
+    for _ in range(30):
+        health = httpx.get(f"{url}/health", timeout=30).json()
+        seen[health["replica"]] = health["sessions"]["open"]
+        if len(seen) == 2:
+            break
+    return sum(seen.values())
+
+
+def test_open_errors_name_the_field_and_end_the_connection(sessions_app):
+    cases = [
+        ({"height": H}, "width"),
+        ({"height": H, "width": W, "quality": "preview"}, "quality"),
+        ({"height": H, "width": W, "output": "png"}, "output"),
+        ({"height": H, "width": W, "dtype": "int8"}, "dtype"),
+        ({"height": H, "width": W, "colour": 1}, "colour"),
+    ]
+    for fields, field in cases:
+        with connect(ws_url(sessions_app)) as ws:
+            send(ws, "open", fields)
+            error = receive(ws)["error"]
+            assert (error["type"], error["field"]) == ("invalid_request", field), error
+            with pytest.raises(ConnectionClosed):
+                receive(ws)
+
+
+def test_sessions_over_the_room_are_refused_at_open_and_a_disconnect_frees_at_once(sessions_app):
+    """max_sessions 3 per replica, two replicas: the seventh is refused with 429 + retry_after; a
+    client that disconnects without `close` frees its session at once."""
+    sockets = []
+    try:
+        for _ in range(6):
+            ws = connect(ws_url(sessions_app))
+            send(ws, "open", {"height": H, "width": W})
+            assert "opened" in receive(ws)
+            sockets.append(ws)
+        refused = connect(ws_url(sessions_app))
+        send(refused, "open", {"height": H, "width": W})
+        error = receive(refused)["error"]
+        assert (error["type"], error["field"]) == ("overloaded", "session") and error["retry_after"] > 0
+        refused.close()
+        assert sessions_open(sessions_app) == 6
+    finally:
+        for ws in sockets:
+            ws.close()
+    deadline = time.monotonic() + 10
+    while sessions_open(sessions_app) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert sessions_open(sessions_app) == 0
+
+
+def test_an_idle_session_expires_and_its_next_chunk_names_the_frames_it_had(sessions_app):
+    z = latents(2, seed=3)
+    with connect(ws_url(sessions_app)) as ws:
+        send(ws, "open", {"height": H, "width": W})
+        receive(ws)
+        chunk_answer(ws, z[:, :, :2], 0)
+        time.sleep(3.0)  # idle_timeout_s 1.5, swept every second
+        _, error = chunk_answer(ws, z[:, :, :1], 2)
+        assert error["error"]["type"] == "session_expired"
+        assert error["error"]["frames"] == 5 and error["error"]["latent_frames"] == 2
+        assert "5 frames" in error["error"]["message"]
+
+
+def test_high_sessions_batch_across_sessions(sessions_app):
+    """Several `high` sessions sending at once decode in shared decoder calls (batch_size > 1 on
+    some chunk), each within the fast path's bound of its own whole lossless decode."""
+    n, chunks = 3, 3
+    zs = [latents(chunks, seed=20 + i) for i in range(n)]
+    results: list = [None] * n
+
+    def run(i: int) -> None:
+        with connect(ws_url(sessions_app)) as ws:
+            send(ws, "open", {"height": H, "width": W, "quality": "high", "output": "float"})
+            receive(ws)
+            frames, sizes = [], []
+            for k in range(chunks):
+                messages, done = chunk_answer(ws, zs[i][:, :, k : k + 1], k)
+                frames.append(np.concatenate([decode_tensor(m["pixels"], "pixels").to_numpy() for m in messages], 2))
+                sizes.append(done["chunk_done"]["timing"]["batch_size"])
+            results[i] = (np.concatenate(frames, axis=2), sizes)
+
+    async def all_at_once():
+        await asyncio.gather(*(asyncio.to_thread(run, i) for i in range(n)))
+
+    asyncio.run(all_at_once())
+    for i, (frames, _) in enumerate(results):
+        whole = whole_answer(sessions_app, zs[i], output="float")
+        assert np.abs(frames - whole).max() <= 1e-3
+    assert max(size for _, sizes in results for size in sizes) > 1
+
+
+def test_handles_pin_a_session_to_its_replica_and_a_killed_replica_answers_session_lost(sessions_app):
+    from ray import serve
+
+    from vae_service_client import SessionLost
+
+    handle = serve.get_app_handle("sessions")
+    z = latents(4, seed=11)
+    opened = handle.open_session.remote(height=H, width=W).result()
+    sid = opened["session"]
+    pinned = handle.options(session_id=sid)
+    frames = []
+    for k in range(4):  # every chunk must reach the replica that holds the session
+        answer = pinned.decode_chunk.remote(sid, z[:, :, k : k + 1], latent_frame=k).result()
+        assert answer["frame"] == sum(f.shape[1] for f in frames)
+        frames.append(answer["pixels"])
+    np.testing.assert_array_equal(np.concatenate(frames, axis=1), whole_answer(sessions_app, z))
+    owner = sid.split(".", 1)[0]
+    for actor in ray.util.list_named_actors(all_namespaces=True):
+        if actor["name"].startswith("SERVE_REPLICA::sessions#") and actor["name"].endswith(owner):
+            ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]), no_restart=True)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            pinned.decode_chunk.remote(sid, z[:, :, :1], latent_frame=4).result()
+        except SessionLost as lost:
+            assert lost.type == "session_lost" and lost.status == 503
+            break
+        except Exception:  # the killed replica's calls in flight fail with Ray's error until Serve notices
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+    assert pinned.close_session.remote(sid).result() is None
+
+
+def test_the_ray_actor_decodes_a_session(ray_cluster, wan_dir):
+    from vae_service.ray import DecoderActor
+
+    actor = DecoderActor.remote({"model": str(wan_dir), "cpu_threads": 1})
+    try:
+        z = latents(3, seed=5)
+        sid = ray.get(actor.open_session.remote(height=H, width=W, output="float"))["session"]
+        parts = [ray.get(actor.decode_chunk.remote(sid, z[:, :, k : k + 1], k))["pixels"] for k in range(3)]
+        whole = ray.get(actor.decode.remote(z, output="float"))["output"]
+        np.testing.assert_array_equal(np.concatenate(parts, axis=2), whole)
+        assert ray.get(actor.close_session.remote(sid)) == {"frames": 9, "latent_frames": 3}
+    finally:
+        ray.kill(actor)

@@ -1,0 +1,114 @@
+"""Decode sessions on the wire -> the engine's types and back: the open message's settings, a chunk's
+latents as a DecodeRequest, and the answers (opened, a chunk's frames or fragments, chunk_done,
+closed) as the maps a WebSocket or a handle carries. The messages are documented in
+docs/interfaces.md ("Decode sessions"); every body is parsed by the bounded msgpack walk."""
+
+from __future__ import annotations
+
+from vae_service.engine.request.decode_request import DecodeRequest
+from vae_service.engine.request.errors import InvalidInput
+from vae_service.engine.request.session import SessionOpen
+from vae_service.protocol.errors import WireErrorInfo
+from vae_service.protocol.msgpack_body import unpack_body
+from vae_service.protocol.requests import engine_fields
+from vae_service.protocol.tensors import to_numpy, to_torch
+from vae_service_client.errors import did_you_mean
+from vae_service_client.frames import frames_message
+from vae_service_client.messages import LATENT_DTYPES, decode_tensor
+
+OPEN_KEYS = (
+    "height",
+    "width",
+    "quality",
+    "output",
+    "dtype",
+    "scaling_factor",
+    "shift_factor",
+    "model",
+    "request_id",
+)
+CHUNK_KEYS = ("latents", "latent_frame")
+MESSAGES = ("open", "chunk", "close")
+
+
+def _known(fields: object, allowed: tuple[str, ...], what: str) -> dict:
+    if not isinstance(fields, dict):
+        raise InvalidInput(what, f"must be a map, got {type(fields).__name__}")
+    unknown = sorted(k if isinstance(k, str) else repr(k) for k in fields if k not in allowed)
+    if unknown:
+        raise InvalidInput(unknown[0], f"unknown key{did_you_mean(unknown[0], allowed)} (allowed: {list(allowed)})")
+    return fields
+
+
+def session_open(fields: object) -> SessionOpen:
+    """An `open` message's map (or a handle's keyword arguments) -> SessionOpen; the factors' three
+    states as /decode's (protocol/requests.py's engine_fields)."""
+    fields = _known(fields, OPEN_KEYS, "open")
+    for key in ("height", "width"):
+        if key not in fields:
+            raise InvalidInput(key, "is required: the latents' size of every chunk")
+    return SessionOpen(**engine_fields(fields))
+
+
+def parse_message(body: bytes, max_request_bytes: int) -> tuple[str, dict]:
+    """One WebSocket message: (its kind, its map), bounded like a /decode body."""
+    message = unpack_body(body, max_request_bytes)
+    if not isinstance(message, dict) or len(message) != 1:
+        raise InvalidInput("message", f"one map with one of the keys {list(MESSAGES)}")
+    ((kind, fields),) = message.items()
+    if kind not in MESSAGES:
+        hint = did_you_mean(kind, MESSAGES)
+        raise InvalidInput("message", f"unknown message {kind!r}{hint} (allowed: {list(MESSAGES)})")
+    return kind, fields if fields is not None else {}
+
+
+def chunk_request(fields: object, settings: SessionOpen) -> tuple[DecodeRequest, int | None]:
+    """A `chunk` message's map -> (its latents as a request with the session's settings, the
+    `latent_frame` it says it starts at)."""
+    fields = _known(fields, CHUNK_KEYS, "chunk")
+    if "latents" not in fields:
+        raise InvalidInput("latents", "is required")
+    latents = to_torch(decode_tensor(fields["latents"], "latents", LATENT_DTYPES))
+    return chunk_of(latents, settings), _latent_frame(fields.get("latent_frame"))
+
+
+def chunk_of(latents, settings: SessionOpen) -> DecodeRequest:
+    """A chunk's latents (a torch tensor on the host or the decoding device) as a request carrying
+    the session's factors."""
+    factors = {k: getattr(settings, k) for k in ("scaling_factor", "shift_factor") if getattr(settings, k) is not None}
+    return DecodeRequest(latents, quality=settings.quality, latents_scaled=settings.latents_scaled, **factors)
+
+
+def _latent_frame(value: object) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidInput("latent_frame", f"the chunk's first latent frame: an integer >= 0, got {value!r}")
+    return value
+
+
+def opened_message(summary: dict) -> dict:
+    return {"opened": summary}
+
+
+def frames_of(chunk, wire: bool = True) -> dict:
+    """A chunk's frames as the /decode stream's frame message (`wire`: the tensor map; else numpy)."""
+    if wire:
+        return frames_message(0, chunk.frame, chunk.pixels)
+    return {"item": 0, "frame": chunk.frame, "pixels": to_numpy(chunk.pixels)}
+
+
+def fragment_message(fragment) -> dict:
+    return {"frame": fragment.frame, "frames": fragment.frames, "fragment": fragment.data}
+
+
+def error_message(info: WireErrorInfo, **extra) -> dict:
+    return {
+        "error": {
+            "type": info.type,
+            "field": info.field,
+            "message": info.message,
+            "retry_after": info.retry_after_s,
+            **extra,
+        }
+    }

@@ -1,0 +1,288 @@
+"""A replica's decode sessions (engine/execution/session.py), framework-free: open, chunk, close,
+expire, and the room they hold.
+
+- Room: every open session's causal cache was priced at open (`held_price`) and is held in the
+  replica's session budget (`limits.max_session_bytes`, default half the decode bound) until it is
+  closed, disconnected or expired. A session that would not fit beside those open is refused at open
+  (429 + Retry-After when others hold the room, 413 when it can never fit): never an out-of-memory
+  in the middle of a video. `limits.max_sessions` bounds their count.
+- Chunks are requests: each is checked (DecodeEngine.check_chunk) and queued in the replica's one
+  batcher under its own deadline, so sessions' chunks of one key decode together and ordinary
+  decodes keep their turn (the batcher is fair across keys: a slow session holds no one back beyond
+  one batching window). One chunk of a session at a time, in order (`latent_frame`).
+- Expiry: a session idle past `sessions.idle_timeout_s` is freed by a sweep; its id is remembered
+  (bounded) so its next chunk gets `session_expired` naming the frames it had decoded. An id this
+  replica never issued (its owner is gone) gets `session_lost`.
+- mp4/webm: one file across all chunks, a fragment (a WebM Cluster) per latent frame, encoded in the
+  encoder pool; the first fragment begins with the init segment.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from vae_service.engine.execution.session import ChunkFrames, DecodeSession
+from vae_service.engine.media.encoding import video_writer
+from vae_service.engine.request.context import RequestContext
+from vae_service.engine.request.decode_request import VIDEO_OUTPUTS, DecodeRequest
+from vae_service.engine.request.errors import DecodeTimeout, InvalidInput, LimitExceeded, Overloaded
+from vae_service.engine.request.session import SessionExpired, SessionLost, SessionOpen
+from vae_service.serving.encoders import EncoderPool, failed_encode
+from vae_service_client.mp4 import Mp4Fragment
+
+EXPIRED_KEPT = 4096  # expired or closed session ids remembered, to answer their chunks `session_expired`
+SWEEP_EVERY_S = 1.0
+
+
+@dataclass(frozen=True)
+class ChunkAnswer:
+    """A chunk's frames (or, for mp4/webm, its fragments) and the session after it."""
+
+    frames: ChunkFrames
+    fragments: tuple[Mp4Fragment, ...]
+    encode_ms: float
+    queue_ms: float
+
+    def done(self, session: DecodeSession) -> dict:
+        f = self.frames
+        return {
+            "latent_frame": f.latent_frame,
+            "latent_frames": session.latent_frames,
+            "frames": session.frames,
+            "precision": f.precision,
+            "timing": {
+                "queue_ms": round(self.queue_ms, 3),
+                "decode_ms": round(f.decode_ms, 3),
+                "encode_ms": round(self.encode_ms, 3),
+                "batch_size": f.batch_size,
+            },
+        }
+
+
+class _Video:
+    """A session's one mp4/webm file, continued chunk by chunk (a fragment per latent frame)."""
+
+    def __init__(self, output: str, pool: EncoderPool):
+        self.output, self.pool, self.writer, self.init = output, pool, None, None
+
+    async def fragments(self, frames: ChunkFrames, counts: list[int], context: RequestContext) -> list[Mp4Fragment]:
+        pixels = frames.pixels[0].numpy()
+        if self.writer is None:
+            height, width = pixels.shape[1:3]
+            settings = self.pool.settings
+            self.writer = await self._run(video_writer, context, self.output, int(width), int(height), settings)
+            self.init = self.writer.init_segment()
+        out, start, frame = [], 0, frames.frame
+        for n in counts:
+            data = await self._run(self.writer.fragment, context, np.ascontiguousarray(pixels[start : start + n]))
+            if self.init is not None:
+                data, self.init = self.init + data, None
+            out.append(Mp4Fragment(frame, n, data))
+            start, frame = start + n, frame + n
+        return out
+
+    async def _run(self, work, context: RequestContext, *args):
+        future = asyncio.get_running_loop().run_in_executor(self.pool.executor, work, *args)
+        try:
+            return await asyncio.wait_for(future, context.remaining())
+        except TimeoutError:
+            raise DecodeTimeout("output", "not encoded within request_timeout_s") from None
+        except Exception as exc:
+            raise failed_encode(self.output, exc) from None
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+
+
+class SessionRegistry:
+    """`service`: the replica's DecodeService (its engine, live limits, batcher submit, encoders)."""
+
+    def __init__(self, service, owner: Callable[[], str], clock: Callable[[], float] = time.monotonic):
+        self.service, self.owner, self.clock = service, owner, clock
+        self.open_sessions: dict[str, DecodeSession] = {}
+        self._videos: dict[str, _Video] = {}
+        self._gone: collections.OrderedDict[str, tuple[int, int, str]] = collections.OrderedDict()
+        self._sweeper: asyncio.Task | None = None
+        self.opened = self.expired = self.chunks = 0
+        self.chunk_ms: collections.deque[float] = collections.deque(maxlen=256)
+
+    @property
+    def engine(self):
+        return self.service.engine
+
+    @property
+    def idle_timeout_s(self) -> float:
+        return self.service.config.sessions.idle_timeout_s
+
+    def budget(self) -> int:
+        limits = self.service.config.limits
+        return limits.max_session_bytes or self.engine.cost.bound(limits) // 2
+
+    @property
+    def held_bytes(self) -> int:
+        return sum(s.held_price for s in self.open_sessions.values())
+
+    # ---- open ------------------------------------------------------------------------------
+    def open(self, settings: SessionOpen) -> DecodeSession:
+        """A new session on this replica, or the error naming why not (nothing is held then)."""
+        self.sweep()
+        limits, retry_after = self.service.config.limits, self.service.config.serving.retry_after_s
+        if limits.max_sessions == 0:
+            raise LimitExceeded("session", "this deployment opens no decode sessions (limits.max_sessions is 0)")
+        session_id = f"{self.owner()}.{uuid.uuid4().hex}"  # the owner: the session router's affinity key
+        session = self.engine.open_session(session_id, settings, limits)
+        budget, held = self.budget(), self.held_bytes
+        if session.held_price > budget:
+            raise LimitExceeded(
+                "height",
+                f"a session at {settings.height}x{settings.width} holds about {session.held_price} bytes of causal "
+                f"cache, over the sessions' budget of {budget} (limits.max_session_bytes): open a smaller one",
+            )
+        if len(self.open_sessions) >= limits.max_sessions or held + session.held_price > budget:
+            raise Overloaded(
+                "session",
+                f"{len(self.open_sessions)} sessions hold {held} of {budget} bytes (limits.max_session_bytes, "
+                f"max_sessions {limits.max_sessions}); retry when one closes",
+                retry_after,
+            )
+        self.open_sessions[session_id] = session
+        if session.settings.output in VIDEO_OUTPUTS:
+            self._videos[session_id] = _Video(session.settings.output, self.service.encoders)
+        self.opened += 1
+        self._ensure_sweeper()
+        return session
+
+    def describe_session(self, session: DecodeSession) -> dict:
+        engine = self.engine
+        return {
+            "session": session.id,
+            "model": engine.spec.name,
+            "quality": session.quality,
+            "precision": session.precision,
+            "output": session.settings.output,
+            "held_bytes": session.held_price,
+            "idle_timeout_s": self.idle_timeout_s,
+            "max_chunk_latent_frames": self.service.config.limits.max_session_chunk_frames,
+            "latent_channels": engine.spec.latent_channels,
+            "spatial_scale": engine.spec.spatial_scale,
+            "request_id": session.settings.request_id,
+        }
+
+    # ---- chunks ----------------------------------------------------------------------------
+    def session(self, session_id: str) -> DecodeSession:
+        """The open session of that id; SessionExpired where it was closed or expired here,
+        SessionLost where this replica never had it (the replica that did is gone)."""
+        self.sweep()
+        session = self.open_sessions.get(session_id)
+        if session is not None:
+            return session
+        gone = self._gone.get(session_id)
+        if gone is not None:
+            frames, latent_frames, why = gone
+            raise SessionExpired(
+                "session",
+                f"{why}: it had decoded {frames} frames ({latent_frames} latent frames); open a new session "
+                "and send its latents again",
+                frames,
+                latent_frames,
+            )
+        raise SessionLost(
+            "session", f"no session {session_id!r} here: the replica that held it is gone; resume in a new session"
+        )
+
+    async def chunk(self, session_id: str, request: DecodeRequest, latent_frame: int | None = None) -> ChunkAnswer:
+        """Decode the session's next chunk: checked (InvalidInput naming the field: the session is
+        untouched), queued in the batcher under its own deadline, encoded where the output is a video."""
+        session = self.session(session_id)
+        if session.busy:
+            raise InvalidInput("latent_frame", "this session's previous chunk is still decoding: send one at a time")
+        if latent_frame is not None and latent_frame != session.latent_frames:
+            raise InvalidInput(
+                "latent_frame",
+                f"out of order: the session has decoded {session.latent_frames} latent frames, this chunk says it "
+                f"starts at {latent_frame}",
+            )
+        session.busy, arrived = True, time.perf_counter()
+        try:
+            context = self.service.admit()
+            chunk = await asyncio.to_thread(self.engine.check_chunk, session, request, context)
+            frames = await self.service.submit_prepared(chunk, context)
+            queue_ms = max(0.0, (time.perf_counter() - arrived) * 1e3 - frames.decode_ms)
+            fragments, encode_ms = (), 0.0
+            video = self._videos.get(session_id)
+            if video is not None:
+                start = time.perf_counter()
+                counts = self._fragment_frames(frames.latent_frame, chunk.prepared.latent_frames)
+                fragments = tuple(await video.fragments(frames, counts, context))
+                encode_ms = (time.perf_counter() - start) * 1e3
+            self.chunks += 1
+            self.chunk_ms.append((time.perf_counter() - arrived) * 1e3)
+            return ChunkAnswer(frames, fragments, encode_ms, queue_ms)
+        finally:
+            session.busy, session.last_used = False, self.clock()
+
+    def _fragment_frames(self, first_latent: int, latent_frames: int) -> list[int]:
+        """Frames per fragment of a chunk: one latent frame's each (the first latent frame of a clip
+        gives the law's offset fewer), as a whole answer's fragments (engine/media/encoding.py)."""
+        a, b = self.engine.spec.geometry.frames.law
+        return [a + (b if first_latent + i == 0 else 0) for i in range(latent_frames)]
+
+    # ---- close and expiry ------------------------------------------------------------------
+    def close(self, session_id: str, why: str = "the session was closed") -> dict | None:
+        """Free the session at once (closed or disconnected); its summary, None if it was not open."""
+        session = self.open_sessions.pop(session_id, None)
+        if session is None:
+            return None
+        session.closed = True
+        video = self._videos.pop(session_id, None)
+        if video is not None:
+            video.close()
+        self._gone[session_id] = (session.frames, session.latent_frames, why)
+        while len(self._gone) > EXPIRED_KEPT:
+            self._gone.popitem(last=False)
+        return {"frames": session.frames, "latent_frames": session.latent_frames}
+
+    def sweep(self) -> None:
+        """Free every session idle past the timeout (not one whose chunk is running)."""
+        now, timeout = self.clock(), self.idle_timeout_s
+        idle = [s.id for s in self.open_sessions.values() if not s.busy and now - s.last_used > timeout]
+        for session_id in idle:
+            self.close(session_id, f"the session expired after {timeout:g} s without a chunk (sessions.idle_timeout_s)")
+            self.expired += 1
+
+    def _ensure_sweeper(self) -> None:
+        if self._sweeper is None or self._sweeper.done():
+            self._sweeper = asyncio.get_running_loop().create_task(self._sweep_forever())
+
+    async def _sweep_forever(self) -> None:
+        while self.open_sessions:
+            await asyncio.sleep(min(SWEEP_EVERY_S, self.idle_timeout_s / 2))
+            self.sweep()
+
+    def close_all(self) -> None:
+        for session_id in list(self.open_sessions):
+            self.close(session_id, "the replica shut down")
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+
+    def describe(self) -> dict:
+        ms = sorted(self.chunk_ms)
+        return {
+            "open": len(self.open_sessions),
+            "held_bytes": self.held_bytes,
+            "budget_bytes": self.budget(),
+            "opened": self.opened,
+            "expired": self.expired,
+            "chunks": self.chunks,
+            "chunk_ms_p50": round(ms[len(ms) // 2], 3) if ms else None,
+            "unsupported_because": self.engine.sessions_unsupported_because(),
+        }
