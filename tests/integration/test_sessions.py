@@ -10,6 +10,8 @@ session, and a killed replica answering `session_lost`."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 import time
 
 import httpx
@@ -20,7 +22,9 @@ import ray
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
+from tests.browser import avc1_codecs, browser_page, require_chromium
 from tests.integration.conftest import TEST_DEPLOYMENT
+from vae_service.config import Encoding
 from vae_service_client import VaeClient
 from vae_service_client.messages import latents_map, pack
 from vae_service_client.tensors import decode_tensor
@@ -276,3 +280,46 @@ def test_the_ray_actor_decodes_a_session(ray_cluster, wan_dir):
         assert ray.get(actor.close_session.remote(sid)) == {"frames": 9, "latent_frames": 3}
     finally:
         ray.kill(actor)
+
+
+@pytest.mark.parametrize("output", ["mp4", "webm"])
+def test_a_browser_plays_a_session_while_its_chunks_are_still_being_sent(sessions_app, output):
+    """Chromium's MediaSource gets the session's fragments as each chunk is decoded; the relay holds
+    the rest after the first fragment until the browser buffered it, and only then is the next chunk
+    sent: the browser played frames of a session whose later latents did not exist yet."""
+    require_chromium()
+    latent_frames = 4
+    z = latents(latent_frames, seed=9)
+    sent = []
+
+    def fragments(ws):
+        for k in range(latent_frames):
+            sent.append(time.monotonic())
+            messages, done = chunk_answer(ws, z[:, :, k : k + 1], k)
+            assert "chunk_done" in done, done
+            yield from (m["fragment"] for m in messages)
+        send(ws, "close", {})
+        closed = receive(ws)["closed"]
+        yield closed["trailer"]  # the closing box (element) holding the summary, as a streamed answer ends
+
+    @contextlib.contextmanager
+    def source():
+        with connect(ws_url(sessions_app)) as ws:
+            send(ws, "open", {"height": H, "width": W, "output": output})
+            receive(ws)
+            media = fragments(ws)
+            first = next(media)
+            codecs = avc1_codecs(first) if output == "mp4" else "vp9"
+            yield f'video/{output}; codecs="{codecs}"', itertools.chain([first], media)
+
+    with browser_page(source) as page:
+        assert page.wait_for("type")["supported"], page.explain()
+        buffered = page.wait_for("buffered", timeout=60)
+        ended = page.wait_for("ended", timeout=60)
+        assert page.find("failure") is None, page.explain()
+        relay = page.relay
+    fps = Encoding().mp4_fps  # mp4 and webm alike
+    assert buffered["open"], page.explain()
+    assert relay.held_at <= buffered["received_at"] <= relay.released_at, page.explain()
+    assert len(sent) == latent_frames and sent[1] >= relay.released_at - 1.0  # chunk 2 went after the hold
+    assert abs(ended["duration"] - (1 + 4 * (latent_frames - 1)) / fps) < 0.5 / fps, page.explain()

@@ -11,10 +11,12 @@ from vae_service.engine.request.session import SessionOpen
 from vae_service.protocol.errors import WireErrorInfo
 from vae_service.protocol.msgpack_body import unpack_body
 from vae_service.protocol.requests import engine_fields
+from vae_service.protocol.responses import TRAILERS
 from vae_service.protocol.tensors import to_numpy, to_torch
 from vae_service_client.errors import did_you_mean
 from vae_service_client.frames import frames_message
 from vae_service_client.messages import LATENT_DTYPES, decode_tensor
+from vae_service_client.mp4 import DONE_TAG
 
 OPEN_KEYS = (
     "height",
@@ -89,6 +91,15 @@ def _latent_frame(value: object) -> int | None:
 
 def opened_message(summary: dict) -> dict:
     return {"opened": summary}
+
+
+def closed_message(summary: dict, output: str) -> dict:
+    """The answer to `close`; an mp4/webm session's also carries the file's closing box (element),
+    `trailer`, holding the summary as a streamed /decode answer's does: appended after the
+    fragments, the file ends as a streamed answer ends."""
+    if output in TRAILERS:
+        return {"closed": {**summary, "trailer": TRAILERS[output](DONE_TAG, summary)}}
+    return {"closed": summary}
 
 
 def frames_of(chunk, wire: bool = True) -> dict:

@@ -20,6 +20,7 @@ from vae_service.protocol.requests import call_latents
 from vae_service.protocol.sessions import (
     chunk_of,
     chunk_request,
+    closed_message,
     error_message,
     fragment_message,
     frames_of,
@@ -57,7 +58,7 @@ async def serve_session(service: DecodeService, admission: Admission, ws: WebSoc
                 kind, fields = parse_message(body, service.config.limits.max_request_bytes)
                 if kind == "close":
                     summary = service.sessions.close(session_id)
-                    await _send(ws, {"closed": summary})
+                    await _send(ws, closed_message(summary, session.settings.output))
                     await ws.close(NORMAL)
                     return
                 if kind == "open":
