@@ -308,6 +308,8 @@ class DecodeEngine:
         if settings.quality == "preview":
             raise InvalidInput("quality", "sessions decode 'lossless' or 'high' (a preview has no causal state)")
         held = self.cost.tiers[settings.quality].resident(1, settings.height, settings.width)
+        if self.fallback.enabled:  # it may go on at fp32: the fp32 cache is what it may come to hold
+            held = max(held, self.cost.fallback.tiers["lossless"].resident(1, settings.height, settings.width))
         probe = self._chunk_request(settings, limits.max_session_chunk_frames)
         self.cost.check_limits(probe.latents, limits, self._chunk_frames(1, limits.max_session_chunk_frames))
         peak = self.cost.peak(probe, settings.quality)
@@ -369,7 +371,7 @@ class DecodeEngine:
         or its error (DecodeFailed, the timeout of one nobody waits for) in its place."""
         call = DecodeCall([c.context for c in chunks], self.fingerprint, abandoned)
         with torch.inference_mode(), self.runtime.gate(chunks[0].session.quality), call.running():
-            return decode_session_chunks(self.runtime, chunks, call)
+            return decode_session_chunks(self.runtime, chunks, call, self.fallback)
 
     # ---- tiles of other replicas' requests -----------------------------------------------
     def decodes_otherwise(self, fingerprint: str) -> str | None:

@@ -57,6 +57,7 @@ class ChunkAnswer:
             "latent_frames": session.latent_frames,
             "frames": session.frames,
             "precision": f.precision,
+            **({"fallback_from_frame": f.fallback_from_frame} if f.fallback_from_frame is not None else {}),
             "timing": {
                 "queue_ms": round(self.queue_ms, 3),
                 "decode_ms": round(f.decode_ms, 3),

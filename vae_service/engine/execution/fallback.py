@@ -32,6 +32,7 @@ from vae_service.config import ServiceConfig
 from vae_service.engine.execution.call import DecodeCall, checked_chunks, checkpoint_hook
 from vae_service.engine.request.latents import LatentScaling, PreparedRequest
 from vae_service.engine.runtime.runtime import Runtime
+from vae_service.engine.runtime.wan_walk import Walk
 from vae_service.models.diffusers_tiling import tiled_view
 
 FALLBACK_PRECISION = "fp32"
@@ -107,6 +108,25 @@ class Fp32Fallback:
                 yield fp32.each_alone(view, z, timestep)
                 return
             yield from checked_chunks(fp32.chunks("lossless", timestep)(z))
+
+    def session_runtime(self) -> Runtime:
+        """The fp32 copy, for a decode session that fell back (engine/execution/session.py)."""
+        return self._runtime()
+
+    def session_walk(self, walk: Walk) -> Walk:
+        """A session's walk continued at fp32: its causal cache (finite: the chunks before decoded
+        finite) cast to fp32, on the fp32 copy's modules of the same names. The frames it gives are
+        fp32 decodes of the session's next latents from that cache: not any single decode's bits,
+        which would need every latent since the first again."""
+        fp32 = self._runtime()
+        own = {m: name for name, m in walk.d.named_modules()}
+        theirs = dict(fp32.vae.decoder.named_modules())
+        moved = walk.fork()
+        moved.d, moved.options, moved.folded = fp32.vae.decoder, fp32.walks["lossless"], fp32.fast_path.folded
+        moved.format = torch.contiguous_format
+        moved.history = {theirs[own[conv]]: t.float().contiguous() for conv, t in walk.history.items()}
+        moved.started_upsamplers = {theirs[own[m]] for m in walk.started_upsamplers}
+        return moved
 
     def release(self) -> int:
         """Drop the fp32 copy (loaded again by the next item that needs it); bytes freed."""

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from vae_service.engine.execution.call import DecodeCall, checked_chunks
+from vae_service.engine.execution.fallback import FALLBACK_PRECISION, Fp32Fallback
 from vae_service.engine.execution.video import NON_FINITE
 from vae_service.engine.media.postprocess import convert, to_host
 from vae_service.engine.request.errors import DecodeAbandoned, DecodeFailed, DecodeTimeout
@@ -48,6 +49,7 @@ class DecodeSession:
     last_used: float = field(default_factory=time.monotonic)
     busy: bool = False  # a chunk of it is queued or decoding: the next waits (chunks are in order)
     closed: bool = False
+    fallback_from_frame: int | None = None  # its first frame decoded at fp32, once it fell back
 
     @property
     def quality(self) -> str:
@@ -78,8 +80,8 @@ class SessionChunk:
     @property
     def batch_key(self) -> tuple:
         """Sessions share a decoder call only at one tier, size, chunk length and walk phase."""
-        z = self.prepared.latents
-        return ("session", self.session.quality, tuple(z.shape[1:]), z.dtype, self.session.walk.phase)
+        z, session = self.prepared.latents, self.session
+        return ("session", session.quality, session.precision, tuple(z.shape[1:]), z.dtype, session.walk.phase)
 
 
 @dataclass(frozen=True)
@@ -93,6 +95,7 @@ class ChunkFrames:
     precision: str
     decode_ms: float
     batch_size: int
+    fallback_from_frame: int | None = None  # the session's first fp32 frame, once it fell back
 
     @property
     def frames(self) -> int:
@@ -100,11 +103,15 @@ class ChunkFrames:
 
 
 def decode_session_chunks(
-    runtime: Runtime, chunks: list[SessionChunk], call: DecodeCall
+    runtime: Runtime, chunks: list[SessionChunk], call: DecodeCall, fallback: Fp32Fallback | None = None
 ) -> list[ChunkFrames | Exception]:
-    """One batch of session chunks (one batch key): `high` stacked in one walk, `lossless` each alone.
-    The caller holds the tier's gate and inference mode, and `call.running()`."""
+    """One batch of session chunks (one batch key): `high` stacked in one walk, `lossless` each alone,
+    on the fp32 copy for sessions that fell back. The caller holds the tier's gate and inference mode,
+    and `call.running()`. `fallback`: where a chunk's frames overflow fp16/bf16, the session goes on
+    at fp32 from that chunk (None: the chunk fails, the session stays where it was)."""
     start = time.perf_counter()
+    if chunks[0].session.fallback_from_frame is not None:
+        runtime = fallback.session_runtime()
     together = chunks[0].session.quality == "high"
     groups = [list(range(len(chunks)))] if together else [[i] for i in range(len(chunks))]
     answers: list = [None] * len(chunks)
@@ -125,8 +132,24 @@ def decode_session_chunks(
                 answers[i] = call.ended_error(i)
     ms = (time.perf_counter() - start) * 1e3
     for i, (walk, pixels) in decoded.items():
+        if not bool(torch.isfinite(pixels).all()) and fallback is not None and fallback.enabled:
+            walk, pixels = _at_fp32(fallback, chunks[i], call)
         answers[i] = _commit(runtime, chunks[i], walk, pixels, ms, len(chunks))
     return answers
+
+
+def _at_fp32(fallback: Fp32Fallback, chunk: SessionChunk, call: DecodeCall) -> tuple[Walk, torch.Tensor]:
+    """The chunk decoded again at fp32 from its session's cache before it (engine/execution/fallback.py's
+    session_walk); the session goes on at fp32 once it is finite."""
+    fp32, session = fallback.session_runtime(), chunk.session
+    walk = fallback.session_walk(session.walk)
+    z = fallback.latents(chunk.prepared)
+    with fp32.gate("lossless"):
+        pixels = torch.cat(list(checked_chunks(walk_on(fp32.vae, walk, z), call.checkpoint)), 2)
+    if bool(torch.isfinite(pixels).all()):
+        session.precision, session.fallback_from_frame = FALLBACK_PRECISION, chunk.first_frame
+        fallback.items += 1
+    return walk, pixels
 
 
 def _walk_group(runtime: Runtime, group: list[SessionChunk], call: DecodeCall) -> list[tuple[Walk, torch.Tensor]]:
@@ -154,4 +177,4 @@ def _commit(
     session.frames += pixels.shape[2]
     session.chunks += 1
     out = to_host(convert(pixels, session.settings.output, runtime.spec.entry.pixels))
-    return ChunkFrames(out, chunk.first_frame, latent_frame, session.precision, ms, batch)
+    return ChunkFrames(out, chunk.first_frame, latent_frame, session.precision, ms, batch, session.fallback_from_frame)
