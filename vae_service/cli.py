@@ -420,6 +420,8 @@ def cmd_decode(args: argparse.Namespace) -> None:
     start = time.perf_counter()
     with VaeClient(args.url, token=os.environ.get("VAE_SERVICE_AUTH_TOKEN")) as client:
         try:
+            if args.chunks is not None:
+                return _decode_session(client, latents, args.chunks, args.quality, fmt, out, stem, start)
             if args.stream and fmt in VIDEO_OUTPUTS:
                 return _write_streamed_video(client, latents, args.quality, out / f"{stem}.{fmt}", start)
             if args.stream:
@@ -458,17 +460,13 @@ def _write_streamed_video(client, latents, quality: str, path: Path, start: floa
 def _write_streamed_frames(stream, out: Path, item_stems: list[str], start: float) -> None:
     """Each frame as a PNG the moment its chunk arrives ({item stem}-frame0000.png), and a line
     per chunk: a long clip's frames arrive over minutes."""
-    from PIL import Image
-
     written = 0
     for chunk in stream:
         if not written:
             print(f"first frames after {time.perf_counter() - start:.2f} s", flush=True)
         items, frames = chunk.pixels.shape[0], chunk.pixels.shape[chunk.frame_axis]
         for i, item in enumerate(chunk.pixels):
-            for t, frame in enumerate(item):
-                Image.fromarray(frame).save(out / f"{item_stems[chunk.item + i]}-frame{chunk.frame + t:04d}.png")
-                written += 1
+            written += _write_frame_pngs(item, out, item_stems[chunk.item + i], chunk.frame)
         which = f"item {chunk.item}" if items == 1 else f"items {chunk.item}-{chunk.item + items - 1}"
         print(
             f"{which}: frames {chunk.frame}-{chunk.frame + frames - 1} after {time.perf_counter() - start:.2f} s "
@@ -479,6 +477,50 @@ def _write_streamed_frames(stream, out: Path, item_stems: list[str], start: floa
     print(
         f"wrote {written} streamed frame(s) to {out}/ in {time.perf_counter() - start:.2f} s "
         f"(model {summary.model}, {summary.quality}, {summary.precision}, timing {summary.timing})"
+    )
+
+
+def _write_frame_pngs(frames, out: Path, item_stem: str, first: int) -> int:
+    """One item's uint8 frames [t, H, W, 3] as {item stem}-frame{first + i:04d}.png; how many."""
+    from PIL import Image
+
+    for t, frame in enumerate(frames):
+        Image.fromarray(frame).save(out / f"{item_stem}-frame{first + t:04d}.png")
+    return len(frames)
+
+
+def _decode_session(client, latents, chunks: int, quality: str, fmt: str, out: Path, stem: str, start: float) -> None:
+    """`--chunks N`: a video latent [1, C, T, H, W] sent as chunks of N latent frames through a decode
+    session, as a denoiser sends its chunks; each chunk's frames written as PNGs as it is answered (as
+    --stream names them), or the mp4/webm file appended to, and a line per chunk."""
+    from vae_service_client.sessions import chunks_of
+
+    parts = list(chunks_of(latents, chunks))  # views; refused here (nothing sent) unless [1, C, T, H, W]
+    path = out / f"{stem}.{fmt}" if fmt in VIDEO_OUTPUTS else None
+    output = fmt if path else "uint8"
+    item_stem = _item_stems(stem, 1)[0]
+    dtype = str(latents.dtype).removeprefix("torch.")
+    written, part = 0, None
+    with client.session(latents.shape[3], latents.shape[4], quality, output, dtype, path=path) as session:
+        for chunk in parts:
+            sent = time.perf_counter()
+            part = session.decode(chunk)
+            ms = (time.perf_counter() - sent) * 1e3
+            if part.pixels is not None:
+                written += _write_frame_pngs(part.pixels[0], out, item_stem, part.frame)
+            what = f"{len(part.fragment or b'')} bytes appended to {path}" if path else f"{written} frame(s) written"
+            print(
+                f"latent frames {part.latent_frame}-{part.latent_frame + part.latent_frames - 1}: frames "
+                f"{part.frame}-{part.frame + part.frames - 1} in {ms:.0f} ms (server decode "
+                f"{part.timing.get('decode_ms', 0):.0f} ms; {what})",
+                flush=True,
+            )
+        frames, latent_frames, opened = session.frames, session.latent_frames, session.opened
+    where = f"{path} as it decoded" if path else f"{written} frame(s) to {out}/"
+    print(
+        f"wrote {where}: {frames} frames of {latent_frames} latent frames in {len(parts)} chunk(s), in "
+        f"{time.perf_counter() - start:.2f} s (model {opened.get('model')}, {opened.get('quality')}, "
+        f"{part.precision if part else opened.get('precision')})"
     )
 
 
@@ -654,6 +696,14 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="video models: write each frame as a PNG as soon as it is decoded (with --video or --format "
         "mp4/webm: one video, written as it decodes)",
+    )
+    dec.add_argument(
+        "--chunks",
+        type=int,
+        metavar="N",
+        help="video models: send the latents [1, C, T, H, W] as chunks of N latent frames through a decode "
+        "session (WebSocket /sessions), as a denoiser sends them, writing each chunk's frames as PNGs as it is "
+        "answered (with --video or --format mp4/webm: one video file, growing by each chunk); a line per chunk",
     )
     dec.add_argument("--height", type=int, help="pixel height, for packed latents")
     dec.add_argument("--width", type=int, help="pixel width, for packed latents")

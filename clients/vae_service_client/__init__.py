@@ -1,6 +1,7 @@
-"""Python clients for vae-service: HTTP and gRPC, sync and async, and the wire codec they share
-with the server. Depends on numpy, msgpack, httpx, grpcio and protobuf only; torch tensors are
-accepted when torch is installed. The gRPC clients load grpc on first use."""
+"""Python clients for vae-service: HTTP (and decode sessions over its WebSocket) and gRPC, sync
+and async, and the wire codec they share with the server. Depends on numpy, msgpack, httpx,
+websockets, grpcio and protobuf only; torch tensors are accepted when torch is installed. The gRPC
+clients load grpc on first use."""
 
 from vae_service_client.errors import (
     DecodeTimeout,
@@ -17,6 +18,7 @@ from vae_service_client.errors import (
 )
 from vae_service_client.http_client import AsyncVaeClient, VaeClient
 from vae_service_client.messages import UNSET, DecodeResponse
+from vae_service_client.sessions import AsyncDecodeSession, DecodeSession, SessionChunk
 
 _GRPC = ("AsyncVaeGrpcClient", "VaeGrpcClient")
 
@@ -31,15 +33,18 @@ def __getattr__(name: str):
 
 __all__ = [
     "UNSET",
+    "AsyncDecodeSession",
     "AsyncVaeClient",
     "AsyncVaeGrpcClient",
     "DecodeResponse",
+    "DecodeSession",
     "DecodeTimeout",
     "InvalidRequest",
     "Overloaded",
     "PayloadTooLarge",
     "ServerError",
     "ServiceUnreachable",
+    "SessionChunk",
     "SessionExpired",
     "SessionLost",
     "Unauthenticated",

@@ -89,6 +89,17 @@ def latents(t: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal((1, C, t, H, W)).astype(np.float32)
 
 
+def kill_owner(session_id: str) -> None:
+    """Kills the replica holding a session (its id begins with the replica's): Serve starts another."""
+    owner = session_id.split(".", 1)[0]
+    killed = 0
+    for actor in ray.util.list_named_actors(all_namespaces=True):
+        if actor["name"].startswith("SERVE_REPLICA::sessions#") and actor["name"].endswith(owner):
+            ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]), no_restart=True)
+            killed += 1
+    assert killed == 1, session_id
+
+
 @pytest.mark.parametrize("chunking", [[1, 1, 1, 1, 1], [2, 3], [4, 1], [1, 4]], ids=str)
 def test_chunks_joined_are_the_whole_decode_bit_for_bit_with_frames_after_each_chunk(sessions_app, chunking):
     z = latents(sum(chunking), seed=len(chunking))
@@ -250,10 +261,7 @@ def test_handles_pin_a_session_to_its_replica_and_a_killed_replica_answers_sessi
         assert answer["frame"] == sum(f.shape[1] for f in frames)
         frames.append(answer["pixels"])
     np.testing.assert_array_equal(np.concatenate(frames, axis=1), whole_answer(sessions_app, z))
-    owner = sid.split(".", 1)[0]
-    for actor in ray.util.list_named_actors(all_namespaces=True):
-        if actor["name"].startswith("SERVE_REPLICA::sessions#") and actor["name"].endswith(owner):
-            ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]), no_restart=True)
+    kill_owner(sid)
     deadline = time.monotonic() + 30
     while True:
         try:
@@ -323,3 +331,97 @@ def test_a_browser_plays_a_session_while_its_chunks_are_still_being_sent(session
     assert relay.held_at <= buffered["received_at"] <= relay.released_at, page.explain()
     assert len(sent) == latent_frames and sent[1] >= relay.released_at - 1.0  # chunk 2 went after the hold
     assert abs(ended["duration"] - (1 + 4 * (latent_frames - 1)) / fps) < 0.5 / fps, page.explain()
+
+
+# ---- the client library (vae_service_client: VaeClient.session, AsyncVaeClient.session) ---------
+def test_the_client_decodes_a_session_chunk_by_chunk_exactly(sessions_app, tmp_path):
+    """Sync: frames after every chunk, joined = the whole answer bit for bit; mp4 with `path`: the
+    file grows by each chunk's fragment, the joined fragments are the file."""
+    z = latents(5, seed=31)
+    with VaeClient(sessions_app).session(H, W) as session:
+        parts = [session.decode(z[:, :, a:b]) for a, b in ((0, 1), (1, 3), (3, 5))]
+        assert [p.frame for p in parts] == [0, 1, 9] and [p.frames for p in parts] == [1, 8, 8]
+        assert session.frames == 17 and session.latent_frames == 5 and session.session_id
+    assert session.closed == {"frames": 17, "latent_frames": 5}
+    np.testing.assert_array_equal(np.concatenate([p.pixels for p in parts], axis=1), whole_answer(sessions_app, z))
+    path, sizes = tmp_path / "session.mp4", []
+    with VaeClient(sessions_app).session(H, W, output="mp4", path=path) as session:
+        for part in session.iter_decode([z[:, :, :2], z[:, :, 2:]]):
+            assert part.pixels is None and part.fragment
+            sizes.append(path.stat().st_size)
+    assert sizes[0] < sizes[1] == path.stat().st_size
+
+
+def test_the_async_client_decodes_a_session_exactly(sessions_app):
+    from vae_service_client import AsyncVaeClient
+
+    z = latents(4, seed=32)
+
+    async def run():
+        async with AsyncVaeClient(sessions_app) as client, client.session(H, W, output="float") as session:
+            return [part.pixels async for part in session.iter_decode(z[:, :, k : k + 1] for k in range(4))]
+
+    parts = asyncio.run(run())
+    np.testing.assert_array_equal(np.concatenate(parts, axis=2), whole_answer(sessions_app, z, output="float"))
+
+
+def test_a_lost_session_resumes_in_the_client_with_the_same_frames(sessions_app):
+    """The replica holding the session killed between chunks: with resume=True the next chunk's
+    answer continues the frames (the kept latents replayed on another replica, their frames not
+    handed out again); without it, SessionLost names the last frame received."""
+    from vae_service_client import SessionLost
+
+    z = latents(5, seed=33)
+    with VaeClient(sessions_app).session(H, W, resume=True) as session:
+        first = session.decode(z[:, :, :2])
+        lost_id = session.session_id
+        kill_owner(lost_id)
+        rest = [session.decode(z[:, :, 2:4]), session.decode(z[:, :, 4:])]
+        assert session.resumes == 1 and session.session_id != lost_id
+        assert session.kept_bytes >= z[:, :, :4].nbytes
+    assert [p.frame for p in (first, *rest)] == [0, 5, 13]
+    joined = np.concatenate([p.pixels for p in (first, *rest)], axis=1)
+    np.testing.assert_array_equal(joined, whole_answer(sessions_app, z))
+    with VaeClient(sessions_app).session(H, W) as session:
+        session.decode(z[:, :, :1])
+        kill_owner(session.session_id)
+        with pytest.raises(SessionLost, match="after frame 0"):
+            session.decode(z[:, :, 1:2])
+
+
+def test_an_expired_session_raises_or_resumes_in_the_client(sessions_app):
+    from vae_service_client import SessionExpired
+
+    z = latents(2, seed=34)
+    with VaeClient(sessions_app).session(H, W, output="float", resume=True) as session:
+        first = session.decode(z[:, :, :1])
+        time.sleep(3.0)  # idle_timeout_s 1.5
+        second = session.decode(z[:, :, 1:])
+        assert session.resumes == 1
+    joined = np.concatenate([first.pixels, second.pixels], axis=2)
+    np.testing.assert_array_equal(joined, whole_answer(sessions_app, z, output="float"))
+    with pytest.raises(SessionExpired, match="1 frames"), VaeClient(sessions_app).session(H, W) as session:
+        session.decode(z[:, :, :1])
+        time.sleep(3.0)
+        session.decode(z[:, :, 1:])
+
+
+def test_the_cli_replays_a_latent_file_as_session_chunks(sessions_app, tmp_path):
+    import subprocess
+    import sys
+
+    from PIL import Image
+
+    z = latents(3, seed=35)
+    np.save(tmp_path / "clip.npy", z)
+    out = tmp_path / "out"
+    done = subprocess.run(
+        [sys.executable, "-m", "vae_service.cli", "decode", str(tmp_path / "clip.npy"), "--chunks", "2",
+         "--url", sessions_app, "--out", str(out)],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "latent frames 0-1: frames 0-4" in done.stdout and "latent frames 2-2: frames 5-8" in done.stdout
+    pngs = sorted(out.glob("clip-frame*.png"))
+    frames = np.stack([np.asarray(Image.open(p)) for p in pngs])
+    np.testing.assert_array_equal(frames, whole_answer(sessions_app, z)[0])

@@ -342,9 +342,9 @@ class DecodeEngine:
         beside the layout change: layout, the session's size, the chunk bound, pixels and FLOPs, the
         chunk's price, NaN/Inf. Raises InvalidInput naming the field; the session is untouched."""
         settings, limits = session.settings, context.limits
+        if request.latents.dim() != 5 or request.latents.shape[0] != 1:  # an image's [1, C, H, W] too: a lost axis
+            raise InvalidInput("latents", f"a session's chunk is [1, C, t, H, W], got {list(request.latents.shape)}")
         z, form, timestep = decoder_latents(request, self.spec)
-        if z.dim() != 5 or z.shape[0] != 1:
-            raise InvalidInput("latents", f"a session's chunk is [1, C, t, H, W], got {list(z.shape)}")
         if tuple(z.shape[-2:]) != (settings.height, settings.width):
             field = "height" if z.shape[-2] != settings.height else "width"
             raise InvalidInput(
@@ -365,6 +365,30 @@ class DecodeEngine:
         chunk_request = replace(request, quality=settings.quality, output=settings.output)
         prepared = PreparedRequest(chunk_request, z, frames, form, timestep, context)
         return SessionChunk(session, prepared, session.frames)
+
+    def session_chunk_peak(self, chunks: list[SessionChunk]) -> int:
+        """Estimated peak of decoding these chunks in one batch (engine/execution/session.py): `high`
+        stacked, its batch's tier price with every session's history copied out after it (`split`);
+        `lossless` one at a time, the largest chunk's price beside the answers of the others. Each
+        chunk also holds its latents' normalisation temporary and post-quant output; a session that
+        may fall back, the fp32 decode of its chunk instead."""
+        cost, first = self.cost, chunks[0]
+        quality, n = first.session.quality, len(chunks)
+        extra = [2 * cost.latent_bytes(c.prepared) + cost.latents_held(c.prepared) for c in chunks]
+        if quality == "high" and n > 1:
+            stacked = replace(
+                first.prepared, latents=first.prepared.latents.expand(n, *first.prepared.latents.shape[1:])
+            )
+            h, w = first.prepared.latent_hw
+            price = cost.peak(stacked, quality) + n * cost.tiers[quality].resident(1, h, w) + sum(extra)
+        else:
+            peaks = [cost.peak(c.prepared, quality) + e for c, e in zip(chunks, extra, strict=True)]
+            kept = [cost.answer_bytes(c.prepared) + cost.latents_held(c.prepared) for c in chunks]
+            price = max(p + sum(kept) - k for p, k in zip(peaks, kept, strict=True))
+        if self.fallback.enabled:
+            fp32 = max(cost.fallback_peak(c.prepared, False) + e for c, e in zip(chunks, extra, strict=True))
+            price = max(price, fp32 + sum(cost.answer_bytes(c.prepared) for c in chunks))
+        return price
 
     def decode_session_chunks(self, chunks: list[SessionChunk], abandoned: threading.Event | None = None) -> list:
         """One batch of session chunks (one batch key), on the device thread: a ChunkFrames per chunk,

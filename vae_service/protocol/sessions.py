@@ -28,6 +28,7 @@ OPEN_KEYS = (
     "shift_factor",
     "model",
     "request_id",
+    "clip_latent_frames",
 )
 CHUNK_KEYS = ("latents", "latent_frame")
 MESSAGES = ("open", "chunk", "close")

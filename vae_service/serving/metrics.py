@@ -9,6 +9,7 @@ from functools import lru_cache
 
 from ray.serve.metrics import Counter, Gauge, Histogram
 
+from vae_service.engine.execution.session import SessionBatchKey
 from vae_service.engine.request.decode_request import QUALITIES
 from vae_service.protocol.errors import error_type
 from vae_service.serving.batcher import BatchStats, KeyedBatcher
@@ -53,6 +54,19 @@ def _metrics() -> dict:
             description="items decoded again in fp32: their fp16/bf16 output was not finite (precision_fallback)",
             tag_keys=("model",),
         ),
+        "sessions": Gauge("vae_sessions_open", description="decode sessions open", tag_keys=("model",)),
+        "session_bytes": Gauge(
+            "vae_session_held_bytes", description="causal caches held by open sessions (priced)", tag_keys=("model",)
+        ),
+        "session_expiries": Counter(
+            "vae_session_expiries", description="decode sessions freed for being idle", tag_keys=("model",)
+        ),
+        "chunk": Histogram(
+            "vae_session_chunk_ms",
+            description="decoder call time per batch of sessions' chunks, per tier",
+            boundaries=_LATENCY_MS_BOUNDARIES,
+            tag_keys=("model", "tier"),
+        ),
         "first_frames": Histogram(
             "vae_stream_first_frames_ms",
             description="streamed requests: arrival to the first frames handed over, per tier",
@@ -66,7 +80,18 @@ def report_batch(model: str, stats: BatchStats) -> None:
     tier = stats.key.quality
     m = _metrics()
     m["batch"].observe(stats.items, tags={"model": model, "tier": tier})
-    m["latency"].observe(stats.run_s * 1e3, tags={"model": model, "tier": tier})
+    m["chunk" if isinstance(stats.key, SessionBatchKey) else "latency"].observe(
+        stats.run_s * 1e3, tags={"model": model, "tier": tier}
+    )
+
+
+def report_sessions(model: str, sessions, expired_before: int) -> None:
+    """Open sessions and their held bytes now, and the expiries since `expired_before` was read."""
+    m, tags = _metrics(), {"model": model}
+    m["sessions"].set(len(sessions.open_sessions), tags=tags)
+    m["session_bytes"].set(sessions.held_bytes, tags=tags)
+    if sessions.expired > expired_before:
+        m["session_expiries"].inc(sessions.expired - expired_before, tags=tags)
 
 
 def report_queue(model: str, batcher: KeyedBatcher) -> None:

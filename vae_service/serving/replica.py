@@ -115,6 +115,7 @@ class DecoderReplica:
             owner=replica_id,
         )
         self.session_calls = SessionCalls(self.service)
+        self._expired_reported = 0
         engine = self.service.engine
         self.model = engine.spec.name
         d = engine.describe()  # one short line; the whole description is GET /health
@@ -139,8 +140,14 @@ class DecoderReplica:
 
     def _observe_batch(self, stats) -> None:
         metrics.report_batch(self.model, stats)
+        self._report_sessions()
         metrics.report_folded_bytes(self.service.engine)
         metrics.report_queue(self.model, self.service.batcher)
+
+    def _report_sessions(self) -> None:
+        sessions = self.service.sessions
+        metrics.report_sessions(self.model, sessions, self._expired_reported)
+        self._expired_reported = sessions.expired
 
     def _count_rejected(self, exc: BaseException) -> None:
         metrics.report_rejected(self.model, exc)
@@ -158,6 +165,7 @@ class DecoderReplica:
         self.service.engine.check_device()
 
     def describe(self) -> dict:
+        self._report_sessions()  # opened and freed without a batch since (rejected, closed, expired)
         return {"replica": replica_id(), "rss_bytes": resident_bytes(), **self.service.describe()}
 
     # ---- bodies, also called through handles by the routing ingress ----------------------------

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -60,6 +61,17 @@ class DecodeSession:
         return self.walk.held_bytes
 
 
+class SessionBatchKey(NamedTuple):
+    """Sessions share a decoder call only at one tier, precision, chunk shape and walk phase (never
+    with requests: their BatchKey is another type)."""
+
+    quality: str
+    precision: str
+    latent_shape: tuple[int, ...]
+    dtype: torch.dtype
+    phase: int
+
+
 @dataclass(frozen=True)
 class SessionChunk:
     """A session's next latent chunk, checked and priced: what the batcher queues. `frames`: the output
@@ -78,10 +90,9 @@ class SessionChunk:
         return self.prepared.context
 
     @property
-    def batch_key(self) -> tuple:
-        """Sessions share a decoder call only at one tier, size, chunk length and walk phase."""
+    def batch_key(self) -> SessionBatchKey:
         z, session = self.prepared.latents, self.session
-        return ("session", session.quality, session.precision, tuple(z.shape[1:]), z.dtype, session.walk.phase)
+        return SessionBatchKey(session.quality, session.precision, tuple(z.shape[1:]), z.dtype, session.walk.phase)
 
 
 @dataclass(frozen=True)
@@ -115,7 +126,6 @@ def decode_session_chunks(
     together = chunks[0].session.quality == "high"
     groups = [list(range(len(chunks)))] if together else [[i] for i in range(len(chunks))]
     answers: list = [None] * len(chunks)
-    decoded: dict[int, tuple[Walk, torch.Tensor]] = {}
     for group in groups:
         members = [i for i in group if not call.gone(i)]
         for i in set(group) - set(members):
@@ -124,57 +134,96 @@ def decode_session_chunks(
             continue
         call.running_members = tuple(members)
         try:
-            decoded.update(zip(members, _walk_group(runtime, [chunks[i] for i in members], call), strict=True))
+            decoded = _walk_group(runtime, [chunks[i] for i in members], call)
         except (DecodeAbandoned, DecodeTimeout) as stopped:
             if not (isinstance(stopped, DecodeAbandoned) or all(call.gone(i) for i in members)):
                 raise
             for i in members:
                 answers[i] = call.ended_error(i)
-    ms = (time.perf_counter() - start) * 1e3
-    for i, (walk, pixels) in decoded.items():
-        if not bool(torch.isfinite(pixels).all()) and fallback is not None and fallback.enabled:
-            walk, pixels = _at_fp32(fallback, chunks[i], call)
-        answers[i] = _commit(runtime, chunks[i], walk, pixels, ms, len(chunks))
+            continue
+        ms = (time.perf_counter() - start) * 1e3
+        for i in members:  # each answer converted at once, its float frames dropped
+            walk, frames = decoded.pop(0)
+            if not frames.all_finite and fallback is not None and fallback.enabled:
+                del frames, walk  # the failed attempt's frames and cache go before the fp32 decode
+                walk, frames = _at_fp32(fallback, chunks[i], call)
+            answers[i] = _commit(runtime, chunks[i], walk, frames, ms, len(chunks))
     return answers
 
 
-def _at_fp32(fallback: Fp32Fallback, chunk: SessionChunk, call: DecodeCall) -> tuple[Walk, torch.Tensor]:
+def _at_fp32(fallback: Fp32Fallback, chunk: SessionChunk, call: DecodeCall) -> tuple[Walk, Frames]:
     """The chunk decoded again at fp32 from its session's cache before it (engine/execution/fallback.py's
     session_walk); the session goes on at fp32 once it is finite."""
     fp32, session = fallback.session_runtime(), chunk.session
     walk = fallback.session_walk(session.walk)
     z = fallback.latents(chunk.prepared)
     with fp32.gate("lossless"):
-        pixels = torch.cat(list(checked_chunks(walk_on(fp32.vae, walk, z), call.checkpoint)), 2)
-    if bool(torch.isfinite(pixels).all()):
+        frames = _walked_frames(fp32, walk, z, chunk.prepared.frames, session.settings, call)
+    if frames.all_finite:
         session.precision, session.fallback_from_frame = FALLBACK_PRECISION, chunk.first_frame
         fallback.items += 1
-    return walk, pixels
+    return walk, frames
 
 
-def _walk_group(runtime: Runtime, group: list[SessionChunk], call: DecodeCall) -> list[tuple[Walk, torch.Tensor]]:
-    """Each chunk's walk after it and its decoded frames [1, 3, t, H, W] (not yet checked finite)."""
+def _walk_group(runtime: Runtime, group: list[SessionChunk], call: DecodeCall) -> list[tuple[Walk, Frames]]:
+    """Each chunk's walk after it and its frames, converted to the session's output."""
     zs = [runtime.scaling.to_decoder_input(c.prepared, runtime.device) for c in group]
     walk = Walk.stacked([c.session.walk for c in group])
     z = zs[0] if len(zs) == 1 else torch.cat(zs)
     del zs
-    outputs = list(checked_chunks(walk_on(runtime.vae, walk, z), call.checkpoint))
-    pixels = outputs[0] if len(outputs) == 1 else torch.cat(outputs, 2)
-    del outputs
-    return list(zip(walk.split(len(group)), pixels.split(1), strict=True))
+    first = group[0]
+    frames = _walked_frames(runtime, walk, z, first.prepared.frames, first.session.settings, call)
+    return list(zip(walk.split(len(group)), frames.split(), strict=True))
+
+
+@dataclass
+class Frames:
+    """A walk's frames in the session's output (uint8 [n, t, H, W, 3] or float [n, 3, t, H, W]), and
+    which rows were finite all through."""
+
+    pixels: torch.Tensor
+    finite: list[bool]
+
+    def split(self) -> list[Frames]:
+        return [Frames(p, [ok]) for p, ok in zip(self.pixels.split(1), self.finite, strict=True)]
+
+    @property
+    def all_finite(self) -> bool:
+        return all(self.finite)
+
+
+def _walked_frames(
+    runtime: Runtime, walk: Walk, z: torch.Tensor, frames: int, settings: SessionOpen, call: DecodeCall
+) -> Frames:
+    """The walk's frames of `z`, each latent frame's converted into one output as it comes (as a
+    whole answer's are: the chunk's float frames are never all held, nor joined at the end)."""
+    pixels, frame, finite, output = None, 0, [True] * z.shape[0], settings.output
+    for out in checked_chunks(walk_on(runtime.vae, walk, z, settings.clip_latent_frames), call.checkpoint):
+        finite = [ok and bool(torch.isfinite(row).all()) for ok, row in zip(finite, out, strict=True)]
+        converted = convert(out, output, runtime.spec.entry.pixels)
+        del out
+        axis = 1 if converted.dtype == torch.uint8 else 2
+        if pixels is None:
+            shape = list(converted.shape)
+            shape[axis] = frames
+            pixels = converted.new_empty(shape)
+        pixels.narrow(axis, frame, converted.shape[axis]).copy_(converted)
+        frame += converted.shape[axis]
+        del converted
+    return Frames(pixels, finite)
 
 
 def _commit(
-    runtime: Runtime, chunk: SessionChunk, walk: Walk, pixels: torch.Tensor, ms: float, batch: int
+    runtime: Runtime, chunk: SessionChunk, walk: Walk, frames: Frames, ms: float, batch: int
 ) -> ChunkFrames | DecodeFailed:
     """The chunk's answer; its session advanced only when every frame is finite."""
-    if not bool(torch.isfinite(pixels).all()):
+    if not frames.all_finite:
         return DecodeFailed("latents", NON_FINITE + "; the session is where it was before this chunk")
     session = chunk.session
     latent_frame = session.latent_frames
     session.walk = walk
     session.latent_frames += chunk.prepared.latent_frames
-    session.frames += pixels.shape[2]
+    session.frames += chunk.prepared.frames
     session.chunks += 1
-    out = to_host(convert(pixels, session.settings.output, runtime.spec.entry.pixels))
+    out = to_host(frames.pixels)
     return ChunkFrames(out, chunk.first_frame, latent_frame, session.precision, ms, batch, session.fallback_from_frame)

@@ -23,7 +23,11 @@ class SessionOpen:
     """The settings of a session, fixed at open. `height`/`width` are the latents' (the frames are
     `spatial_scale` times larger); `dtype` the chunks' wire dtype. The factors as /decode takes
     them: absent for the model's own, a number to replace it, `latents_scaled` when the chunks are
-    already unscaled."""
+    already unscaled. `clip_latent_frames`: the clip's length in latent frames where the denoiser
+    knows it (a hint, never a bound): on CPU the chunks' post-quant conv then runs on the kernel torch
+    picks for the whole clip, whose bits differ from a short chunk's past C * T * H = 20480 (Wan 2.1
+    at 480p: clips of over 21 latent frames); without it such a long clip's session frames are within
+    the last bits of the whole decode, not equal (wan_walk.chunk_post_quant)."""
 
     height: int
     width: int
@@ -35,10 +39,13 @@ class SessionOpen:
     latents_scaled: bool = False
     model: str | None = None
     request_id: str | None = None
+    clip_latent_frames: int | None = None
 
     def __post_init__(self) -> None:
-        for key in ("height", "width"):
+        for key in ("height", "width", "clip_latent_frames"):
             value = getattr(self, key)
+            if key == "clip_latent_frames" and value is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidInput(key, f"the latents' {key}: a positive integer, got {value!r}")
         if self.quality not in QUALITIES:

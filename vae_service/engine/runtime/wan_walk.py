@@ -252,9 +252,54 @@ def walk_chunks(
     yield from walk_on(vae, Walk(vae.decoder, options, FoldedBuffers() if folded is None else folded), z)
 
 
-def walk_on(vae: nn.Module, walk: Walk, z: torch.Tensor) -> Iterator[torch.Tensor]:
-    """`walk_chunks` continuing `walk` (a session's, carried from its earlier chunks): the post-quant
-    conv is 1x1x1, so a chunk's frames get the bits the whole clip's would."""
-    x = vae.post_quant_conv(z)
+def walk_on(
+    vae: nn.Module, walk: Walk, z: torch.Tensor, clip_latent_frames: int | None = None
+) -> Iterator[torch.Tensor]:
+    """`walk_chunks` continuing `walk` (a session's, carried from its earlier chunks) over the chunk
+    `z` of a clip of `clip_latent_frames` latent frames (None: unknown), its post-quant conv given
+    the bits the whole clip's would have (chunk_post_quant)."""
+    x = chunk_post_quant(vae.post_quant_conv, z, clip_latent_frames)
     for i in range(x.shape[2]):
         yield finished_chunk(vae, walk.chunk(x[:, :, i : i + 1]))
+
+
+# Below this many positions (t * H * W) the CPU GEMM under a 1x1x1 conv takes small-matrix paths
+# whose bits differ from a larger call's; from it on, a position's bits do not depend on how many
+# are computed with it (measured on AMD EPYC, torch 2.13: padded to 12..128 positions, a chunk
+# mismatched only whole clips of at most 10 positions; unpadded, clips of up to 84).
+MIN_GEMM_POSITIONS = 32
+
+
+def chunk_post_quant(conv: nn.Module, z: torch.Tensor, clip_latent_frames: int | None = None) -> torch.Tensor:
+    """The 1x1x1 post-quant conv of a chunk `z` [B, C, t, H, W] with the bits diffusers' conv of the
+    whole clip gives those frames. A 1x1x1 conv computes each position alone, but on CPU torch picks
+    its kernel by the input's size (native GEMM for small inputs, oneDNN past C * T * H = 20480) and
+    the GEMM's path by the positions' count: so the chunk runs on the kernel torch would pick for
+    the whole clip where its length is known (else on the chunk's own), padded with zero frames to
+    MIN_GEMM_POSITIONS where the native GEMM would otherwise take its small-matrix path."""
+    if z.device.type != "cpu":
+        return conv(z)  # cuDNN's algorithm is its own choice; exact on GPU is not claimed (docs/fast-path.md)
+    if clip_latent_frames and clip_latent_frames > z.shape[2] and _whole_runs_on_onednn(conv, z, clip_latent_frames):
+        return torch.ops.aten.mkldnn_convolution(
+            z.contiguous(), conv.weight, conv.bias, conv.padding, conv.stride, conv.dilation, conv.groups
+        )
+    t, positions = z.shape[2], z.shape[2] * z.shape[3] * z.shape[4]
+    if positions >= MIN_GEMM_POSITIONS or _on_onednn(conv, z):
+        return conv(z)
+    frames = -(-MIN_GEMM_POSITIONS // (z.shape[3] * z.shape[4]))
+    padded = torch.cat([z, z.new_zeros(*z.shape[:2], frames - t, *z.shape[3:])], dim=2)
+    return conv(padded)[:, :, :t]
+
+
+def _on_onednn(conv: nn.Module, x: torch.Tensor) -> bool:
+    backend = torch._C._select_conv_backend(
+        x, conv.weight, conv.bias, conv.stride, conv.padding, conv.dilation, False, (0, 0, 0), conv.groups, None
+    )
+    return backend == torch._C._ConvBackend.Mkldnn
+
+
+def _whole_runs_on_onednn(conv: nn.Module, z: torch.Tensor, clip_latent_frames: int) -> bool:
+    """Whether torch would run the whole clip's conv on oneDNN (asked of a zero-strided stand-in: no
+    clip-sized tensor is made)."""
+    shape = (*z.shape[:2], clip_latent_frames, *z.shape[3:])
+    return _on_onednn(conv, z.new_zeros(()).expand(shape))

@@ -1,0 +1,303 @@
+"""The conformance suite's rows for decode sessions (engine/execution/session.py): the ways a session
+decodes, each checked on the same promises as tests/unit/test_conformance.py's rows (whose
+docstring lists them), on the overflowing tiny causal Wan decoder (tests/models.py) saved and loaded
+as the service loads it:
+
+- the memory bound: a chunk's real decode, its live tensor bytes counted as the price counts them
+  (LiveBytes), within the chunk's price (the batch's chunks' prices together, where they share a
+  call); the session's cache between chunks within its price at open;
+- bounded cost: a deadline or an abandonment mid-chunk frees the device within a slice and one
+  latent frame's step, answers that stop, and leaves the session where it was (its next chunk exact);
+- exact bits: `lossless` chunks joined are diffusers' own decode of the clip (the saved folder's
+  `from_pretrained`), `high` within the fast path's bound, a session that fell back fp16's bits
+  before its first fp32 frame; mp4/webm sessions are the whole answer's file byte for byte but its
+  closing box;
+- honest answers: `precision`, `fallback_from_frame`, the batch size, the frames counted.
+
+Rows run several sessions at once where they say `sessions > 1` (batched across sessions)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from tests.models import OVERFLOW_LATENTS, load_reference, overflowing_vae, save_vae
+from vae_service.config import ServiceConfig
+from vae_service.engine import DecodeEngine, DecodeRequest
+from vae_service.engine.pricing.memory import LiveBytes
+from vae_service.engine.request.context import WAIT_SLICE_S, RequestContext
+from vae_service.engine.request.errors import DecodeAbandoned, DecodeTimeout
+from vae_service.engine.request.session import SessionOpen
+from vae_service.engine.runtime.wan_walk import Walk
+from vae_service.serving.decode_service import DecodeService
+
+H, W = 4, 6
+MARGIN_S = 0.1
+HIGH_MAX_ABS_FP32 = 1e-3  # docs/fast-path.md
+
+
+@dataclass(frozen=True)
+class SessionRow:
+    name: str
+    precision: str
+    quality: str
+    output: str
+    chunking: tuple[int, ...]
+    sessions: int = 1
+    overflow_from: int | None = None  # latent frame from which the latents overflow fp16
+
+    @property
+    def latent_frames(self) -> int:
+        return sum(self.chunking)
+
+
+ROWS = [
+    SessionRow("lossless", "fp32", "lossless", "float", (1, 2, 1)),
+    SessionRow("high", "fp32", "high", "float", (2, 2)),
+    SessionRow("fp16-fallback", "fp16", "lossless", "float", (1, 1, 1), overflow_from=2),
+    SessionRow("batched-high", "fp32", "high", "float", (1, 1, 1), sessions=3),
+    SessionRow("batched-lossless", "fp32", "lossless", "uint8", (1, 2), sessions=3),
+    SessionRow("mp4", "fp32", "lossless", "mp4", (1, 2)),
+    SessionRow("webm", "fp32", "high", "webm", (2, 1)),
+]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return save_vae(overflowing_vae("wan"), tmp_path_factory.mktemp("wan-sessions"))
+
+
+@pytest.fixture(scope="module")
+def engines(folder):
+    engines = {p: DecodeEngine(ServiceConfig(model=str(folder), decode_precision=p)) for p in ("fp32", "fp16")}
+    engines["fp16"].fallback.session_runtime()  # its fp32 weights: reserved apart from any decode's price
+    fp32 = engines["fp32"]  # `high`'s folded weights, built once and priced apart (engine/pricing/memory.py)
+    fp32.decode([fp32.prepare(DecodeRequest(torch.zeros(1, fp32.spec.latent_channels, 2, H, W), quality="high"))])
+    return engines
+
+
+@pytest.fixture(scope="module")
+def device():
+    with ThreadPoolExecutor(1, thread_name_prefix="vae-device") as pool:
+        yield pool
+
+
+def latents_of(row: SessionRow, engine: DecodeEngine, session: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(ROWS.index(row) * 10 + session)
+    z = torch.randn(1, engine.spec.latent_channels, row.latent_frames, H, W, generator=g)
+    if row.overflow_from is not None:
+        z[:, :, row.overflow_from :] *= OVERFLOW_LATENTS
+    return z.to(torch.float16 if row.precision == "fp16" else torch.float32)
+
+
+def settings_of(row: SessionRow) -> SessionOpen:
+    dtype = "float16" if row.precision == "fp16" else "float32"
+    return SessionOpen(H, W, quality=row.quality, output=row.output, dtype=dtype)
+
+
+@dataclass
+class Walked:
+    sessions: list
+    answers: list[list]  # per chunk step, the answers of every session
+    peaks: list[int]  # per chunk step, the live bytes counted
+    prices: list[int]
+
+
+def walk(row: SessionRow, engine: DecodeEngine, device, measure: bool = False) -> Walked:
+    """Every session of the row, chunk after chunk, their chunks of one step decoded in one call."""
+    zs = [latents_of(row, engine, i) for i in range(row.sessions)]
+    sessions = [engine.open_session(f"s{i}", settings_of(row)) for i in range(row.sessions)]
+    answers, peaks, prices, start = [], [], [], 0
+    for t in row.chunking:
+        chunks = [
+            engine.check_chunk(s, DecodeRequest(z[:, :, start : start + t]), engine.context())
+            for s, z in zip(sessions, zs, strict=True)
+        ]
+        live = LiveBytes()
+
+        def decode(chunks=chunks, live=live):
+            with live if measure else _Nothing():
+                return engine.decode_session_chunks(chunks)
+
+        answers.append(device.submit(decode).result(120))
+        peaks.append(live.peak)
+        prices.append(engine.session_chunk_peak(chunks))
+        start += t
+    return Walked(sessions, answers, peaks, prices)
+
+
+class _Nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+@pytest.fixture(scope="module")
+def walked(engines, device):
+    cache = {}
+
+    def get(row: SessionRow) -> Walked:
+        if row not in cache:
+            cache[row] = walk(row, engines[row.precision], device)
+        return cache[row]
+
+    return get
+
+
+def ids(row: SessionRow) -> str:
+    return row.name
+
+
+@pytest.mark.parametrize("row", ROWS, ids=ids)
+def test_a_chunk_peak_is_within_its_price_and_the_cache_within_the_session_price(row, engines, device):
+    engine = engines[row.precision]
+    ran = walk(row, engine, device, measure=True)
+    # LiveBytes counts the caches a batch's sessions take on, not the ones they drop (made before it
+    # counted): one at a time (lossless), the sessions decoded before the last hold their new cache in
+    # place of the old one the session budget pays for
+    swapped = 0 if row.quality == "high" else (row.sessions - 1) * ran.sessions[0].held_price
+    for step, (peak, price) in enumerate(zip(ran.peaks, ran.prices, strict=True)):
+        assert 0 < peak <= price + swapped, f"chunk {step}: peak {peak} > price {price} + {swapped}"
+    for session in ran.sessions:
+        assert session.held_bytes <= session.held_price
+        assert session.held_bytes >= 0.4 * session.held_price  # a price, not a bound pulled from the air
+
+
+def reference_whole(row: SessionRow, folder, engine: DecodeEngine, z: torch.Tensor) -> torch.Tensor:
+    """diffusers' own decode of the saved folder, fed what the engine feeds its decoder."""
+    reference = load_reference(folder).to(z.dtype if row.precision == "fp32" else torch.float32)
+    prepared = engine.prepare(DecodeRequest(z.float(), output="float"))
+    with torch.no_grad():
+        return reference.decode(engine.runtime.scaling.to_decoder_input(prepared, engine.device).float()).sample
+
+
+def joined_frames(answers: list[list], session: int) -> torch.Tensor:
+    pixels = [step[session].pixels for step in answers]
+    return torch.cat(pixels, 1 if pixels[0].dtype == torch.uint8 else 2)
+
+
+@pytest.mark.parametrize("row", ROWS, ids=ids)
+def test_the_frames_are_their_reference_bits(row, engines, walked, folder, device):
+    engine = engines[row.precision]
+    ran = walked(row)
+    fp32 = engines["fp32"]
+    for i in range(row.sessions):
+        z = latents_of(row, engine, i)
+        frames = joined_frames(ran.answers, i)
+        if row.output in ("uint8", "mp4", "webm"):  # the engine's own whole lossless answer
+            (whole,) = engine.decode([engine.prepare(DecodeRequest(z))])
+            difference = (frames.int() - whole.output.int()).abs().max()
+            assert difference == 0 if row.quality == "lossless" else difference <= 1, row  # high: 1e-3 rounds to 1
+            continue
+        if row.overflow_from is not None:  # fp16's frames, then fp32's from the fallback's first frame
+            first_fp32 = ran.answers[-1][i].fallback_from_frame
+            assert first_fp32 is not None and 0 < first_fp32 < frames.shape[2]
+            head = latents_of(row, engine, i)[:, :, : row.overflow_from]
+            (before,) = engine.decode([engine.prepare(DecodeRequest(head, output="float"))])
+            assert torch.equal(frames[:, :, :first_fp32], before.output)
+            whole32 = reference_whole(row, folder, fp32, z)
+            assert (frames[:, :, first_fp32:].float() - whole32[:, :, first_fp32:]).abs().max() < 1e-2
+            continue
+        whole = reference_whole(row, folder, engine, z)
+        if row.quality == "lossless":
+            assert torch.equal(frames, whole), f"session {i}: {(frames - whole).abs().max()}"
+        else:
+            assert (frames - whole).abs().max() <= HIGH_MAX_ABS_FP32
+
+
+@pytest.mark.parametrize("row", ROWS, ids=ids)
+def test_the_answers_say_what_happened(row, engines, walked):
+    engine, ran = engines[row.precision], walked(row)
+    frames = 0
+    for step, answers in enumerate(ran.answers):
+        for answer in answers:
+            assert answer.batch_size == row.sessions
+            assert answer.frame == frames and answer.latent_frame == sum(row.chunking[:step])
+        frames += answers[0].frames
+        fell_back = row.overflow_from is not None and sum(row.chunking[: step + 1]) > row.overflow_from
+        assert {a.precision for a in answers} == {"fp32" if fell_back or row.precision == "fp32" else "fp16"}
+        assert all((a.fallback_from_frame is not None) == fell_back for a in answers)
+    for session in ran.sessions:
+        assert session.frames == frames == engine.spec.output_frames(row.latent_frames)
+
+
+@pytest.mark.parametrize("stop", ["deadline", "abandonment"])
+@pytest.mark.parametrize("row", ROWS, ids=ids)
+def test_a_stop_mid_chunk_frees_the_device_within_a_step_and_leaves_the_session_usable(
+    row, stop, engines, device, monkeypatch
+):
+    engine = engines[row.precision]
+    z = latents_of(row, engine, 0)
+    session = engine.open_session("stopped", settings_of(row))
+    t = 2  # the stop comes after its first latent frame: one step is left
+    context = RequestContext.admit(120.0, engine.limits, engine.fingerprint)
+    chunk = engine.check_chunk(session, DecodeRequest(z[:, :, :t]), context)
+    steps, stopped_at = [], []
+
+    step = Walk.chunk
+
+    def timed_step(walk, x):  # each latent frame's decoder step; the stop comes after the first
+        steps.append(time.perf_counter())
+        out = step(walk, x)
+        if len(steps) == 1:
+            stopped_at.append(time.perf_counter())
+            if stop == "deadline":
+                context.deadline = time.monotonic()
+            else:
+                context.abandon()
+        return out
+
+    monkeypatch.setattr(Walk, "chunk", timed_step)
+    began = time.perf_counter()
+    (answer,) = device.submit(engine.decode_session_chunks, [chunk]).result(120)
+    freed = time.perf_counter()
+    monkeypatch.undo()
+    assert isinstance(answer, DecodeTimeout if stop == "deadline" else DecodeAbandoned), answer
+    one_step = stopped_at[0] - began
+    assert freed - stopped_at[0] <= WAIT_SLICE_S + one_step + MARGIN_S
+    assert (session.latent_frames, session.frames, session.walk.steps) == (0, 0, 0)
+    chunk = engine.check_chunk(session, DecodeRequest(z[:, :, :t]), engine.context())
+    (again,) = device.submit(engine.decode_session_chunks, [chunk]).result(120)
+    output = row.output if row.output in ("uint8", "float") else "uint8"  # a video session's chunks are uint8
+    (whole,) = engine.decode([engine.prepare(DecodeRequest(z[:, :, :t], output=output))])
+    if row.quality == "lossless" and row.overflow_from is None:
+        assert torch.equal(again.pixels, whole.output)
+    else:
+        assert again.frames == whole.output.shape[2 if output == "float" else 1]
+
+
+@pytest.mark.parametrize("row", [r for r in ROWS if r.output in ("mp4", "webm")], ids=ids)
+def test_a_video_session_is_the_whole_answers_file_but_its_closing_box(row, folder):
+    """Through the replica's framework-free service (its encoder pool): the fragments of all chunks
+    joined are the whole mp4/webm answer's bytes up to its closing box (the same encoder settings,
+    one fragment per latent frame)."""
+    from vae_service.protocol.responses import TRAILERS
+    from vae_service_client.mp4 import DONE_TAG
+
+    async def run():
+        service = DecodeService(ServiceConfig(model=str(folder), decode_precision="fp32"))
+        z = latents_of(row, service.engine, 0)
+        session = service.sessions.open(settings_of(row))
+        data, start = b"", 0
+        for t in row.chunking:
+            answer = await service.sessions.chunk(session.id, DecodeRequest(z[:, :, start : start + t]), start)
+            assert answer.fragments[0].frame == answer.frames.frame  # in order, one per latent frame
+            assert [f.frames for f in answer.fragments] == service.sessions._fragment_frames(start, t)
+            data += b"".join(f.data for f in answer.fragments)
+            start += t
+        summary = service.sessions.close(session.id)
+        whole = await service.decode(DecodeRequest(z, quality=row.quality, output=row.output))
+        await service.drain(5)
+        return data, whole.output[0], summary
+
+    data, whole, summary = asyncio.run(run())
+    assert data == whole  # a whole answer carries no closing box: the session's file is the same bytes
+    trailer = TRAILERS[row.output](DONE_TAG, summary)
+    assert len(trailer) > 0 and summary["latent_frames"] == row.latent_frames
