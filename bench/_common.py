@@ -22,8 +22,9 @@ def median_s(fn: Callable[[], object], repeat: int, warmup: int = 1) -> float:
 
 
 @contextlib.contextmanager
-def local_serve():
-    """A local Ray + Serve on a free loopback port; yields the base URL; stops what it started."""
+def local_serve(grpc_port: int | None = None):
+    """A local Ray + Serve on a free loopback port (and Serve's gRPC proxy on `grpc_port`, serving
+    vae_service.v1.VaeDecoder); yields the base URL; stops what it started."""
     import ray
     from ray import serve
 
@@ -31,17 +32,28 @@ def local_serve():
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.update(proxy_guard_env())  # as the CLI runs the service
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     # a cluster of its own, never one a `ray start` on this machine left running
     ray.init(address="local", include_dashboard=False, log_to_driver=False, logging_level="ERROR")
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    grpc_options = None
+    if grpc_port is not None:
+        from ray.serve.config import gRPCOptions
+
+        from vae_service.serving.app import GRPC_SERVICER
+
+        grpc_options = gRPCOptions(port=grpc_port, grpc_servicer_functions=[GRPC_SERVICER])
+    serve.start(http_options={"host": "127.0.0.1", "port": port}, grpc_options=grpc_options)
     try:
         yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()
         ray.shutdown()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def print_table(title: str, header: list[str], rows: list[list]) -> None:

@@ -1,6 +1,7 @@
 """gRPC clients (sync and async) for vae_service.v1.VaeDecoder: unary Decode, DecodeStream (one
-answer per batch item) and DecodeFrames (video frames as decoded), with the HTTP client's typed
-errors and retries (unary calls only)."""
+answer per batch item), DecodeFrames (video frames as decoded) and DecodeSession (a video decoded
+chunk by chunk: `session`, as the HTTP client's), with the HTTP client's typed errors and retries
+(unary calls and a session's open)."""
 
 from __future__ import annotations
 
@@ -20,9 +21,11 @@ from vae_service_client.errors import (
 )
 from vae_service_client.frames import AsyncFrameStream, FrameStream, StreamSummary, message_of_proto
 from vae_service_client.grpc_gen import decode_pb2_grpc
+from vae_service_client.grpc_sessions import GrpcSessionLink
 from vae_service_client.messages import DecodeResponse, request_proto
 from vae_service_client.mp4 import write_fragments, write_fragments_async
 from vae_service_client.retries import with_retries, with_retries_async
+from vae_service_client.sessions import AsyncDecodeSession, SessionOpener
 
 _CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 512 * 2**20), ("grpc.max_send_message_length", 512 * 2**20)]
 
@@ -46,7 +49,7 @@ def _typed_error(exc: grpc.RpcError, target: str, timeout: float) -> VaeServiceE
     return error_from_grpc(code, " ".join(f"{target}: {details}".split()), trailers)
 
 
-class _Base:
+class _Base(SessionOpener):
     """`application`: the Serve application to reach (Serve's gRPC proxy routes by this metadata);
     `token`: the service's bearer token, when it requires one."""
 
@@ -71,6 +74,19 @@ class _Base:
 
     def _error(self, exc: grpc.RpcError) -> VaeServiceError:
         return _typed_error(exc, self.target, self.timeout)
+
+    def _session_link(self) -> GrpcSessionLink:
+        """A DecodeSession call on this channel, with its metadata, timeout and retries."""
+        return GrpcSessionLink(
+            self.target,
+            {},
+            self.timeout,
+            self.retries,
+            self.backoff_s,
+            stub=self._stub,
+            metadata=self._metadata,
+            typed_error=self._error,
+        )
 
 
 def carries_something(msg) -> bool:
@@ -148,6 +164,7 @@ class VaeGrpcClient(_Base):
 
 class AsyncVaeGrpcClient(_Base):
     _open_channel = staticmethod(grpc.aio.insecure_channel)
+    _session_class = AsyncDecodeSession
 
     async def decode(self, latents, quality: str = "lossless", output: str = "uint8", **options) -> DecodeResponse:
         request = request_proto(latents, quality, output, **options)

@@ -23,7 +23,7 @@ from vae_service_client.frames import AsyncFrameStream, FrameStream, MessageRead
 from vae_service_client.messages import MSGPACK, DecodeResponse, pack, request_map
 from vae_service_client.mp4 import write_chunks, write_chunks_async
 from vae_service_client.retries import with_retries, with_retries_async
-from vae_service_client.sessions import AsyncDecodeSession, DecodeSession, SessionBook, SessionLink, open_fields, ws_url
+from vae_service_client.sessions import AsyncDecodeSession, SessionLink, SessionOpener, ws_url
 
 
 def _response(r: httpx.Response) -> DecodeResponse:
@@ -82,7 +82,7 @@ def _headers(token: str | None) -> dict[str, str]:
     return {"authorization": f"Bearer {token}"} if token else {}
 
 
-class _Base:
+class _Base(SessionOpener):
     """`retries`: extra attempts on 429/503 and on a connection closed before the answer was
     complete (backoff doubling from `backoff_s`, at least the server's Retry-After: retries.py);
     `timeout`: seconds per attempt (without a byte of the answer); `token`: the service's bearer
@@ -102,13 +102,11 @@ class _Base:
         self.timeout, self.retries, self.backoff_s = timeout, retries, backoff_s
         self._token = token
 
-    def _session_parts(self, height, width, quality, output, dtype, resume, path, options) -> tuple:
-        """A session's link (`ws(s)://` beside base_url, the token on its handshake, this client's timeout
-        and retries) and its book (the open message's settings, refused here when wrong)."""
-        link = SessionLink(
+    def _session_link(self) -> SessionLink:
+        """`ws(s)://` beside base_url, the token on its handshake, this client's timeout and retries."""
+        return SessionLink(
             ws_url(self._http.base_url), _headers(self._token), self.timeout, self.retries, self.backoff_s
         )
-        return link, SessionBook(open_fields(height, width, quality, output, dtype, **options), resume, path)
 
     def _decode_request(self, body: bytes) -> httpx.Request:
         return self._http.build_request("POST", "/decode", content=body, headers={"content-type": MSGPACK})
@@ -185,26 +183,6 @@ class VaeClient(_Base):
 
         return with_retries(attempt, self.retries, self.backoff_s)
 
-    def session(
-        self,
-        height: int,
-        width: int,
-        quality: str = "lossless",
-        output: str = "uint8",
-        dtype: str = "float32",
-        resume: bool = False,
-        path: str | Path | BinaryIO | None = None,
-        **options,
-    ) -> DecodeSession:
-        """A decode session (WebSocket `/sessions`), open when this returns: a video decoded chunk by
-        chunk (`decode(latents [1, C, t, H, W])`), each chunk continuing the clip the chunks before it
-        began. `height`/`width`: the latents' (every chunk's); `dtype`: the chunks' (float32, float16,
-        bfloat16); `output`: uint8 or float frames, or mp4/webm fragments of one file (`path`: appended
-        to that file as they arrive); options: scaling_factor, shift_factor (None = already scaled),
-        model, request_id. `resume=True`: a lost or expired session is replayed in a new one from
-        latents the client keeps (DecodeSession says what that costs)."""
-        return DecodeSession(*self._session_parts(height, width, quality, output, dtype, resume, path, options))
-
     def health(self) -> dict:
         request = self._http.build_request("GET", "/health")
         with self._transport(request):
@@ -222,6 +200,7 @@ class VaeClient(_Base):
 
 class AsyncVaeClient(_Base):
     _client_class = httpx.AsyncClient
+    _session_class = AsyncDecodeSession
 
     async def decode(self, latents, quality: str = "lossless", output: str = "uint8", **options) -> DecodeResponse:
         body = pack(request_map(latents, quality, output, **options))
@@ -279,20 +258,6 @@ class AsyncVaeClient(_Base):
             return response
 
         return await with_retries_async(attempt, self.retries, self.backoff_s)
-
-    def session(
-        self,
-        height: int,
-        width: int,
-        quality: str = "lossless",
-        output: str = "uint8",
-        dtype: str = "float32",
-        resume: bool = False,
-        path: str | Path | BinaryIO | None = None,
-        **options,
-    ) -> AsyncDecodeSession:
-        """Like VaeClient.session; opened by `async with` or by awaiting it (`s = await client.session(...)`)."""
-        return AsyncDecodeSession(*self._session_parts(height, width, quality, output, dtype, resume, path, options))
 
     async def health(self) -> dict:
         request = self._http.build_request("GET", "/health")

@@ -132,10 +132,13 @@ def chunks_of(latents, latent_frames: int) -> Iterator:
 
 
 def unpack(raw) -> tuple[str, dict]:
-    """One server message: (its kind, its map)."""
-    if not isinstance(raw, bytes | bytearray | memoryview):
+    """One server message (msgpack bytes, or the map a gRPC reply reads as): (its kind, its map)."""
+    if isinstance(raw, dict):
+        message = raw
+    elif isinstance(raw, bytes | bytearray | memoryview):
+        message = msgpack.unpackb(raw, raw=False)
+    else:
         raise make_error("internal", None, "the server sent a text message; sessions speak binary msgpack")
-    message = msgpack.unpackb(raw, raw=False)
     if isinstance(message, dict) and "fragment" in message:
         return "fragment", message
     if isinstance(message, dict) and "pixels" in message:
@@ -374,13 +377,28 @@ def _joined(pixels: list[tuple[int, np.ndarray]]) -> np.ndarray | None:
 class SessionLink:
     """Where and how a client reaches `/sessions`: its URL, the handshake's headers (the bearer token),
     `timeout` (seconds to connect, and per answer), and the retry policy of the open and of chunks
-    answered `overloaded` or `out_of_memory` (retries.py: the session is unchanged by those)."""
+    answered `overloaded` or `out_of_memory` (retries.py: the session is unchanged by those).
+    `connect`/`connect_async` give the socket the sessions speak through (send, recv, close; a
+    dropped one raises ConnectionClosed): a WebSocket here, a DecodeSession call in grpc_sessions.py."""
 
     url: str
     headers: dict
     timeout: float = 120.0
     retries: int = 3
     backoff_s: float = 0.5
+
+    @property
+    def where(self) -> str:
+        return f"WebSocket {self.url}"
+
+    def connect(self):
+        return connect(self.url, **self.options())
+
+    async def connect_async(self):
+        return await connect_async(self.url, **self.options())
+
+    def connect_error(self, exc: BaseException) -> VaeServiceError | None:
+        return connect_error(exc, self)
 
     def options(self) -> dict:
         # frames of a long chunk exceed websockets' 1 MiB default; raw tensors do not deflate: no compression
@@ -394,7 +412,7 @@ class SessionLink:
 
 def connect_error(exc: BaseException, link: SessionLink) -> VaeServiceError | None:
     """The handshake's failure as the clients' typed error (None: not a connection failure)."""
-    where = f"WebSocket {link.url}"
+    where = link.where
     if isinstance(exc, InvalidStatus):  # an HTTP answer in place of the upgrade (401, 404, 503, ...)
         response = exc.response
         return error_from_http(response.status_code, response.headers, response.body or b"")
@@ -418,7 +436,7 @@ def connect_error(exc: BaseException, link: SessionLink) -> VaeServiceError | No
 def open_failed(exc: ConnectionClosed | TimeoutError, link: SessionLink) -> VaeServiceError:
     """No answer to `open`: the connection closed first (Unavailable: retried), or nothing came within
     `timeout` (DecodeTimeout)."""
-    where = f"WebSocket {link.url}"
+    where = link.where
     if isinstance(exc, TimeoutError):
         return connection_error(DecodeTimeout, "timeout", where, f"no answer to open within timeout={link.timeout} s")
     return connection_error(
@@ -430,9 +448,7 @@ def timed_out(link: SessionLink, book: SessionBook) -> DecodeTimeout:
     """No answer within `timeout`: the connection is closed (whether the chunk was applied is unknown),
     so the session is gone: the next chunk raises SessionLost, or resumes."""
     book.lost(None, link.url, f"no answer within timeout={link.timeout} s, so the connection was closed")
-    return connection_error(
-        DecodeTimeout, "timeout", f"WebSocket {link.url}", f"nothing received within timeout={link.timeout} s"
-    )
+    return connection_error(DecodeTimeout, "timeout", link.where, f"nothing received within timeout={link.timeout} s")
 
 
 class _Session:
@@ -557,9 +573,9 @@ class DecodeSession(_Session):
     def _open(self) -> None:
         def attempt() -> None:
             try:
-                self._ws = connect(self._link.url, **self._link.options())
+                self._ws = self._link.connect()
             except Exception as exc:
-                raise connect_error(exc, self._link) or exc from None
+                raise self._link.connect_error(exc) or exc from None
             try:
                 self._ws.send(self._book.open_message())
                 self._book.take_opened(self._ws.recv(timeout=self._link.timeout))
@@ -677,9 +693,9 @@ class AsyncDecodeSession(_Session):
     async def _open(self) -> None:
         async def attempt() -> None:
             try:
-                self._ws = await connect_async(self._link.url, **self._link.options())
+                self._ws = await self._link.connect_async()
             except Exception as exc:
-                raise connect_error(exc, self._link) or exc from None
+                raise self._link.connect_error(exc) or exc from None
             try:
                 await self._ws.send(self._book.open_message())
                 self._book.take_opened(await self._recv(self._ws))
@@ -735,6 +751,39 @@ class AsyncDecodeSession(_Session):
             await ws.close()
 
 
+class SessionOpener:
+    """`session(...)` for every client: each gives `_session_link()` (how it reaches a session) and
+    `_session_class` (DecodeSession for the sync clients, AsyncDecodeSession for the async ones)."""
+
+    _session_class: type = DecodeSession
+
+    def _session_link(self) -> SessionLink:
+        raise NotImplementedError
+
+    def session(
+        self,
+        height: int,
+        width: int,
+        quality: str = "lossless",
+        output: str = "uint8",
+        dtype: str = "float32",
+        resume: bool = False,
+        path: str | Path | BinaryIO | None = None,
+        **options,
+    ):
+        """A decode session: a video decoded chunk by chunk (`decode(latents [1, C, t, H, W])`), each
+        chunk continuing the clip the chunks before it began; the sync clients' is open when this
+        returns, the async clients' opens with `async with` or when awaited. `height`/`width`: the
+        latents' (every chunk's); `dtype`: the chunks' (float32, float16, bfloat16); `output`: uint8 or
+        float frames, or mp4/webm fragments of one file (`path`: appended to that file as they
+        arrive); options: scaling_factor, shift_factor (None = already scaled), model, request_id,
+        clip_latent_frames. `resume=True`: a lost or expired session is replayed in a new one from
+        latents the client keeps (DecodeSession says what that costs). Settings the client depends on
+        are refused here, before any I/O."""
+        book = SessionBook(open_fields(height, width, quality, output, dtype, **options), resume, path)
+        return self._session_class(self._session_link(), book)
+
+
 async def _aiter(items: Iterable) -> AsyncIterator:
     for item in items:
         yield item
@@ -747,6 +796,7 @@ __all__ = [
     "SessionBook",
     "SessionChunk",
     "SessionLink",
+    "SessionOpener",
     "chunks_of",
     "open_fields",
     "ws_url",

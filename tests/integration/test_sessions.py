@@ -425,3 +425,94 @@ def test_the_cli_replays_a_latent_file_as_session_chunks(sessions_app, tmp_path)
     pngs = sorted(out.glob("clip-frame*.png"))
     frames = np.stack([np.asarray(Image.open(p)) for p in pngs])
     np.testing.assert_array_equal(frames, whole_answer(sessions_app, z)[0])
+
+
+# ---- gRPC: VaeDecoder.DecodeSession, the same conversation in protobuf --------------------------
+def test_a_grpc_session_decodes_exactly_refuses_bad_chunks_and_resumes_a_lost_replica(sessions_app, grpc_target):
+    """The sync gRPC client: frames after every chunk, joined = the whole answer bit for bit; a bad
+    chunk answered in the stream (the session goes on exactly); a refused open typed, naming the
+    field; the replica killed between chunks resumed with the same frames; a session abandoned
+    (the call cancelled) freed at once."""
+    from vae_service_client import InvalidRequest, SessionLost, VaeGrpcClient
+
+    z = latents(5, seed=41)
+    whole = whole_answer(sessions_app, z)
+    with VaeGrpcClient(grpc_target, application="sessions") as client:
+        with client.session(H, W) as session:
+            first = session.decode(z[:, :, :2])
+            with pytest.raises(InvalidRequest, match="latents") as refused:
+                session.decode(np.zeros((1, C + 1, 1, H, W), np.float32))
+            assert refused.value.field.startswith("latents")
+            rest = session.decode(z[:, :, 2:])
+        assert (first.frame, first.frames, rest.frame, rest.frames) == (0, 5, 5, 12)
+        assert session.closed == {"frames": 17, "latent_frames": 5}
+        np.testing.assert_array_equal(np.concatenate([first.pixels, rest.pixels], axis=1), whole)
+
+        with pytest.raises(InvalidRequest) as refused:
+            client.session(H, W, quality="preview")
+        assert refused.value.field == "quality"
+
+        with client.session(H, W, resume=True) as session:
+            parts = [session.decode(z[:, :, :2])]
+            kill_owner(session.session_id)
+            parts.append(session.decode(z[:, :, 2:]))
+            assert session.resumes == 1
+        np.testing.assert_array_equal(np.concatenate([p.pixels for p in parts], axis=1), whole)
+        with client.session(H, W) as session:
+            session.decode(z[:, :, :1])
+            kill_owner(session.session_id)
+            with pytest.raises(SessionLost, match="after frame 0"):
+                session.decode(z[:, :, 1:2])
+
+        deadline = time.monotonic() + 30  # the killed replicas' successors up
+        while sessions_open(sessions_app) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        with pytest.raises(RuntimeError), client.session(H, W) as session:
+            session.decode(z[:, :, :1])
+            assert sessions_open(sessions_app) == 1
+            raise RuntimeError("the caller's own failure: the call is cancelled, no close sent")
+    deadline = time.monotonic() + 10
+    while sessions_open(sessions_app) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert sessions_open(sessions_app) == 0
+
+
+def test_a_grpc_stream_ends_a_refused_session_with_the_errors_status(grpc_target, sessions_app):
+    """A bare stub: an open refused is the stream's last reply and its status (code and trailers, as
+    every RPC's), so a caller without this client reads it the usual way."""
+    import grpc
+
+    from vae_service_client.grpc_gen import decode_pb2, decode_pb2_grpc
+
+    with grpc.insecure_channel(grpc_target) as channel:
+        stub = decode_pb2_grpc.VaeDecoderStub(channel)
+        requests = iter([decode_pb2.SessionRequest(open=decode_pb2.SessionOpen(height=H))])
+        replies = stub.DecodeSession(requests, metadata=(("application", "sessions"),), timeout=60)
+        seen = []
+        with pytest.raises(grpc.RpcError) as ended:
+            for reply in replies:
+                seen.append(reply)
+        assert [reply.WhichOneof("kind") for reply in seen] == ["error"] and seen[0].error.field == "width"
+        assert ended.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        trailers = dict(ended.value.trailing_metadata())
+        assert (trailers["error-type"], trailers["error-field"]) == ("invalid_request", "width")
+
+
+def test_the_async_grpc_client_streams_a_sessions_mp4_as_the_websocket_does(sessions_app, grpc_target):
+    from vae_service_client import AsyncVaeGrpcClient
+
+    z = latents(3, seed=42)
+    with VaeClient(sessions_app).session(H, W, output="mp4") as session:
+        over_ws = b"".join(session.decode(z[:, :, a:b]).fragment for a, b in ((0, 1), (1, 3)))
+        ws_trailer = session.close()["trailer"]
+
+    async def run():
+        async with AsyncVaeGrpcClient(grpc_target, application="sessions") as client:
+            async with client.session(H, W, output="mp4") as session:
+                parts = [await session.decode(z[:, :, a:b]) for a, b in ((0, 1), (1, 3))]
+            return parts, session.closed
+
+    parts, closed = asyncio.run(run())
+    assert [p.frame for p in parts] == [0, 1] and parts[0].fragment.startswith(over_ws[:8])
+    assert b"".join(p.fragment for p in parts) == over_ws
+    assert closed["frames"] == 9 and closed["trailer"][:8] == ws_trailer[:8]

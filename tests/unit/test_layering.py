@@ -142,7 +142,14 @@ def test_the_client_accepts_torch_tensors_without_importing_torch_at_import_time
     assert offenders("clients/vae_service_client", ("torch", "PIL", "grpc"), top_level_only=True) == [
         DIFFUSERS_EXTRA + " imports torch",  # the optional extra, which nothing else imports
         "clients/vae_service_client/grpc_client.py imports grpc",  # loaded on first use of a gRPC client
+        "clients/vae_service_client/grpc_sessions.py imports grpc",  # grpc_client's alone
     ]
+    importers = [
+        p.name
+        for p in Path("clients/vae_service_client").rglob("*.py")
+        if "vae_service_client.grpc_sessions import" in p.read_text()
+    ]
+    assert importers == ["grpc_client.py"]
 
 
 def test_the_diffusers_extra_stays_optional_and_off_the_server():

@@ -104,3 +104,88 @@ def test_a_file_is_written_only_for_video_sessions(tmp_path):
     with pytest.raises(InvalidRequest) as err:
         SessionBook(open_fields(6, 10, output="uint8"), path=tmp_path / "x.mp4")
     assert err.value.field == "path"
+
+
+# ---- gRPC (DecodeSession): the same messages in protobuf, both ways ------------------------------
+OPENS = [
+    open_fields(6, 10),
+    open_fields(6, 10, "high", "webm", "bfloat16", scaling_factor=None, shift_factor=None, model="wan"),
+    open_fields(6, 10, output="float", scaling_factor=0.5, shift_factor=0.0, request_id="r1", clip_latent_frames=21),
+]
+
+
+@pytest.mark.parametrize("fields", OPENS, ids=range(len(OPENS)))
+def test_an_open_crosses_grpc_as_the_server_reads_a_websockets_open(fields):
+    """The client's open map -> SessionRequest -> the map the server reads: the same settings (the
+    defaults the client fills in kept, an explicit zero factor kept, nil factors = already scaled)."""
+    from vae_service.protocol.sessions import session_open
+    from vae_service_client.session_proto import request_map, request_proto
+
+    msg = request_proto({"open": fields})
+    kind, read = request_map(type(msg).FromString(msg.SerializeToString()))
+    assert kind == "open" and read == fields
+    assert session_open(read) == session_open(fields)
+
+
+def test_a_chunk_and_a_close_cross_grpc_unchanged():
+    from vae_service_client.messages import latents_map
+    from vae_service_client.session_proto import request_map, request_proto
+
+    z = np.random.default_rng(0).standard_normal((1, 4, 2, 6, 10)).astype(np.float16)
+    for latent_frame in (0, 7):
+        fields = chunk_fields(z, latent_frame, open_fields(6, 10, dtype="float16"))
+        kind, read = request_map(request_proto({"chunk": fields}))
+        assert kind == "chunk" and read["latent_frame"] == latent_frame
+        assert read["latents"] == {**latents_map(z), "data": bytes(latents_map(z)["data"])}
+    assert request_map(request_proto({"close": {}})) == ("close", {})
+    from vae_service_client.grpc_gen import decode_pb2
+
+    assert request_map(decode_pb2.SessionRequest()) == (None, {})
+    assert request_map(decode_pb2.SessionRequest(chunk=decode_pb2.SessionChunk())) == ("chunk", {})
+
+
+def reply_maps():
+    """The server's answers, built by its own functions (protocol/sessions.py)."""
+    import torch
+
+    from vae_service.engine.execution.session import ChunkFrames
+    from vae_service.protocol.errors import WireErrorInfo
+    from vae_service.protocol.sessions import closed_message, error_message, fragment_message, frames_of, opened_message
+    from vae_service_client.mp4 import Mp4Fragment
+
+    pixels = torch.arange(2 * 3 * 4 * 3, dtype=torch.uint8).reshape(1, 2, 3, 4, 3)
+    opened = {
+        "session": "abc.1", "model": "wan", "quality": "lossless", "precision": "fp32", "output": "uint8",
+        "held_bytes": 12345, "idle_timeout_s": 30.0, "max_chunk_latent_frames": 8, "latent_channels": 16,
+        "spatial_scale": 8,
+    }  # fmt: skip
+    done = {"latent_frame": 2, "latent_frames": 3, "frames": 9, "precision": "fp16",
+            "timing": {"queue_ms": 1.5, "decode_ms": 20.25, "encode_ms": 0.0, "batch_size": 2}}  # fmt: skip
+    error = WireErrorInfo("invalid_request", "latents.shape", "no", None)
+    overloaded = WireErrorInfo("overloaded", "session", "full", 2.0)
+    return [
+        opened_message({**opened, "request_id": None}),
+        opened_message({**opened, "request_id": "r1"}),
+        frames_of(ChunkFrames(pixels, 5, 2, "fp32", 1.0, 1)),
+        fragment_message(Mp4Fragment(5, 4, b"\x00\x01moof")),
+        {"chunk_done": done},
+        {"chunk_done": {**done, "fallback_from_frame": 5}},
+        closed_message({"frames": 9, "latent_frames": 3}, "uint8"),
+        closed_message({"frames": 9, "latent_frames": 3}, "mp4"),
+        error_message(error, frames=9),
+        error_message(overloaded),
+    ]
+
+
+def test_every_reply_crosses_grpc_as_the_websocket_carries_it():
+    """Each answer map -> SessionReply (bytes on the wire) -> the map the client reads: equal, so the
+    session's bookkeeping cannot tell the transports apart."""
+    from vae_service_client.session_proto import reply_map, reply_proto
+
+    for message in reply_maps():
+        msg = reply_proto(message)
+        read = reply_map(type(msg).FromString(msg.SerializeToString()))
+        expected = dict(message)
+        if "pixels" in message:
+            expected["pixels"] = {**message["pixels"], "data": bytes(message["pixels"]["data"])}
+        assert read == expected, message

@@ -2,9 +2,11 @@
 set on the caller's context: status code, details, and the error's type, field and Retry-After as
 trailers (vae_service_client.errors).
 
-Two streaming RPCs, one meaning each, whatever the model: DecodeStream answers one DecodeResponse
-per batch item once the batch is decoded; DecodeFrames (video models, uint8/float output) one
-FrameMessage per chunk of frames as it is decoded, then `done`."""
+Two server-streaming RPCs, one meaning each, whatever the model: DecodeStream answers one
+DecodeResponse per batch item once the batch is decoded; DecodeFrames (video models, uint8/float
+output) one FrameMessage per chunk of frames as it is decoded, then `done`. DecodeSession is
+bidirectional (Serve 2.60's proxy relays a client's stream to the replica that took the call, message
+by message): the stream is one decode session, the WebSocket's conversation in protobuf."""
 
 from __future__ import annotations
 
@@ -13,14 +15,21 @@ from dataclasses import dataclass
 
 import grpc
 
+from vae_service.engine.request.errors import InvalidInput
 from vae_service.protocol.errors import ANSWERABLE, WireErrorInfo, internal_error, wire_error
 from vae_service.protocol.requests import request_from_proto
 from vae_service.protocol.responses import grpc_frame_message, grpc_item_responses, grpc_response
 from vae_service.serving.decode_service import DecodeService
+from vae_service.serving.session_socket import conversation
 from vae_service_client.grpc_gen import decode_pb2
+from vae_service_client.session_proto import reply_proto, request_map
 
 # the empty message that ends a failed stream, per streaming RPC (status_message)
-EMPTY = {"DecodeStream": decode_pb2.DecodeResponse, "DecodeFrames": decode_pb2.FrameMessage}
+EMPTY = {
+    "DecodeStream": decode_pb2.DecodeResponse,
+    "DecodeFrames": decode_pb2.FrameMessage,
+    "DecodeSession": decode_pb2.SessionReply,
+}
 
 
 def fail(grpc_context, error: WireErrorInfo) -> None:
@@ -93,3 +102,29 @@ async def stream_to(grpc_context, events: AsyncIterator, rpc: str) -> AsyncItera
             yield status_message(grpc_context, event, rpc)
             return
         yield event
+
+
+async def session_replies(service: DecodeService, admit, requests, grpc_context) -> AsyncIterator:
+    """DecodeSession: the session's conversation (session_socket.py) over the caller's stream of
+    SessionRequests. An error that ends the session (an open refused, session_expired) is its last
+    reply and the stream's status; a chunk's error is a reply and the session goes on."""
+    requests = aiter(requests)
+
+    async def receive() -> tuple[str, dict] | None:
+        try:
+            request = await anext(requests)
+        except StopAsyncIteration:  # the caller half-closed or went away
+            return None
+        kind, fields = request_map(request)
+        if kind is None:
+            raise InvalidInput("message", "an empty SessionRequest: set open, chunk or close")
+        return kind, fields
+
+    replies = conversation(service, admit, receive)
+    try:
+        async for reply in replies:
+            if reply.error is not None:
+                fail(grpc_context, reply.error)
+            yield reply_proto(reply.message)
+    finally:
+        await replies.aclose()

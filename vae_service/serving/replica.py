@@ -9,6 +9,7 @@ that decoded it. `reconfigure` (Serve's user_config) applies limits and batching
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 
@@ -25,6 +26,7 @@ from vae_service.serving.grpc_servicer import (
     frame_events,
     grpc_answer,
     item_events,
+    session_replies,
     status_message,
     stream_to,
 )
@@ -210,6 +212,12 @@ class DecoderReplica:
     async def DecodeFrames(self, request, grpc_context):  # noqa: N802
         async for message in self._stream("DecodeFrames", self.grpc_frame_events(request), grpc_context):
             yield message
+
+    async def DecodeSession(self, requests, grpc_context):  # noqa: N802
+        """A decode session for the stream's life, on this replica (docs/interfaces.md)."""
+        admit = functools.partial(self.admission.check_grpc, grpc_context)
+        async for reply in session_replies(self.service, admit, requests, grpc_context):
+            yield reply
 
     async def _stream(self, rpc: str, events, grpc_context):
         try:

@@ -1,9 +1,11 @@
-"""The WebSocket `/sessions` route of a decode replica: one decode session per connection, on the
-replica that accepted it (the connection is the affinity: every chunk reaches the same causal
-cache). Messages (docs/interfaces.md, "Decode sessions"): `open`, then `chunk`s, then `close`; the
-answers `opened`, each chunk's frame messages (or mp4/webm fragments) then `chunk_done`, `closed`,
-and `error` (a bad chunk's leaves the session open and unchanged; an open's or `session_expired`
-ends the connection). A disconnect frees the session at once.
+"""A decode session's conversation (`conversation`: the messages as maps, whatever carries them) and
+the WebSocket `/sessions` route of a decode replica that speaks it: one decode session per
+connection, on the replica that accepted it (the connection is the affinity: every chunk reaches the
+same causal cache); gRPC's DecodeSession speaks it too (grpc_servicer.py). Messages
+(docs/interfaces.md, "Decode sessions"): `open`, then `chunk`s, then `close`; the answers
+`opened`, each chunk's frame messages (or mp4/webm fragments) then `chunk_done`, `closed`, and
+`error` (a bad chunk's leaves the session open and unchanged; an open's or `session_expired` ends
+the connection). A disconnect frees the session at once.
 
 Also the handle surface (`SessionCalls`): the same session through Serve handles and the Ray actor,
 pinned to its replica by serving/session_router.py.
@@ -11,11 +13,14 @@ pinned to its replica by serving/session_router.py.
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from vae_service.engine.request.errors import InvalidInput
 from vae_service.engine.request.session import SessionExpired
-from vae_service.protocol.errors import ANSWERABLE, wire_error
+from vae_service.protocol.errors import ANSWERABLE, WireErrorInfo, wire_error
 from vae_service.protocol.requests import call_latents
 from vae_service.protocol.sessions import (
     chunk_of,
@@ -33,33 +38,55 @@ from vae_service.serving.decode_service import DecodeService
 from vae_service_client.errors import make_error
 from vae_service_client.messages import pack
 
-NORMAL, POLICY, GOING_AWAY = 1000, 1008, 1001
+NORMAL, POLICY = 1000, 1008
 
 
-async def serve_session(service: DecodeService, admission: Admission, ws: WebSocket) -> None:
-    await ws.accept()
+@dataclass(frozen=True)
+class Reply:
+    """One answer of a session's conversation; `ends`: the transport ends the connection after it
+    (`refused`: an open that was refused, else a session that ended: closed or expired), `error` the
+    error it carries where there is one."""
+
+    message: dict
+    ends: bool = False
+    refused: bool = False
+    error: WireErrorInfo | None = None
+
+
+Receive = Callable[[], Awaitable[tuple[str, dict] | None]]
+
+
+async def conversation(service: DecodeService, admit: Callable[[], None], receive: Receive) -> AsyncIterator[Reply]:
+    """One decode session, whatever carries it (the WebSocket, gRPC's DecodeSession): `admit`
+    raises where the caller may not decode; `receive` is the next message as (kind, map), None when
+    the caller went away, raising InvalidInput for a message it cannot read. The session is freed
+    when the conversation ends, however it ends (a disconnect: at once)."""
     session_id = None
     try:
         try:
-            admission.check(ws.headers.get("authorization"))
-            kind, fields = parse_message(await ws.receive_bytes(), service.config.limits.max_request_bytes)
+            admit()
+            first = await receive()
+            if first is None:
+                return
+            kind, fields = first
             if kind != "open":
                 raise InvalidInput("message", f"the first message of a session is 'open', got {kind!r}")
             session = service.sessions.open(session_open(fields))
         except ANSWERABLE as exc:
-            await _send(ws, error_message(wire_error(service.rejected(exc))))
-            await ws.close(POLICY)
+            info = wire_error(service.rejected(exc))
+            yield Reply(error_message(info), ends=True, refused=True, error=info)
             return
         session_id = session.id
-        await _send(ws, opened_message(service.sessions.describe_session(session)))
+        yield Reply(opened_message(service.sessions.describe_session(session)))
         while True:
-            body = await ws.receive_bytes()
             try:
-                kind, fields = parse_message(body, service.config.limits.max_request_bytes)
+                received = await receive()
+                if received is None:
+                    return
+                kind, fields = received
                 if kind == "close":
                     summary = service.sessions.close(session_id)
-                    await _send(ws, closed_message(summary, session.settings.output))
-                    await ws.close(NORMAL)
+                    yield Reply(closed_message(summary, session.settings.output), ends=True)
                     return
                 if kind == "open":
                     raise InvalidInput("message", "this connection's session is open already: send chunks, then close")
@@ -67,27 +94,43 @@ async def serve_session(service: DecodeService, admission: Admission, ws: WebSoc
                 answer = await service.sessions.chunk(session_id, request, latent_frame)
             except SessionExpired as exc:
                 info = wire_error(service.rejected(exc))
-                await _send(ws, error_message(info, frames=exc.frames, latent_frames=exc.latent_frames))
-                await ws.close(NORMAL)
+                yield Reply(
+                    error_message(info, frames=exc.frames, latent_frames=exc.latent_frames), ends=True, error=info
+                )
                 return
             except ANSWERABLE as exc:
-                await _send(ws, error_message(wire_error(service.rejected(exc)), frames=session.frames))
+                yield Reply(error_message(wire_error(service.rejected(exc)), frames=session.frames))
                 continue
-            if answer.fragments:
-                for fragment in answer.fragments:
-                    await _send(ws, fragment_message(fragment))
-            else:
-                await _send(ws, frames_of(answer.frames))
-            await _send(ws, {"chunk_done": answer.done(session)})
-    except WebSocketDisconnect:
-        pass
+            for message in [fragment_message(f) for f in answer.fragments] or [frames_of(answer.frames)]:
+                yield Reply(message)
+            yield Reply({"chunk_done": answer.done(session)})
     finally:
         if session_id is not None:
             service.sessions.close(session_id, "the client disconnected")
 
 
-async def _send(ws: WebSocket, message: dict) -> None:
-    await ws.send_bytes(pack(message))
+async def serve_session(service: DecodeService, admission: Admission, ws: WebSocket) -> None:
+    """The WebSocket transport: one binary msgpack message each way per Reply."""
+    await ws.accept()
+    limit = service.config.limits.max_request_bytes
+
+    async def receive() -> tuple[str, dict] | None:
+        try:
+            body = await ws.receive_bytes()
+        except WebSocketDisconnect:
+            return None
+        return parse_message(body, limit)
+
+    replies = conversation(service, lambda: admission.check(ws.headers.get("authorization")), receive)
+    try:
+        async for reply in replies:
+            await ws.send_bytes(pack(reply.message))
+            if reply.ends:
+                await ws.close(POLICY if reply.refused else NORMAL)
+    except WebSocketDisconnect:
+        pass
+    finally:
+        await replies.aclose()
 
 
 class SessionCalls:

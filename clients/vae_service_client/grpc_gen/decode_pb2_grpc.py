@@ -49,6 +49,11 @@ class VaeDecoderStub:
                 request_serializer=decode__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=decode__pb2.FrameMessage.FromString,
                 _registered_method=True)
+        self.DecodeSession = channel.stream_stream(
+                '/vae_service.v1.VaeDecoder/DecodeSession',
+                request_serializer=decode__pb2.SessionRequest.SerializeToString,
+                response_deserializer=decode__pb2.SessionReply.FromString,
+                _registered_method=True)
 
 
 class VaeDecoderServicer:
@@ -68,9 +73,18 @@ class VaeDecoderServicer:
         raise NotImplementedError('Method not implemented!')
 
     def DecodeFrames(self, request, context):
-        """Video models, uint8/float/mp4 output: one chunk per decoded latent frame as soon as it is
+        """Video models, uint8/float/mp4/webm output: one chunk per decoded latent frame as soon as it is
         decoded (mp4: one fragment), then `done`. Other models and outputs: INVALID_ARGUMENT before
         any message.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DecodeSession(self, request_iterator, context):
+        """A decode session (Wan-style causal video decoders): latent chunks in as a denoiser makes them,
+        each chunk's frames (or mp4/webm fragments continuing one file) out as soon as it is decoded.
+        The stream is the session: it lives on the replica that took it; ending the stream frees it.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -93,6 +107,11 @@ def add_VaeDecoderServicer_to_server(servicer, server):
                     servicer.DecodeFrames,
                     request_deserializer=decode__pb2.DecodeRequest.FromString,
                     response_serializer=decode__pb2.FrameMessage.SerializeToString,
+            ),
+            'DecodeSession': grpc.stream_stream_rpc_method_handler(
+                    servicer.DecodeSession,
+                    request_deserializer=decode__pb2.SessionRequest.FromString,
+                    response_serializer=decode__pb2.SessionReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -176,6 +195,33 @@ class VaeDecoder:
             '/vae_service.v1.VaeDecoder/DecodeFrames',
             decode__pb2.DecodeRequest.SerializeToString,
             decode__pb2.FrameMessage.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DecodeSession(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/vae_service.v1.VaeDecoder/DecodeSession',
+            decode__pb2.SessionRequest.SerializeToString,
+            decode__pb2.SessionReply.FromString,
             options,
             channel_credentials,
             insecure,
