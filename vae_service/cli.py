@@ -79,15 +79,16 @@ def config_errors(exc: ValidationError) -> str:
     parts = []
     for err in exc.errors():
         loc = tuple(err["loc"])
+        secret = loc[:1] == ("sinks",) or exc.title == "Sink"  # a sink's value may hold a secret: never shown
         name = ".".join(map(str, loc)) or "config"
         if err["type"] == "extra_forbidden":
             parts.append(f"{name}: unknown field{did_you_mean(loc[-1], _fields_at(loc[:-1]))}")
-        elif err["type"] == "literal_error":
+        elif err["type"] == "literal_error" and not secret:
             choices = re.findall(r"'([^']*)'", str((err.get("ctx") or {}).get("expected", "")))
             got = err.get("input")
             parts.append(f"{name}: {got!r} is not one of {', '.join(choices)}{did_you_mean(got, choices)}")
         else:
-            got = "" if loc[0] == "sinks" else f" (got {err.get('input')!r})"  # a sink's value may hold a secret
+            got = "" if secret else f" (got {err.get('input')!r})"
             parts.append(f"{name}: {err['msg']}{got}")
     return "invalid configuration: " + "; ".join(parts)
 
@@ -528,7 +529,7 @@ def cmd_batch_decode(args: argparse.Namespace) -> None:
     config = _config_from(args)
     check_model(config)
     from vae_service.batch import BatchInputError, list_inputs
-    from vae_service.storage import LocationError, check_location
+    from vae_service.storage import LocationError, check_location, redact
 
     try:  # every output path, before Ray starts: two inputs that would write one file stop the job here
         check_location(args.output_dir)
@@ -547,8 +548,8 @@ def cmd_batch_decode(args: argparse.Namespace) -> None:
     num_gpus = args.num_gpus if args.num_gpus is not None else (1 if gpus else 0)
     concurrency = args.concurrency or (max(1, int(gpus // num_gpus)) if num_gpus else 1)
     print(
-        f"decoding {args.input} -> {args.output_dir}: {inputs.count} inputs ({inputs.total_items} latent items), "
-        f"{concurrency} engine(s), {num_gpus} GPU(s) each",
+        f"decoding {redact(args.input)} -> {redact(args.output_dir)}: {inputs.count} inputs "
+        f"({inputs.total_items} latent items), {concurrency} engine(s), {num_gpus} GPU(s) each",
         flush=True,
     )
     try:

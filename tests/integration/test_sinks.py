@@ -22,9 +22,14 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
-def sinks_app(ray_cluster, kl_dir, s3_server):
-    """tiny-kl (as the kl_url service) with two sinks: `results` on the store, `gated` on the
-    same store through a relay the test can stop."""
+def local_sink(tmp_path_factory):
+    return tmp_path_factory.mktemp("local-sink")
+
+
+@pytest.fixture(scope="module")
+def sinks_app(ray_cluster, kl_dir, s3_server, local_sink):
+    """tiny-kl (as the kl_url service) with three sinks: `results` on the store, `gated` on the
+    same store through a relay the test can stop, `local` a folder."""
     from ray import serve
 
     from vae_service.serving.app import decoder_app
@@ -38,6 +43,7 @@ def sinks_app(ray_cluster, kl_dir, s3_server):
         "sinks": {
             "results": {"uri": f"s3://{BUCKET}/served", "endpoint_override": s3_server.endpoint, **http},
             "gated": {"uri": f"s3://{BUCKET}/gated", "endpoint_override": gate.endpoint, **http},
+            "local": {"uri": str(local_sink)},
         },
     }
     serve.run(decoder_app(config, **TEST_DEPLOYMENT), name="sinks", route_prefix="/sinks")
@@ -57,7 +63,7 @@ def test_a_sink_stores_the_answers_bytes_and_refuses_keys_and_stores_it_cannot_u
     with VaeClient(url) as client:
         files = client.decode(z, "lossless", "png").output
         stored = client.decode(z, "lossless", "png", sink="results", key="job-42/frame").output
-        assert client.health()["sinks"] == ["gated", "results"]  # names only
+        assert client.health()["sinks"] == ["gated", "local", "results"]  # names only
     assert stored == [
         {"uri": f"s3://{BUCKET}/served/job-42/frame-{i}.png", "size": len(f), "sha256": hashlib.sha256(f).hexdigest()}
         for i, f in enumerate(files)
@@ -77,6 +83,42 @@ def test_a_sink_stores_the_answers_bytes_and_refuses_keys_and_stores_it_cannot_u
     assert (answer.status_code, error["type"], error["field"]) == (503, "unavailable", "sink")
     assert "Retry-After" in answer.headers and "sink 'gated'" in error["message"]
     assert s3_server.read("gated/after-stop.png") is None
+
+
+def test_a_local_sink_never_follows_a_link_out_of_its_folder(sinks_app, local_sink, tmp_path):
+    """A link to a folder outside, planted in the sink's folder: a key through it is 400 naming
+    `key` and nothing outside changes (no file overwritten, no folder made); a link in place of a
+    final name is replaced by the answer's file, inside the sink."""
+    url, _ = sinks_app
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "victim.png").write_bytes(b"someone else's file")
+    (local_sink / "shared").symlink_to(outside, target_is_directory=True)
+    z = torch.randn(1, 4, 4, 6, generator=torch.Generator().manual_seed(12))
+    for key in ("shared/victim", "shared/made/dirs/x"):
+        answer = post(url, z, sink="local", key=key)
+        error = answer.json()["error"]
+        assert (answer.status_code, error["field"]) == (400, "key") and "symbolic link" in error["message"], error
+    assert sorted(p.name for p in outside.iterdir()) == ["victim.png"]
+    assert (outside / "victim.png").read_bytes() == b"someone else's file"
+    (local_sink / "frame.png").symlink_to(outside / "victim.png")
+    with VaeClient(url) as client:
+        png = client.decode(z, "lossless", "png").output[0]
+        stored = client.decode(z, "lossless", "png", sink="local", key="frame").output
+    assert stored[0]["uri"] == f"file://{local_sink}/frame.png" and stored[0]["size"] == len(png)
+    assert not (local_sink / "frame.png").is_symlink() and (local_sink / "frame.png").read_bytes() == png
+    assert (outside / "victim.png").read_bytes() == b"someone else's file"
+
+
+def test_a_key_the_store_would_refuse_is_400_not_a_retried_503(sinks_app, s3_server):
+    """An object name of 1,015 bytes (2-byte characters) passes S3's 1,024 but its temporary's does
+    not: 400 naming `key` (checked with the request, before its decode), nothing stored."""
+    url, _ = sinks_app
+    key = "/".join(["é" * 100] * 5)
+    answer = post(url, torch.randn(1, 4, 4, 6), sink="results", key=key)
+    error = answer.json()["error"]
+    assert (answer.status_code, error["field"]) == (400, "key") and "temporary" in error["message"], error
+    assert s3_server.listing("served/é") == []
 
 
 def _npy(z: torch.Tensor) -> bytes:

@@ -301,6 +301,19 @@ def test_lossless_sessions_of_tiny_latents_are_diffusers_whole_decode(served, na
         assert torch.equal(joined(answers), diffusers_decode(m, z)), chunking
 
 
+@pytest.mark.parametrize("h,w,t", [(1, 1, 1), (1, 1, 2), (1, 1, 5), (1, 2, 3), (2, 2, 2), (1, 3, 3), (2, 5, 1)])
+@pytest.mark.parametrize("name", WAN_VERSIONS)
+def test_a_clip_under_eleven_positions_is_exact_when_the_session_knows_its_length(served, name, h, w, t):
+    """Below 11 latent positions the whole clip's own post-quant conv takes a small-matrix path:
+    told the clip's length, each chunk is padded to the whole clip's count, and the session is
+    diffusers' whole decode bit for bit, one frame at a time and as one chunk."""
+    m = served(name)
+    z = clip(m, t, h, w, seed=13)
+    for chunking in {(1,) * t, (t,)}:
+        _, answers = decode_in_session(m, z, list(chunking), output="float", clip_latent_frames=t)
+        assert torch.equal(joined(answers), diffusers_decode(m, z)), chunking
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("shape", [(48, 21, 30, 52), (16, 25, 60, 13), (4, 9, 2, 3), (16, 6, 1, 2)])
 def test_a_chunks_post_quant_conv_has_the_whole_clips_bits(shape, threads):
@@ -316,7 +329,7 @@ def test_a_chunks_post_quant_conv_has_the_whole_clips_bits(shape, threads):
         whole = conv(z)
         for chunking in ([1] * t, random_chunking(t, c) if t > 2 else [t]):
             for a, b in spans(chunking):
-                assert torch.equal(chunk_post_quant(conv, z[:, :, a:b], t), whole[:, :, a:b]), (chunking, a)
+                assert torch.equal(chunk_post_quant(conv, z[:, :, a:b], t, a), whole[:, :, a:b]), (chunking, a)
 
 
 def test_a_long_clip_is_exact_when_the_session_knows_its_length(served):

@@ -63,8 +63,8 @@ def test_object_names_are_batch_decodes_and_bounded_with_their_prefix():
 @pytest.mark.parametrize(
     "uri, says",
     [
-        ("s3://AKIA:secret@bucket/p", "credentials never go in a URI"),
-        ("s3://bucket/p?secret_key=x", "credentials never go in a URI"),
+        ("s3://AKIA:s3cr3t-v@bucket/p", "credentials never go in a URI"),
+        ("s3://bucket/p?secret_key=s3cr3t-v", "credentials never go in a URI"),
         ("relative/folder", "absolute path"),
         ("s3://bucket/../other", "'..' are not allowed"),
         ("hdfs://nn/x", "not one of"),
@@ -76,10 +76,10 @@ def test_a_sink_config_names_a_location_without_credentials(uri, says):
 
     with pytest.raises(ValueError, match=says) as caught:
         Sink(uri=uri)
-    assert "secret" not in str(caught.value)  # not in the message, nor as pydantic's input_value
+    assert "s3cr3t-v" not in str(caught.value)  # not in the message, nor as pydantic's input_value
     with pytest.raises(ValueError) as caught:
         ServiceConfig(sinks={"results": {"uri": uri}})
-    assert "secret" not in str(caught.value) and "secret" not in config_errors(caught.value)  # the CLI's line
+    assert "s3cr3t-v" not in str(caught.value) and "s3cr3t-v" not in config_errors(caught.value)  # the CLI's line
 
 
 def test_an_endpoint_with_credentials_in_it_is_refused_without_repeating_them():
@@ -109,6 +109,82 @@ def test_a_local_folder_round_trip_writes_whole_files(tmp_path):
     }
     assert (tmp_path / "sink/job-42/frame.png").read_bytes() == b"\x89PNG data"
     assert [p.name for p in root.files(recursive=True)] == ["frame.png"]  # no temporary left
+
+
+def _outside_and_sink(tmp_path):
+    """An outside folder holding a file someone else owns, and a sink folder with `shared`, a link
+    to the outside folder, planted inside it."""
+    outside, sink = tmp_path / "outside", tmp_path / "sink"
+    outside.mkdir()
+    sink.mkdir()
+    (outside / "victim.png").write_bytes(b"not yours")
+    (sink / "shared").symlink_to(outside, target_is_directory=True)
+    return outside, sink
+
+
+@pytest.mark.parametrize("key", ["shared/victim.png", "shared/made/dirs/x.png", "deep/shared/x.png"])
+def test_a_name_through_a_link_in_a_local_sink_is_refused_and_nothing_is_written_outside(tmp_path, key):
+    outside, sink = _outside_and_sink(tmp_path)
+    (sink / "deep").mkdir()
+    (sink / "deep/shared").symlink_to(outside, target_is_directory=True)
+    with pytest.raises(InvalidKey, match="symbolic link"):
+        open_location(str(sink)).child(key).write_whole(b"attacker's bytes")
+    assert sorted(p.name for p in outside.iterdir()) == ["victim.png"]
+    assert (outside / "victim.png").read_bytes() == b"not yours"
+
+
+def test_a_link_in_place_of_the_final_name_is_replaced_by_the_file_inside_the_sink(tmp_path):
+    outside, sink = _outside_and_sink(tmp_path)
+    (sink / "frame.png").symlink_to(outside / "victim.png")
+    (sink / "file").write_bytes(b"a file, not a folder")
+    stored = open_location(str(sink)).child("frame.png").write_whole(b"the answer")
+    assert not (sink / "frame.png").is_symlink() and (sink / "frame.png").read_bytes() == b"the answer"
+    assert stored.uri == f"file://{sink}/frame.png"
+    assert (outside / "victim.png").read_bytes() == b"not yours"
+    with pytest.raises(InvalidKey, match="not a folder"):
+        open_location(str(sink)).child("file/x.png").write_whole(b"x")
+
+
+def test_links_swapped_in_while_a_write_is_in_flight_change_nothing(tmp_path, monkeypatch):
+    """Between two chunks of a write, its folder is moved away and replaced by a link to the outside,
+    and a link is planted at its final name: the file lands in the folder the write held open (the
+    moved one, inside the sink), nothing outside changes."""
+    monkeypatch.setattr(storage_locations, "CHUNK_BYTES", 4)
+    outside, sink = _outside_and_sink(tmp_path)
+    (sink / "job").mkdir()
+    swapped = []
+
+    def swap_links_midway():
+        if not swapped:
+            (sink / "job").rename(sink / "job-moved")
+            (sink / "job").symlink_to(outside, target_is_directory=True)
+            (sink / "job-moved/x.png").symlink_to(outside / "victim.png")
+            swapped.append(True)
+
+    open_location(str(sink)).child("job/x.png").write_whole(b"0123456789ab", swap_links_midway)
+    assert swapped and (sink / "job-moved/x.png").read_bytes() == b"0123456789ab"
+    assert not (sink / "job-moved/x.png").is_symlink()
+    assert sorted(p.name for p in outside.iterdir()) == ["victim.png"]
+    assert (outside / "victim.png").read_bytes() == b"not yours"
+    assert sorted(p.name for p in (sink / "job-moved").iterdir()) == ["x.png"]  # no temporary left
+
+
+def test_a_key_whose_temporary_the_store_would_refuse_is_refused_before_anything():
+    """The bound counts what the store is asked to make: the prefix, the item's suffix and the
+    temporary's decoration (22 bytes), in bytes (2-byte characters here)."""
+    key = "/".join(["é" * 100] * 5)  # 504 characters, 1,004 bytes
+    assert len(f"served/{key}.png".encode()) == 1015  # within 1,024: accepted before its temporary counted
+    with pytest.raises(InvalidKey, match="temporary"):
+        object_names(key, "png", 1, prefix="served")
+    fits = "/".join(["é" * 100] * 4 + ["é" * 90])
+    assert len(storage_locations.temporary_name(f"served/{fits}.png").encode()) <= 1024
+    assert object_names(fits, "png", 1, prefix="served") == [f"{fits}.png"]
+
+
+def test_a_segments_bound_is_in_bytes_not_characters():
+    with pytest.raises(InvalidKey, match="201 bytes"):
+        check_key("é" * 100 + "x")  # 101 characters, 201 bytes
+    assert check_key("é" * 100) == "é" * 100
 
 
 class _FailingStream:

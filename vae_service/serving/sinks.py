@@ -105,7 +105,10 @@ class Sinks:
             location = self.location(sink)
         except (ValueError, OSError) as exc:  # a filesystem that cannot even be made (GCS credentials, ...)
             raise StoreUnavailable(f"sink {sink!r}: {exc}") from exc
-        return location.child(name).write_whole(data, check=lambda: context.check(f"writing to sink {sink!r}"))
+        try:
+            return location.child(name).write_whole(data, check=lambda: context.check(f"writing to sink {sink!r}"))
+        except InvalidKey as exc:  # a folder of the key is a link in the sink's folder: never followed
+            raise InvalidInput("key", str(exc)) from None
 
     def _unavailable(self, sink: str, exc: BaseException) -> Unavailable:
         error_id = uuid.uuid4().hex[:12]

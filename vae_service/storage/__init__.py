@@ -5,6 +5,7 @@ batch-decode (inputs and outputs) use it."""
 
 from vae_service.storage.keys import InvalidKey, check_key, object_names
 from vae_service.storage.locations import (
+    KeyThroughLink,
     Location,
     LocationError,
     StoredObject,
@@ -12,10 +13,12 @@ from vae_service.storage.locations import (
     check_location,
     open_location,
     parse_uri,
+    redact,
 )
 
 __all__ = [
     "InvalidKey",
+    "KeyThroughLink",
     "Location",
     "LocationError",
     "StoreUnavailable",
@@ -25,4 +28,5 @@ __all__ = [
     "object_names",
     "open_location",
     "parse_uri",
+    "redact",
 ]

@@ -5,13 +5,16 @@ batch-decode names its files)."""
 
 from __future__ import annotations
 
+import posixpath
 import unicodedata
+import uuid
 
 MAX_KEY_CHARS = 512
 # every segment of a key: well within a local file system's 255-byte names once an item's index,
 # the extension and a temporary object's decoration (locations.py) are added to the last one
 MAX_SEGMENT_BYTES = 200
 MAX_OBJECT_BYTES = 1024  # S3's and GCS's bound on an object's name (UTF-8), prefix included
+TEMPORARY_RANDOM_CHARS = 16
 # control and format characters (bidi overrides, zero-width joiners) and lone surrogates
 _REFUSED_CATEGORIES = ("Cc", "Cf", "Cs")
 _REFUSED_CHARS = "\\?#"  # a separator elsewhere; what would end a URI's path
@@ -44,13 +47,27 @@ def check_key(key: object) -> str:
     return key
 
 
+def temporary_name(path: str, random: str | None = None) -> str:
+    """The temporary a file is written to before it is moved to `path`: beside it, hidden
+    (`.{name}.{random}.tmp`), so no key (check_key: no segment starts with '.') can name it."""
+    parent, name = posixpath.split(path)
+    random = random if random is not None else uuid.uuid4().hex[:TEMPORARY_RANDOM_CHARS]
+    return posixpath.join(parent, f".{name}.{random}.tmp")
+
+
 def object_names(key: object, ext: str, items: int, prefix: str = "") -> list[str]:
     """The names of `items` files under a prefix: `{key}.{ext}` for one, `{key}-{i}.{ext}` for
-    several. `prefix`: the object key of the location they go under (its length counts toward
-    MAX_OBJECT_BYTES). Raises InvalidKey."""
+    several. `prefix`: the object key of the location they go under. The longest object the store
+    is asked to make counts toward MAX_OBJECT_BYTES: the prefix, the item's suffix and the
+    temporary's decoration, so a name the store would refuse is refused here, before any decode.
+    Raises InvalidKey."""
     key = check_key(key)
     names = [f"{key}.{ext}"] if items == 1 else [f"{key}-{i}.{ext}" for i in range(items)]
-    longest = max(len(f"{prefix}/{n}".encode()) for n in names)
+    placeholder = "0" * TEMPORARY_RANDOM_CHARS
+    longest = max(len(temporary_name(posixpath.join(prefix, n), placeholder).encode()) for n in names)
     if longest > MAX_OBJECT_BYTES:
-        raise InvalidKey(f"makes an object name of {longest} bytes under the prefix; at most {MAX_OBJECT_BYTES}")
+        raise InvalidKey(
+            f"makes an object name of {longest} bytes under the prefix, its temporary's decoration included; "
+            f"at most {MAX_OBJECT_BYTES} (S3's and GCS's bound)"
+        )
     return names

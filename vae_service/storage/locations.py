@@ -17,24 +17,42 @@ it (`.{name}.{random}.tmp`), then moved to its name; on S3 and GCS a move is a s
 a delete, so the final name appears whole. A failure removes the temporary where the store still
 answers; one left by a killed process or an unreachable store starts with `.` and ends `.tmp`.
 
+In a local folder no symbolic link below the location's root is followed: each folder of a name is
+opened (or made) relative to the one above it without following a link, the temporary is created
+in that folder, never through a link, and the move replaces whatever is at the final name (a link
+included) with the file, inside the folder held open. A name through a link is refused (KeyThroughLink);
+a link swapped in while a write is in flight changes nothing (the folders are held open).
+
 Pure: nothing here knows of requests, Serve or Ray; pyarrow is imported on first use."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import functools
 import hashlib
 import os
 import posixpath
 import re
-import uuid
+import stat
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit
+from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit, urlunsplit
+
+from vae_service.storage.keys import InvalidKey, temporary_name
 
 SCHEMES = {"s3": "s3", "gs": "gs", "gcs": "gs", "file": "file"}
 # what a URI's query may set (the same names as the options of open_location)
 URI_OPTIONS = ("endpoint_override", "scheme", "region", "connect_timeout_s", "request_timeout_s", "retry_attempts")
+OPTION_VALUES = {
+    "endpoint_override": "host:port or http(s)://host:port",
+    "scheme": "http or https",
+    "region": "a region's name",
+    "connect_timeout_s": "seconds > 0",
+    "request_timeout_s": "seconds > 0",
+    "retry_attempts": "an integer >= 1",
+}
 CREDENTIAL_OPTIONS = ("access_key", "secret_key", "session_token", "role_arn", "external_id", "access_token")
 CHUNK_BYTES = 8 * 2**20  # a write checks whether it should stop between chunks of this size
 
@@ -58,6 +76,10 @@ class StoreOptions:
 
     def query(self) -> str:
         return urlencode({k: v for k, v in vars(self).items() if v is not None}, safe=":/")
+
+
+class KeyThroughLink(InvalidKey):
+    """A name whose folder is a symbolic link (or a file) inside a local location: refused, never followed."""
 
 
 @dataclass(frozen=True)
@@ -87,59 +109,71 @@ class ParsedUri:
 def parse_uri(uri: str, **options) -> ParsedUri:
     """Check a URI (and options beside its query) without opening anything. Raises LocationError."""
     if not isinstance(uri, str) or not uri.strip():
-        raise LocationError(f"location {uri!r}: must be a non-empty string")
+        raise LocationError(f"location {redact(uri)!r}: must be a non-empty string")
     if "://" not in uri:
         if "?" in uri or "#" in uri:
             raise LocationError(f"{uri}: a local folder's path has no query; use file:// or s3:// URIs for options")
         return ParsedUri("file", os.path.abspath(uri), _options(uri, options))
-    parts = urlsplit(uri)
+    try:
+        parts = urlsplit(uri)
+    except ValueError as exc:  # "Invalid IPv6 URL": a netloc it cannot read
+        raise LocationError(f"{redact(uri)}: not a URI ({exc})") from None
     kind = SCHEMES.get(parts.scheme.lower())
     if kind is None:
-        raise LocationError(f"{uri}: scheme {parts.scheme!r} is not one of {sorted(SCHEMES)} (or a local path)")
+        raise LocationError(f"{redact(uri)}: scheme {parts.scheme!r} is not one of {sorted(SCHEMES)} (or a local path)")
     if parts.fragment:
-        raise LocationError(f"{uri}: a location has no #fragment")
+        raise LocationError(f"{redact(uri)}: a location has no #fragment")
     query = dict(parse_qsl(parts.query, keep_blank_values=True))
     leaked = sorted(k for k in query if k in CREDENTIAL_OPTIONS)
     if "@" in parts.netloc or leaked:
         raise LocationError(
-            f"{_redacted(parts)}: credentials never go in a URI or config; the store's SDK reads them from the "
+            f"{redact(uri)}: credentials never go in a URI or config; the store's SDK reads them from the "
             "environment (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY/AWS_PROFILE, GOOGLE_APPLICATION_CREDENTIALS)"
         )
     unknown = sorted(k for k in query if k not in URI_OPTIONS)
     if unknown:
-        raise LocationError(f"{_redacted(parts)}: unknown option {unknown[0]!r} (allowed: {list(URI_OPTIONS)})")
+        raise LocationError(f"{redact(uri)}: unknown option {unknown[0]!r} (allowed: {list(URI_OPTIONS)})")
     if kind == "file":
         if parts.netloc not in ("", "localhost") or query:
-            raise LocationError(f"{uri}: a file:// URI names a local folder (file:///path), without options")
+            raise LocationError(f"{redact(uri)}: a file:// URI names a local folder (file:///path), without options")
         path = unquote(parts.path)
         if not path.startswith("/"):
-            raise LocationError(f"{uri}: a file:// URI needs an absolute path")
+            raise LocationError(f"{redact(uri)}: a file:// URI needs an absolute path")
         _check_segments(uri, path)
         return ParsedUri("file", posixpath.normpath(path), StoreOptions())
     bucket = parts.netloc
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", bucket):
-        raise LocationError(f"{_redacted(parts)}: names no bucket ({kind}://bucket/prefix; the endpoint goes apart)")
+        raise LocationError(f"{redact(uri)}: names no bucket ({kind}://bucket/prefix; the endpoint goes apart)")
     prefix = unquote(parts.path).strip("/")
     _check_segments(uri, prefix)
     path = f"{bucket}/{prefix}" if prefix else bucket
     return ParsedUri(kind, path, _options(uri, {**query, **{k: v for k, v in options.items() if v is not None}}))
 
 
-def _redacted(parts) -> str:
-    """A URI to show in an error: without userinfo or query (either may hold secrets)."""
-    host = parts.netloc.rsplit("@", 1)[-1]
-    return f"{parts.scheme}://{host}{parts.path}"
+def redact(uri: object) -> str:
+    """A location as every message, log line and answer shows it: without user info and with each
+    query value masked (either may hold a secret), no #fragment; a local path as it is. The one
+    redaction: nothing that names a location is shown any other way."""
+    text = str(uri)
+    if "://" not in text:
+        return text
+    try:
+        parts = urlsplit(text)
+        query = "&".join(f"{k}=***" for k, _ in parse_qsl(parts.query, keep_blank_values=True))
+        return urlunsplit((parts.scheme, parts.netloc.rpartition("@")[2], parts.path, query, ""))
+    except ValueError:  # a netloc urlsplit cannot read ("[::1"): its scheme alone
+        return f"{text.partition('://')[0]}://(a location that cannot be parsed)"
 
 
 def _check_segments(uri: str, path: str) -> None:
     if any(s in (".", "..") for s in path.split("/")):
-        raise LocationError(f"{uri}: '.' and '..' are not allowed in a location's path")
+        raise LocationError(f"{redact(uri)}: '.' and '..' are not allowed in a location's path")
 
 
 def _options(uri: str, given: dict) -> StoreOptions:
     unknown = sorted(k for k in given if k not in URI_OPTIONS)
     if unknown:
-        raise LocationError(f"{uri}: unknown option {unknown[0]!r} (allowed: {list(URI_OPTIONS)})")
+        raise LocationError(f"{redact(uri)}: unknown option {unknown[0]!r} (allowed: {list(URI_OPTIONS)})")
     typed: dict = {}
     for key, value in given.items():
         if value is None:
@@ -157,10 +191,12 @@ def _options(uri: str, given: dict) -> StoreOptions:
         except (TypeError, ValueError):
             ok = False
         if key == "endpoint_override" and "@" in str(value):  # user:secret@host: a credential, said nowhere
-            raise LocationError(f"{uri}: credentials never go in endpoint_override; the store's SDK reads them from "
-                                "the environment")  # fmt: skip
+            raise LocationError(
+                f"{redact(uri)}: credentials never go in endpoint_override; the store's SDK reads them from the "
+                "environment"
+            )
         if not ok:
-            raise LocationError(f"{uri}: option {key}={value!r} is not valid")
+            raise LocationError(f"{redact(uri)}: option {key} is not valid: {OPTION_VALUES[key]} (its value not shown)")
     return StoreOptions(**typed)
 
 
@@ -168,7 +204,7 @@ def check_location(uri: str, absolute: bool = False, **options) -> str:
     """`uri` when it names a location (for a config: `absolute`, a local folder must be given as
     /path or file:///path); raises LocationError."""
     if absolute and "://" not in uri and not uri.startswith("/"):
-        raise LocationError(f"{uri}: a local folder must be an absolute path (/path or file:///path)")
+        raise LocationError(f"{redact(uri)}: a local folder must be an absolute path (/path or file:///path)")
     parse_uri(uri, **options)
     return uri
 
@@ -183,9 +219,9 @@ def open_location(uri: str, **options) -> Location:
         store = replace(store, endpoint_override=endpoint)
     fs = _filesystem(parsed.kind, store)
     if parsed.kind == "file":
-        return Location(fs, parsed.path, "file://" + quote(parsed.path), "")
+        return Location(fs, parsed.path, "file://" + quote(parsed.path), "", parsed.path)
     shown = f"{parsed.kind}://{quote(parsed.path)}"
-    return Location(fs, parsed.path, shown, parsed.options.query())
+    return Location(fs, parsed.path, shown, parsed.options.query(), parsed.path)
 
 
 @functools.lru_cache(maxsize=64)
@@ -218,12 +254,14 @@ def _filesystem(kind: str, options: StoreOptions):
 class Location:
     """A folder or a file in a store: `fs` (a pyarrow FileSystem), `path` (the file system's path:
     "bucket/prefix" or "/abs/path"), `uri` (to show and answer: no query, no credentials) and
-    `query` (the non-secret options of the URI it was opened from: `spec` reopens it)."""
+    `query` (the non-secret options of the URI it was opened from: `spec` reopens it); `root`: the
+    path it was opened at (its children keep it: no link below it is followed when writing)."""
 
     fs: object
     path: str
     uri: str
     query: str = ""
+    root: str = ""
 
     def __str__(self) -> str:
         return self.path if self.local else self.uri
@@ -254,7 +292,12 @@ class Location:
 
     def child(self, name: str) -> Location:
         """The file or folder `name` (a relative name, `/` between segments; keys.check_key's) below."""
-        return replace(self, path=f"{self.path.rstrip('/')}/{name}", uri=f"{self.uri.rstrip('/')}/{quote(name)}")
+        return replace(
+            self,
+            path=f"{self.path.rstrip('/')}/{name}",
+            uri=f"{self.uri.rstrip('/')}/{quote(name)}",
+            root=self.root or self.path,
+        )
 
     @property
     def object_key(self) -> str:
@@ -320,25 +363,75 @@ class Location:
         move. `check` is called between chunks and before the move: whatever it raises stops the
         write (the temporary removed, nothing under this name). Store failures raise StoreUnavailable."""
         digest = hashlib.sha256(data).hexdigest()
-        parent, name = posixpath.split(self.path)
-        temporary = f"{parent}/.{name}.{uuid.uuid4().hex[:16]}.tmp"
-        view = memoryview(data)
+        check = check or (lambda: None)
+        if self._on_local_disk():
+            with _store_errors(self, writing=True):
+                self._write_local(memoryview(data), check)
+            return StoredObject(self.uri, len(data), digest)
+        temporary = temporary_name(self.path)
         try:
             with _store_errors(self, writing=True):
                 if self.local:
-                    self.fs.create_dir(parent, recursive=True)
+                    self.fs.create_dir(posixpath.dirname(self.path), recursive=True)
                 with self.fs.open_output_stream(temporary) as out:
-                    for start in range(0, max(len(view), 1), CHUNK_BYTES):
-                        if check is not None:
-                            check()
-                        out.write(view[start : start + CHUNK_BYTES])
-                if check is not None:
-                    check()
+                    _write_chunks(out.write, memoryview(data), check)
+                check()
                 self.fs.move(temporary, self.path)
         except BaseException:
             _discard(self.fs, temporary)
             raise
         return StoredObject(self.uri, len(data), digest)
+
+    def _on_local_disk(self) -> bool:
+        import pyarrow.fs as pafs
+
+        return self.local and isinstance(self.fs, pafs.LocalFileSystem)
+
+    def _write_local(self, view: memoryview, check: Callable[[], None]) -> None:
+        root = self.root or posixpath.dirname(self.path)
+        *folders, name = posixpath.relpath(self.path, root).split("/")
+        os.makedirs(root, exist_ok=True)  # the root itself is the operator's choice: a link there is theirs
+        folder = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            for part in folders:
+                inner = _open_folder_below(folder, part, self.path)
+                os.close(folder)
+                folder = inner
+            temporary = posixpath.basename(temporary_name(name))
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+            out = os.open(temporary, flags, 0o666, dir_fd=folder)
+            try:
+                with os.fdopen(out, "wb") as f:
+                    _write_chunks(f.write, view, check)
+                check()
+                os.rename(temporary, name, src_dir_fd=folder, dst_dir_fd=folder)  # a link there is replaced
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(temporary, dir_fd=folder)
+                raise
+        finally:
+            os.close(folder)
+
+
+def _write_chunks(write: Callable, view: memoryview, check: Callable[[], None]) -> None:
+    for start in range(0, max(len(view), 1), CHUNK_BYTES):
+        check()
+        write(view[start : start + CHUNK_BYTES])
+
+
+def _open_folder_below(parent: int, part: str, path: str) -> int:
+    """The folder `part` inside the open folder `parent` (made if missing), opened without following
+    a link. A link or a file there: KeyThroughLink."""
+    try:
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(part, dir_fd=parent)
+        return os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=parent)
+    except OSError as exc:
+        if exc.errno not in (errno.ELOOP, errno.ENOTDIR):
+            raise
+        link = stat.S_ISLNK(os.stat(part, dir_fd=parent, follow_symlinks=False).st_mode)
+        what = "a symbolic link" if link else "not a folder"
+        raise KeyThroughLink(f"{part!r} in {path!r} is {what}; links are never followed below a location") from None
 
 
 def _discard(fs, path: str) -> None:

@@ -248,8 +248,9 @@ def walk_chunks(
 ) -> Iterator[torch.Tensor]:
     """`vae.decode(z).sample` split along time: one tensor per latent frame ([B, 3, t, H, W],
     clamped like diffusers), whose concatenation is that decode (bit-identical with the default
-    options)."""
-    yield from walk_on(vae, Walk(vae.decoder, options, FoldedBuffers() if folded is None else folded), z)
+    options). The whole clip is at hand: its post-quant conv runs on it as diffusers' does."""
+    walk = Walk(vae.decoder, options, FoldedBuffers() if folded is None else folded)
+    yield from _frames(vae, walk, vae.post_quant_conv(z))
 
 
 def walk_on(
@@ -258,7 +259,10 @@ def walk_on(
     """`walk_chunks` continuing `walk` (a session's, carried from its earlier chunks) over the chunk
     `z` of a clip of `clip_latent_frames` latent frames (None: unknown), its post-quant conv given
     the bits the whole clip's would have (chunk_post_quant)."""
-    x = chunk_post_quant(vae.post_quant_conv, z, clip_latent_frames)
+    yield from _frames(vae, walk, chunk_post_quant(vae.post_quant_conv, z, clip_latent_frames, walk.steps))
+
+
+def _frames(vae: nn.Module, walk: Walk, x: torch.Tensor) -> Iterator[torch.Tensor]:
     for i in range(x.shape[2]):
         yield finished_chunk(vae, walk.chunk(x[:, :, i : i + 1]))
 
@@ -270,23 +274,31 @@ def walk_on(
 MIN_GEMM_POSITIONS = 32
 
 
-def chunk_post_quant(conv: nn.Module, z: torch.Tensor, clip_latent_frames: int | None = None) -> torch.Tensor:
+def chunk_post_quant(
+    conv: nn.Module, z: torch.Tensor, clip_latent_frames: int | None = None, start: int = 0
+) -> torch.Tensor:
     """The 1x1x1 post-quant conv of a chunk `z` [B, C, t, H, W] with the bits diffusers' conv of the
     whole clip gives those frames. A 1x1x1 conv computes each position alone, but on CPU torch picks
     its kernel by the input's size (native GEMM for small inputs, oneDNN past C * T * H = 20480) and
     the GEMM's path by the positions' count: so the chunk runs on the kernel torch would pick for
     the whole clip where its length is known (else on the chunk's own), padded with zero frames to
-    MIN_GEMM_POSITIONS where the native GEMM would otherwise take its small-matrix path."""
+    MIN_GEMM_POSITIONS where the native GEMM would otherwise take its small-matrix path. A clip,
+    known, that small itself takes a small path whose bits depend on a position's place: the chunk
+    then runs at its own place (`start`, its first latent frame) in a zero clip of the clip's size."""
     if z.device.type != "cpu":
         return conv(z)  # cuDNN's algorithm is its own choice; exact on GPU is not claimed (docs/fast-path.md)
     if clip_latent_frames and clip_latent_frames > z.shape[2] and _whole_runs_on_onednn(conv, z, clip_latent_frames):
         return torch.ops.aten.mkldnn_convolution(
             z.contiguous(), conv.weight, conv.bias, conv.padding, conv.stride, conv.dilation, conv.groups
         )
-    t, positions = z.shape[2], z.shape[2] * z.shape[3] * z.shape[4]
-    if positions >= MIN_GEMM_POSITIONS or _on_onednn(conv, z):
+    t, plane = z.shape[2], z.shape[3] * z.shape[4]
+    if t * plane >= MIN_GEMM_POSITIONS or _on_onednn(conv, z):
         return conv(z)
-    frames = -(-MIN_GEMM_POSITIONS // (z.shape[3] * z.shape[4]))
+    if clip_latent_frames and clip_latent_frames * plane < MIN_GEMM_POSITIONS and start + t <= clip_latent_frames:
+        whole = z.new_zeros(*z.shape[:2], clip_latent_frames, *z.shape[3:])
+        whole[:, :, start : start + t] = z
+        return conv(whole)[:, :, start : start + t]
+    frames = -(-MIN_GEMM_POSITIONS // plane)
     padded = torch.cat([z, z.new_zeros(*z.shape[:2], frames - t, *z.shape[3:])], dim=2)
     return conv(padded)[:, :, :t]
 
