@@ -153,3 +153,39 @@ class Gate:
             with contextlib.suppress(OSError):
                 s.shutdown(socket.SHUT_RDWR)
             s.close()
+
+
+class Silent:
+    """A store that accepts connections, reads what it is sent and never answers (a hung relay or
+    load balancer): its clients' calls block until it closes."""
+
+    def __init__(self):
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.endpoint = f"127.0.0.1:{self.listener.getsockname()[1]}"
+        self.sockets: list[socket.socket] = [self.listener]
+        self.lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:  # closed
+                return
+            with self.lock:
+                self.sockets.append(client)
+            threading.Thread(target=self._drain, args=(client,), daemon=True).start()
+
+    @staticmethod
+    def _drain(client: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while client.recv(65536):
+                pass
+
+    def close(self) -> None:
+        with self.lock:
+            sockets, self.sockets = self.sockets, []
+        for s in sockets:
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+            s.close()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 # the rewrites' names without the fast path itself (torch): the CLI validates a config before it loads a model
 from vae_service.names import RETIRED_REWRITES, REWRITE_NAMES
@@ -221,6 +221,19 @@ class Sink(BaseModel):
     retry_attempts: int = Field(
         3, ge=1, description="attempts of each call to the store (S3) before the request answers 503 naming the sink"
     )
+    max_concurrent_writes: int = Field(
+        4,
+        ge=1,
+        description="files this sink writes at once per replica (its own threads: a store that hangs holds only "
+        "these); a request that would exceed them is refused at once, 503 + Retry-After naming the sink",
+    )
+    write_timeout_s: float = Field(
+        20.0,
+        gt=0,
+        description="a file not written within it (a store that accepts and never answers) fails its request, 503 "
+        "naming the sink, and frees its slot; its call, which cannot be stopped, is left to end in its thread "
+        "(at most max_concurrent_writes of those at once, else new writes are refused); below request_timeout_s",
+    )
 
     @field_validator("uri")
     @classmethod
@@ -303,6 +316,18 @@ class ServiceConfig(BaseModel):
         "written there and answers, instead of the bytes, `output` as [{uri, size, sha256}] (/health lists the "
         "names)",
     )
+
+    @model_validator(mode="after")
+    def _sinks_answer_within_the_deadline(self) -> ServiceConfig:
+        deadline = self.batching.request_timeout_s
+        for name, sink in self.sinks.items():
+            for field in ("connect_timeout_s", "write_timeout_s"):
+                if getattr(sink, field) >= deadline:
+                    raise ValueError(
+                        f"sinks.{name}.{field}: {getattr(sink, field):g} s must be below batching.request_timeout_s "
+                        f"({deadline:g} s), so a store that hangs answers its request 503 before the deadline"
+                    )
+        return self
 
     def live(self) -> LiveConfig:
         return LiveConfig(limits=self.limits, batching=self.batching)

@@ -31,6 +31,8 @@ ERROR_KINDS: dict[str, ErrorKind] = {
     # decode sessions (WebSocket /sessions, handles, the actor): the session's state is gone
     "session_expired": ErrorKind(410, "FAILED_PRECONDITION"),
     "session_lost": ErrorKind(503, "UNAVAILABLE"),
+    # a request's sink: its store refused the write for good (no such bucket, access denied)
+    "store_refused": ErrorKind(424, "FAILED_PRECONDITION"),
 }
 # gRPC answers that carry no `error-type` trailer (Serve's own backpressure, transport errors)
 _GRPC_FALLBACK_STATUS = {
@@ -140,7 +142,15 @@ class SessionLost(VaeServiceError):
     overload: a session client with `resume=True` replays the session's latents in a new one."""
 
 
+class StoreRefused(VaeServiceError):
+    """424 `store_refused`, field `sink`: the sink's store refused the write for good (a bucket that
+    does not exist, access denied, a refused credential, a name it does not take). Not retried: it
+    would be refused again; the deployment's sink config or its credentials need fixing."""
+
+
 def error_class(status: int, type_: str | None = None) -> type[VaeServiceError]:
+    if type_ == "store_refused":
+        return StoreRefused
     if type_ == "unavailable":
         return Unavailable
     if type_ == "session_lost":

@@ -194,7 +194,7 @@ def test_every_documented_example_runs_as_written(example, request, tmp_path):
         assert (tmp_path / name).stat().st_size > 0, name
         if name.endswith(".png"):
             Image.open(tmp_path / name).verify()
-    if example.document == "README.md":  # the first decode: what it says it costs is for this size
+    if example.document == "README.md" and "out.png" in WRITES.findall(example.code):  # the first decode's size
         assert Image.open(tmp_path / "out.png").size == (256, 256)
 
 

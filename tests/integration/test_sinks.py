@@ -6,6 +6,7 @@ outputs there, and a rerun decodes only what is missing."""
 
 import hashlib
 import io
+import time
 
 import httpx
 import numpy as np
@@ -13,12 +14,25 @@ import pytest
 import torch
 
 from tests.integration.conftest import TEST_DEPLOYMENT
-from tests.s3 import BUCKET, Gate
+from tests.s3 import BUCKET, Gate, Silent
 from vae_service.batch import run_batch_decode
 from vae_service_client import VaeClient
 from vae_service_client.messages import MSGPACK, pack, request_map
 
 pytestmark = pytest.mark.integration
+DENIED = "vae-denied"
+
+
+def deny_writes(s3_server, bucket: str) -> None:
+    """A bucket whose policy denies every write (moto's server enforces bucket policies)."""
+    import json
+
+    import boto3
+
+    client = boto3.client("s3", endpoint_url=f"http://{s3_server.endpoint}", region_name="us-east-1")
+    client.create_bucket(Bucket=bucket)
+    statement = {"Effect": "Deny", "Principal": "*", "Action": "s3:PutObject", "Resource": f"arn:aws:s3:::{bucket}/*"}
+    client.put_bucket_policy(Bucket=bucket, Policy=json.dumps({"Version": "2012-10-17", "Statement": [statement]}))
 
 
 @pytest.fixture(scope="module")
@@ -34,8 +48,9 @@ def sinks_app(ray_cluster, kl_dir, s3_server, local_sink):
 
     from vae_service.serving.app import decoder_app
 
-    gate = Gate(s3_server.endpoint)
+    gate, silent = Gate(s3_server.endpoint), Silent()
     http = {"scheme": "http", "retry_attempts": 1, "connect_timeout_s": 1.0}
+    deny_writes(s3_server, DENIED)
     config = {
         "model": str(kl_dir),
         "model_name": "kl",
@@ -44,12 +59,22 @@ def sinks_app(ray_cluster, kl_dir, s3_server, local_sink):
             "results": {"uri": f"s3://{BUCKET}/served", "endpoint_override": s3_server.endpoint, **http},
             "gated": {"uri": f"s3://{BUCKET}/gated", "endpoint_override": gate.endpoint, **http},
             "local": {"uri": str(local_sink)},
+            "missing": {"uri": "s3://no-such-bucket/out", "endpoint_override": s3_server.endpoint, **http},
+            "denied": {"uri": f"s3://{DENIED}/out", "endpoint_override": s3_server.endpoint, **http},
+            "hung": {
+                "uri": f"s3://{BUCKET}/hung",
+                "endpoint_override": silent.endpoint,
+                **http,
+                "max_concurrent_writes": 1,
+                "write_timeout_s": 3.0,
+            },
         },
     }
     serve.run(decoder_app(config, **TEST_DEPLOYMENT), name="sinks", route_prefix="/sinks")
     yield f"{ray_cluster}/sinks", gate
     serve.delete("sinks")
     gate.close()
+    silent.close()
 
 
 def post(url: str, z, **options) -> httpx.Response:
@@ -63,7 +88,7 @@ def test_a_sink_stores_the_answers_bytes_and_refuses_keys_and_stores_it_cannot_u
     with VaeClient(url) as client:
         files = client.decode(z, "lossless", "png").output
         stored = client.decode(z, "lossless", "png", sink="results", key="job-42/frame").output
-        assert client.health()["sinks"] == ["gated", "local", "results"]  # names only
+        assert client.health()["sinks"] == ["denied", "gated", "hung", "local", "missing", "results"]  # names only
     assert stored == [
         {"uri": f"s3://{BUCKET}/served/job-42/frame-{i}.png", "size": len(f), "sha256": hashlib.sha256(f).hexdigest()}
         for i, f in enumerate(files)
@@ -119,6 +144,52 @@ def test_a_key_the_store_would_refuse_is_400_not_a_retried_503(sinks_app, s3_ser
     error = answer.json()["error"]
     assert (answer.status_code, error["field"]) == (400, "key") and "temporary" in error["message"], error
     assert s3_server.listing("served/é") == []
+
+
+@pytest.mark.parametrize("sink", ["missing", "denied"])
+def test_a_store_that_refuses_for_good_is_424_and_the_client_does_not_retry_it(sinks_app, sink, monkeypatch):
+    """No such bucket, a policy that denies: `store_refused` (424, field `sink`, not 503), which
+    the client raises at once; an outage (the gated store stopped) stays a retried 503 (above)."""
+    from vae_service_client import StoreRefused
+
+    url, _ = sinks_app
+    slept = []
+    monkeypatch.setattr("vae_service_client.retries.time.sleep", slept.append)
+    with VaeClient(url, retries=3) as client, pytest.raises(StoreRefused) as refused:
+        client.decode(torch.randn(1, 4, 4, 6), "lossless", "png", sink=sink, key="x")
+    assert (refused.value.status, refused.value.type, refused.value.field) == (424, "store_refused", "sink")
+    assert f"sink {sink!r} refused" in refused.value.message and slept == []
+
+
+def test_a_store_that_never_answers_holds_only_its_own_sink(sinks_app, local_sink):
+    """A store that accepts and never answers, one write at a time: while its write hangs, a second
+    request to it is refused at once (503 + Retry-After, not queued behind the hung call) and a
+    healthy sink writes as usual; the hung request answers 503 after the sink's write_timeout_s, and
+    /health shows the sink's stuck call."""
+    import concurrent.futures
+
+    url, _ = sinks_app
+    z = torch.randn(1, 4, 4, 6, generator=torch.Generator().manual_seed(13))
+
+    def sink_writes() -> dict:
+        return httpx.get(f"{url}/health", timeout=30).json()["sink_writes"]["hung"]
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        hung = pool.submit(post, url, z, sink="hung", key="first")
+        deadline = time.monotonic() + 30
+        while not sink_writes()["in_flight"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        busy = post(url, z, sink="hung", key="second")
+        assert (busy.status_code, busy.json()["error"]["field"]) == (503, "sink") and "Retry-After" in busy.headers
+        assert "is busy" in busy.json()["error"]["message"] and not hung.done()
+        healthy = post(url, z, sink="local", key="while-hung")
+        assert healthy.status_code == 200 and (local_sink / "while-hung.png").is_file()
+        answer = hung.result(timeout=60)
+    error = answer.json()["error"]
+    assert (answer.status_code, error["field"]) == (503, "sink") and "write_timeout_s" in error["message"]
+    assert sink_writes() | {"written": 0} == {
+        "capacity": 1, "in_flight": 0, "stuck": 1, "written": 0, "failed": 0, "refused": 1
+    }  # fmt: skip
 
 
 def _npy(z: torch.Tensor) -> bytes:

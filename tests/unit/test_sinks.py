@@ -3,7 +3,9 @@ prefix, whole writes to a local folder and to a real S3-compatible store (moto's
 pyarrow's S3FileSystem), a write that fails mid-way or a store that stops mid-request leaving
 nothing under the final name, and the typed errors a request gets."""
 
+import asyncio
 import hashlib
+import threading
 import time
 
 import pyarrow as pa
@@ -349,7 +351,15 @@ def sinks(tmp_path):
     }
     sinks = Sinks(configured, retry_after_s=2.0)
     yield sinks
-    sinks.executor.shutdown(wait=True)
+    settled(sinks)
+
+
+def settled(sinks: Sinks, timeout_s: float = 30.0) -> None:
+    """Every write of every sink ended (its thread returned)."""
+    deadline = time.monotonic() + timeout_s
+    while any(w["in_flight"] or w["stuck"] for w in sinks.describe().values()):
+        assert time.monotonic() < deadline, sinks.describe()
+        time.sleep(0.01)
 
 
 @pytest.mark.parametrize(
@@ -405,8 +415,62 @@ async def test_a_request_past_its_deadline_stores_nothing(sinks, tmp_path):
     with pytest.raises(DecodeTimeout) as caught:
         await sinks.store(_encoded([b"a", b"b"]), _request(), late)
     assert caught.value.field == "sink"
-    sinks.executor.shutdown(wait=True)  # the writes that began stop at their first check
+    settled(sinks)  # the writes that began stop at their first check
     assert not [p for p in tmp_path.rglob("*") if p.is_file()]  # no file, and no temporary (.name.tmp) left
+
+
+class _HangingFileSystem(_FaultyFileSystem):
+    """A store that accepts a write and never answers it, until `answers` is set."""
+
+    def __init__(self):
+        super().__init__(limit=2**30)
+        self.answers, self.calls = threading.Event(), 0
+
+    def open_output_stream(self, path, metadata):
+        self.calls += 1
+        self.answers.wait()
+        return super().open_output_stream(path, metadata)
+
+
+async def test_a_hung_store_holds_only_its_own_sinks_writes(tmp_path):
+    """Two writes at once on the hung sink: a third request is refused at once (503 + Retry-After
+    naming the sink, not queued), a healthy sink meanwhile writes as usual; the hung requests answer
+    503 after write_timeout_s, their calls left stuck (and counted) while the store says nothing; once
+    it answers, the stuck calls end and the sink writes again."""
+    hanging = _HangingFileSystem()
+    config = {
+        "hung": Sink(uri=str(tmp_path / "hung"), max_concurrent_writes=2, write_timeout_s=0.5),
+        "disk": Sink(uri=str(tmp_path / "disk")),
+    }
+    sinks = Sinks(config, retry_after_s=2.0)
+    root = open_location(str(tmp_path / "hung"))
+    sinks._locations["hung"] = storage_locations.Location(pafs.PyFileSystem(hanging), root.path, root.uri)
+    admitted = lambda: RequestContext.admit(30.0, Limits())  # noqa: E731
+    hung = [
+        asyncio.ensure_future(sinks.store(_encoded([b"a"]), _request("hung", f"k{i}", items=1), admitted()))
+        for i in (0, 1)
+    ]
+    while hanging.calls < 2:
+        await asyncio.sleep(0.01)
+    with pytest.raises(Unavailable) as busy:
+        await sinks.store(_encoded([b"b"]), _request("hung", "k2", items=1), admitted())
+    assert (busy.value.field, busy.value.retry_after_s) == ("sink", 2.0) and "sink 'hung' is busy" in busy.value.message
+    started = time.monotonic()
+    healthy = await sinks.store(_encoded([b"c", b"d"]), _request("disk", "ok"), admitted())
+    assert len(healthy.output) == 2 and time.monotonic() - started < 0.5 and not all(f.done() for f in hung)
+    for future in hung:
+        with pytest.raises(Unavailable, match="did not answer within write_timeout_s"):
+            await future
+    assert sinks.describe()["hung"] | {"written": 0} == {
+        "capacity": 2, "in_flight": 0, "stuck": 2, "written": 0, "failed": 0, "refused": 1
+    }  # fmt: skip
+    with pytest.raises(Unavailable, match="busy"):  # as many calls stuck as the sink's capacity: refused
+        await sinks.store(_encoded([b"e"]), _request("hung", "k3", items=1), admitted())
+    hanging.answers.set()
+    settled(sinks)
+    again = await sinks.store(_encoded([b"f"]), _request("hung", "k4", items=1), admitted())
+    assert (tmp_path / "hung/k4.png").read_bytes() == b"f" and again.output[0]["size"] == 1
+    assert not (tmp_path / "hung/k0.png").exists()  # the abandoned writes stopped before their move
 
 
 def test_handles_take_sink_and_key_as_keyword_arguments():
@@ -451,3 +515,30 @@ def test_a_grpc_request_naming_a_sink_is_refused_by_the_client_naming_the_field(
     with pytest.raises(InvalidRequest) as err:
         request_proto(torch.zeros(1, 4, 8, 8), output="png", **{field: "results"})
     assert err.value.field == field and "HTTP and Serve handles" in err.value.message
+
+
+@pytest.mark.parametrize(
+    "text, for_good",
+    [
+        ("When initiating multiple part upload for key 'a.png' in bucket 'b': AWS Error NO_SUCH_BUCKET during "
+         "CreateMultipartUpload operation: The specified bucket does not exist", True),
+        ("When uploading part for key 'x' in bucket 'b': AWS Error ACCESS_DENIED during UploadPart operation", True),
+        ("AWS Error UNKNOWN (HTTP status 403) during PutObject operation: Forbidden", True),
+        ("AWS Error UNKNOWN (HTTP status 400) during CreateBucket operation: InvalidBucketName", True),
+        ("google::cloud::Status(PERMISSION_DENIED: caller does not have storage.objects.create access)", True),
+        ("AWS Error NETWORK_CONNECTION during PutObject operation: curlCode: 7, Couldn't connect to server", False),
+        ("AWS Error SLOW_DOWN during PutObject operation: Please reduce your request rate", False),
+        ("AWS Error UNKNOWN (HTTP status 503) during PutObject operation: Service Unavailable", False),
+        ("AWS Error UNKNOWN (HTTP status 4030) during PutObject operation", False),
+    ],
+)  # fmt: skip
+def test_a_stores_refusal_for_good_is_told_from_an_outage(text, for_good):
+    assert storage_locations.refused_for_good(OSError(text)) is for_good
+
+
+def test_a_local_permission_refusal_is_for_good_and_a_full_disk_is_not():
+    import errno
+
+    assert storage_locations.refused_for_good(PermissionError(errno.EACCES, "Permission denied"))
+    assert storage_locations.refused_for_good(OSError(errno.EROFS, "Read-only file system"))
+    assert not storage_locations.refused_for_good(OSError(errno.ENOSPC, "No space left on device"))

@@ -17,6 +17,7 @@ from vae_service.engine.request.errors import (
     LimitExceeded,
     OutOfMemory,
     Overloaded,
+    StoreRefused,
     Unavailable,
 )
 from vae_service.engine.request.session import SessionExpired, SessionLost
@@ -50,6 +51,7 @@ WIRE_TYPES: tuple[tuple[type[Exception], str], ...] = (
     (WireError, "invalid_request"),
     (DecodeFailed, "decode_failed"),
     (OutOfMemory, "out_of_memory"),
+    (StoreRefused, "store_refused"),
     (Unavailable, "unavailable"),
     (Overloaded, "overloaded"),
     (DecodeTimeout, "timeout"),

@@ -202,6 +202,7 @@ class DecodeService:
             "running_batches": self.batcher.running,
             "decoded_items": self.decoded_items,
             "sinks": self.sinks.names,
+            "sink_writes": self.sinks.describe(),
             "sessions": self.sessions.describe(),
         }
 

@@ -67,6 +67,16 @@ def _metrics() -> dict:
             boundaries=_LATENCY_MS_BOUNDARIES,
             tag_keys=("model", "tier"),
         ),
+        "sink_writes": Gauge(
+            "vae_sink_writes",
+            description="a sink's writes: in flight, and stuck (abandoned calls whose store has not answered)",
+            tag_keys=("model", "sink", "state"),
+        ),
+        "sink_failures": Counter(
+            "vae_sink_failures",
+            description="files a sink failed to write, or refused busy",
+            tag_keys=("model", "sink", "why"),
+        ),
         "first_frames": Histogram(
             "vae_stream_first_frames_ms",
             description="streamed requests: arrival to the first frames handed over, per tier",
@@ -92,6 +102,24 @@ def report_sessions(model: str, sessions, expired_before: int) -> None:
     m["session_bytes"].set(sessions.held_bytes, tags=tags)
     if sessions.expired > expired_before:
         m["session_expiries"].inc(sessions.expired - expired_before, tags=tags)
+
+
+_sink_counts: dict[tuple[str, str, str], int] = {}  # what the failure counters were told so far
+
+
+def report_sinks(model: str, sinks) -> None:
+    """Each sink's writes in flight and stuck now, and its failures and busy refusals since the last report."""
+    m = _metrics()
+    for name, state in sinks.describe().items():
+        for gauge in ("in_flight", "stuck"):
+            m["sink_writes"].set(state[gauge], tags={"model": model, "sink": name, "state": gauge})
+        for why in ("failed", "refused"):
+            key = (model, name, why)
+            if state[why] > _sink_counts.get(key, 0):
+                m["sink_failures"].inc(
+                    state[why] - _sink_counts.get(key, 0), tags={"model": model, "sink": name, "why": why}
+                )
+                _sink_counts[key] = state[why]
 
 
 def report_queue(model: str, batcher: KeyedBatcher) -> None:

@@ -129,6 +129,7 @@ class DecoderReplica:
         if (warning := missing_guard_warning()) is not None:
             log.warning(warning)
         metrics.report_folded_bytes(self.service.engine)
+        self.service.sinks.on_change = functools.partial(metrics.report_sinks, self.model, self.service.sinks)
 
     @property
     def config(self) -> ServiceConfig:

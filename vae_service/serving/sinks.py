@@ -3,10 +3,13 @@
 (vae_service/storage/), and answers `output` as [{uri, size, sha256}], one map per item.
 
 The sink's name and the key are checked when the request is parsed, before any decode (400 naming
-`sink` or `key`). Files are written after encoding, on this module's own small pool (never the
-device thread), within the request's deadline (504 past it: a write not yet moved to its name
-stops, leaving nothing there). A store that fails answers 503 `unavailable` naming the sink, with
-Retry-After; the cause goes to the log under an error id, never to the caller. Each file is whole
+`sink` or `key`). Files are written after encoding, each sink behind its own bulkhead
+(sink_writes.py: its threads, at most `max_concurrent_writes` at once, a full sink refusing at once
+with 503 + Retry-After; never the device thread), within the sink's `write_timeout_s` (503 past it)
+and the request's deadline (504 past it): a write not yet moved to its name stops, leaving nothing
+there. A store that fails answers 503 `unavailable` naming the sink, with Retry-After, or 424
+`store_refused` where it refused for good; the cause goes to the log under an error id, never to
+the caller. Each file is whole
 under its name or absent; on a failure, files of the same request already written stay (each
 whole) and the retry overwrites them. gRPC has no `sink` field: HTTP and handles only.
 """
@@ -17,17 +20,18 @@ import asyncio
 import logging
 import threading
 import uuid
-from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 
 from vae_service.config import Sink
 from vae_service.engine import DecodeRequest, DecodeResult
 from vae_service.engine.request.context import RequestContext
-from vae_service.engine.request.errors import DecodeTimeout, InvalidInput, Unavailable
+from vae_service.engine.request.errors import DecodeTimeout, InvalidInput, StoreRefused, Unavailable
+from vae_service.serving.sink_writes import SinkWrites
 from vae_service.storage import (
     InvalidKey,
     Location,
+    RefusedByStore,
     StoredObject,
     StoreUnavailable,
     object_names,
@@ -37,17 +41,17 @@ from vae_service.storage import (
 
 log = logging.getLogger("ray.serve")
 
-SINK_THREADS = 4  # files written at once by a replica (I/O bound: a request's items in parallel)
-
 
 class Sinks:
-    def __init__(self, sinks: Mapping[str, Sink], retry_after_s: float):
-        self.config, self.retry_after_s = dict(sinks), retry_after_s
+    """`on_change`: called after each request's writes (the replica reports the sinks' metrics)."""
+
+    def __init__(self, sinks: Mapping[str, Sink], retry_after_s: float, on_change: Callable[[], None] | None = None):
+        self.config, self.retry_after_s, self.on_change = dict(sinks), retry_after_s, on_change
         self._locations: dict[str, Location] = {}
         # the object key each sink's files go under (its length counts toward an object name's bound)
         self._prefixes = {name: parse_uri(sink.uri).object_key for name, sink in self.config.items()}
         self._lock = threading.Lock()
-        self.executor = ThreadPoolExecutor(SINK_THREADS, thread_name_prefix="vae-sink") if sinks else None
+        self.writes = {name: SinkWrites(name, sink.max_concurrent_writes) for name, sink in self.config.items()}
 
     @property
     def names(self) -> list[str]:
@@ -75,30 +79,63 @@ class Sinks:
         with self._lock:
             if name not in self._locations:
                 sink = self.config[name]
-                options = sink.model_dump(exclude={"uri"})
+                options = sink.model_dump(exclude={"uri", "max_concurrent_writes", "write_timeout_s"})
                 self._locations[name] = open_location(sink.uri, **options)
             return self._locations[name]
+
+    def describe(self) -> dict:
+        """/health's `sink_writes`: each sink's capacity, writes in flight, stuck calls and counts."""
+        return {name: writes.describe() for name, writes in sorted(self.writes.items())}
 
     async def store(self, result: DecodeResult, request: DecodeRequest, context: RequestContext) -> DecodeResult:
         """Write the result's files (encoded, one per item) to the request's sink; the result with
         `output` as their [{uri, size, sha256}]."""
-        files: list[bytes] = result.output
-        names = self._names(request, len(files))
-        loop = asyncio.get_running_loop()
-        work = [
-            loop.run_in_executor(self.executor, self._write, request.sink, name, data, context)
-            for name, data in zip(names, files, strict=True)
-        ]
         try:
-            stored: list[StoredObject] = await asyncio.wait_for(asyncio.gather(*work), context.remaining())
+            return await self._store(result, request, context)
+        finally:
+            if self.on_change is not None:
+                self.on_change()
+
+    async def _store(self, result: DecodeResult, request: DecodeRequest, context: RequestContext) -> DecodeResult:
+        files: list[bytes] = result.output
+        names, sink = self._names(request, len(files)), request.sink
+        writes = self.writes[sink]
+        if not writes.admit(len(files)):
+            raise Unavailable(
+                "sink",
+                f"sink {sink!r} is busy: its {writes.capacity} writes at once (max_concurrent_writes) are taken, or as "
+                "many calls to its store have not answered; retry later",
+                self.retry_after_s,
+            )
+        started = [
+            writes.start(lambda n=n, d=d: self._write(sink, n, d, context)) for n, d in zip(names, files, strict=True)
+        ]
+        timeout = self.config[sink].write_timeout_s
+        try:
+            stored: list[StoredObject] = await asyncio.wait_for(
+                asyncio.gather(*(future for future, _ in started)), min(timeout, context.remaining())
+            )
         except (TimeoutError, DecodeTimeout):  # the wait's, or a write's own check of the deadline
-            raise DecodeTimeout("sink", f"not written to sink {request.sink!r} within request_timeout_s") from None
+            context.abandon()  # writes not yet moved to their names stop at their next check
+            writes.abandon([state for _, state in started])
+            if context.remaining() > 0:
+                raise self._unanswered(sink, timeout) from None
+            raise DecodeTimeout("sink", f"not written to sink {sink!r} within request_timeout_s") from None
         except StoreUnavailable as exc:
-            raise self._unavailable(request.sink, exc) from None
+            raise self._failed(sink, exc) from None
         except asyncio.CancelledError:
             context.abandon()  # the caller left: writes not yet moved to their names stop
+            writes.abandon([state for _, state in started])
             raise
         return replace(result, output=[s.to_map() for s in stored])
+
+    def _unanswered(self, sink: str, timeout: float) -> Unavailable:
+        return Unavailable(
+            "sink",
+            f"sink {sink!r} did not answer within write_timeout_s ({timeout:g} s); nothing was stored under the names "
+            "of the files that were not written; retry later",
+            self.retry_after_s,
+        )
 
     def _write(self, sink: str, name: str, data: bytes, context: RequestContext) -> StoredObject:
         try:
@@ -110,9 +147,18 @@ class Sinks:
         except InvalidKey as exc:  # a folder of the key is a link in the sink's folder: never followed
             raise InvalidInput("key", str(exc)) from None
 
-    def _unavailable(self, sink: str, exc: BaseException) -> Unavailable:
+    def _failed(self, sink: str, exc: OSError) -> Unavailable | StoreRefused:
+        """The caller's error: 424 where the store refused for good (not retried), else 503 with
+        Retry-After; the store's own words go to the log, under the error id the message carries."""
         error_id = uuid.uuid4().hex[:12]
         log.error("writing to sink %s failed, error id %s: %s", sink, error_id, exc)
+        if isinstance(exc, RefusedByStore):
+            return StoreRefused(
+                "sink",
+                f"sink {sink!r} refused the write (error id {error_id}, see the server log): a bucket that does not "
+                "exist, access denied or a refused credential; a retry would be refused again: the deployment's sink "
+                "or its credentials need fixing",
+            )
         return Unavailable(
             "sink",
             f"sink {sink!r} could not be written (error id {error_id}, see the server log); nothing was stored "
@@ -121,5 +167,4 @@ class Sinks:
         )
 
     def shutdown(self) -> None:
-        if self.executor is not None:
-            self.executor.shutdown(wait=False)
+        """Nothing to stop: each write's thread ends with its call (a stuck one is a daemon)."""

@@ -65,6 +65,25 @@ class StoreUnavailable(OSError):
     """The store did not answer, or refused, a read or write (pyarrow's OSError, with its text)."""
 
 
+class RefusedByStore(StoreUnavailable):
+    """The store refused for good: a retry would be refused again (no such bucket, access denied, a
+    refused credential, a name it does not take; a local folder's permissions)."""
+
+
+# how pyarrow's S3 and GCS errors name a refusal that no retry passes; anything else (outages,
+# throttling, 5xx, a cut connection) may pass on a retry
+_REFUSALS = re.compile(
+    r"NO_SUCH_BUCKET|ACCESS_DENIED|INVALID_ACCESS_KEY_ID|SIGNATURE_DOES_NOT_MATCH|InvalidBucketName|NoSuchBucket"
+    r"|AccessDenied|InvalidAccessKeyId|PERMISSION_DENIED|UNAUTHENTICATED|HTTP status 40[03]\b"
+)
+
+
+def refused_for_good(exc: OSError) -> bool:
+    if isinstance(exc, PermissionError | IsADirectoryError | NotADirectoryError):
+        return True
+    return exc.errno == errno.EROFS or bool(_REFUSALS.search(str(exc)))
+
+
 @dataclass(frozen=True)
 class StoreOptions:
     endpoint_override: str | None = None  # host:port or http(s)://host:port
@@ -444,8 +463,8 @@ def _discard(fs, path: str) -> None:
 
 @contextmanager
 def _store_errors(location: Location, writing: bool = False) -> Iterator[None]:
-    """pyarrow's OSErrors as StoreUnavailable naming the location; a missing file, when reading,
-    stays a FileNotFoundError (the caller says what was missing)."""
+    """pyarrow's OSErrors as StoreUnavailable naming the location (RefusedByStore where no retry would
+    pass); a missing file, when reading, stays a FileNotFoundError (the caller says what was missing)."""
     try:
         yield
     except StoreUnavailable:
@@ -453,4 +472,5 @@ def _store_errors(location: Location, writing: bool = False) -> Iterator[None]:
     except OSError as exc:
         if isinstance(exc, FileNotFoundError) and not writing:
             raise
-        raise StoreUnavailable(f"{location.uri}: {' '.join(str(exc).split())}") from exc
+        kind = RefusedByStore if refused_for_good(exc) else StoreUnavailable
+        raise kind(f"{location.uri}: {' '.join(str(exc).split())}") from exc

@@ -43,6 +43,11 @@ class Unavailable(Overloaded):
     hard). Decoding is idempotent, so the client's retry after `retry_after_s` succeeds on another."""
 
 
+class StoreRefused(DecodeError):
+    """The store a request's files go to refused them for good (no such bucket, access denied): a
+    retry would be refused again."""
+
+
 class OutOfMemory(Overloaded):
     """The device ran out of memory for this request; another attempt (or fewer items) may fit."""
 
