@@ -9,6 +9,7 @@ from probing an instance metadata service that is not there."""
 from __future__ import annotations
 
 import contextlib
+import re
 import socket
 import subprocess
 import sys
@@ -106,58 +107,8 @@ def s3_server():
         patch.undo()
 
 
-class Gate:
-    """A TCP relay to the store on a port of its own, closed on demand: the store as its clients
-    see it when it stops mid-request (open connections cut, new ones refused)."""
-
-    def __init__(self, target: str):
-        host, port = target.rsplit(":", 1)
-        self.target = (host, int(port))
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.endpoint = f"127.0.0.1:{self.listener.getsockname()[1]}"
-        self.sockets: list[socket.socket] = [self.listener]
-        self.lock = threading.Lock()
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self.listener.accept()
-            except OSError:  # closed
-                return
-            try:
-                upstream = socket.create_connection(self.target)
-            except OSError:
-                client.close()
-                continue
-            with self.lock:
-                self.sockets += [client, upstream]
-            for a, b in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
-
-    @staticmethod
-    def _pump(source: socket.socket, sink: socket.socket) -> None:
-        try:
-            while data := source.recv(65536):
-                sink.sendall(data)
-        except OSError:
-            pass
-        finally:
-            with contextlib.suppress(OSError):
-                sink.shutdown(socket.SHUT_WR)
-
-    def close(self) -> None:
-        with self.lock:
-            sockets, self.sockets = self.sockets, []
-        for s in sockets:
-            with contextlib.suppress(OSError):
-                s.shutdown(socket.SHUT_RDWR)
-            s.close()
-
-
-class Silent:
-    """A store that accepts connections, reads what it is sent and never answers (a hung relay or
-    load balancer): its clients' calls block until it closes."""
+class _Listener:
+    """A localhost port whose connections a subclass serves (`_serve`), every socket closed on demand."""
 
     def __init__(self):
         self.listener = socket.create_server(("127.0.0.1", 0))
@@ -172,15 +123,14 @@ class Silent:
                 client, _ = self.listener.accept()
             except OSError:  # closed
                 return
-            with self.lock:
-                self.sockets.append(client)
-            threading.Thread(target=self._drain, args=(client,), daemon=True).start()
+            self._serve(client)
 
-    @staticmethod
-    def _drain(client: socket.socket) -> None:
-        with contextlib.suppress(OSError):
-            while client.recv(65536):
-                pass
+    def _serve(self, client: socket.socket) -> None:
+        raise NotImplementedError
+
+    def _keep(self, *sockets: socket.socket) -> None:
+        with self.lock:
+            self.sockets += sockets
 
     def close(self) -> None:
         with self.lock:
@@ -189,3 +139,54 @@ class Silent:
             with contextlib.suppress(OSError):
                 s.shutdown(socket.SHUT_RDWR)
             s.close()
+
+
+class Gate(_Listener):
+    """A TCP relay to the store on a port of its own, closed on demand: the store as its clients
+    see it when it stops mid-request (open connections cut, new ones refused). `close_on`: a
+    pattern of the requests' bytes (e.g. rb"PUT /bucket/key "): the gate closes as that request
+    arrives, before forwarding it: a stop at a chosen point of a job."""
+
+    def __init__(self, target: str, close_on: bytes | None = None):
+        host, port = target.rsplit(":", 1)
+        self.target = (host, int(port))
+        self.close_on = re.compile(close_on) if close_on else None
+        super().__init__()
+
+    def _serve(self, client: socket.socket) -> None:
+        try:
+            upstream = socket.create_connection(self.target)
+        except OSError:
+            client.close()
+            return
+        self._keep(client, upstream)
+        threading.Thread(target=self._pump, args=(client, upstream, self.close_on), daemon=True).start()
+        threading.Thread(target=self._pump, args=(upstream, client, None), daemon=True).start()
+
+    def _pump(self, source: socket.socket, sink: socket.socket, close_on: re.Pattern | None) -> None:
+        try:
+            while data := source.recv(65536):
+                if close_on is not None and close_on.search(data):
+                    self.close()
+                    return
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            with contextlib.suppress(OSError):
+                sink.shutdown(socket.SHUT_WR)
+
+
+class Silent(_Listener):
+    """A store that accepts connections, reads what it is sent and never answers (a hung relay or
+    load balancer): its clients' calls block until it closes."""
+
+    def _serve(self, client: socket.socket) -> None:
+        self._keep(client)
+        threading.Thread(target=self._drain, args=(client,), daemon=True).start()
+
+    @staticmethod
+    def _drain(client: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while client.recv(65536):
+                pass

@@ -529,7 +529,7 @@ def cmd_batch_decode(args: argparse.Namespace) -> None:
     config = _config_from(args)
     check_model(config)
     from vae_service.batch import BatchInputError, list_inputs
-    from vae_service.storage import LocationError, check_location, redact
+    from vae_service.storage import LocationError, StoreUnavailable, check_location, redact
 
     try:  # every output path, before Ray starts: two inputs that would write one file stop the job here
         check_location(args.output_dir)
@@ -565,6 +565,8 @@ def cmd_batch_decode(args: argparse.Namespace) -> None:
         )
     except (BatchInputError, ValueError) as exc:
         refuse(str(exc))
+    except StoreUnavailable as exc:  # the output's store, before the first input (its stale temporaries)
+        refuse(f"the output's store: {exc}", EXIT_ENVIRONMENT)
     finally:
         if started:
             ray.shutdown()

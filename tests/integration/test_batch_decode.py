@@ -13,6 +13,7 @@ import ray
 import torch
 from safetensors.torch import save_file
 
+from tests.ports import free_port
 from vae_service.batch import run_batch_decode
 from vae_service.cli import main as cli
 from vae_service_client import VaeClient
@@ -135,6 +136,13 @@ def test_cli_shows_progress_and_a_summary_and_reports_bad_inputs(ray_cluster, kl
     cli(argv)  # everything is done already: no failure, exit status 0
     again = capfd.readouterr().out
     assert "64 of 64 inputs in" in again and "0 decoded (0 items, 0.00 items/s), 64 skipped (already done)" in again
+
+    # an output store that does not answer: one line naming it, before any input is decoded
+    dead = f"s3://bucket/out?endpoint_override=127.0.0.1:{free_port()}&scheme=http&retry_attempts=1"
+    with pytest.raises(SystemExit) as exited:
+        cli(["batch-decode", str(inputs), dead, "--model", str(kl_dir)])
+    err = capfd.readouterr().err.strip().splitlines()
+    assert exited.value.code == 1 and err[-1].startswith("vae-service: the output's store: s3://bucket/out: ")
 
 
 def test_cli_refuses_inputs_that_would_write_one_file_before_anything_is_decoded(kl_dir, tmp_path, capsys):

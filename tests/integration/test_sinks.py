@@ -1,8 +1,8 @@
 """Object-storage sinks end to end, against a real S3-compatible store (moto's server, tests/s3.py)
 read and written by the replicas' pyarrow S3FileSystem: `POST /decode` with a sink stores the
 bytes the same request answers without one; a key that would leave the prefix is 400, a store
-that stopped 503 naming the sink; batch-decode reads its inputs from the store and writes its
-outputs there, and a rerun decodes only what is missing."""
+that stopped 503 naming the sink; batch-decode reads its inputs (files, Parquet) from the store
+and writes its outputs there, and after the store stopped mid-job a rerun writes the rest."""
 
 import hashlib
 import io
@@ -198,7 +198,7 @@ def _npy(z: torch.Tensor) -> bytes:
     return buf.getvalue()
 
 
-def test_batch_decode_reads_and_writes_the_store_and_a_rerun_decodes_only_the_rest(sinks_app, s3_server, kl_dir):
+def test_batch_decode_reads_its_files_from_the_store_and_writes_the_services_answers(sinks_app, s3_server, kl_dir):
     url, _ = sinks_app
     gen = torch.Generator().manual_seed(7)
     latents = {"odd": torch.randn(1, 4, 5, 3, generator=gen), "pair": torch.randn(2, 4, 4, 6, generator=gen)}
@@ -207,16 +207,48 @@ def test_batch_decode_reads_and_writes_the_store_and_a_rerun_decodes_only_the_re
         with fs.open_output_stream(f"{BUCKET}/batch/in/{name}.npy") as f:
             f.write(_npy(z))
     config = {"model": str(kl_dir), "model_name": "kl", "cpu_threads": 1}
-    source, target = s3_server.uri("batch/in"), s3_server.uri("batch/out")
-    summary = run_batch_decode(source, target, config, output="png")
+    summary = run_batch_decode(s3_server.uri("batch/in"), s3_server.uri("batch/out"), config, output="png")
     assert (summary.total, summary.counts["decoded"], summary.failures) == (2, 2, [])
     with VaeClient(url) as client:
         expected = {name: client.decode(z, "lossless", "png").output for name, z in latents.items()}
     assert s3_server.read("batch/out/odd.png") == expected["odd"][0]
     assert [s3_server.read(f"batch/out/pair-{i}.png") for i in range(2)] == expected["pair"]
-    # an interruption between an input's files: only that input is decoded again
-    fs.delete_file(f"{BUCKET}/batch/out/pair-1.png")
-    again = run_batch_decode(source, target, config, output="png")
-    assert (again.counts["skipped"], again.counts["decoded"], again.failures) == (1, 1, [])
     assert s3_server.listing("batch/out") == ["batch/out/odd.png", "batch/out/pair-0.png", "batch/out/pair-1.png"]
-    assert s3_server.read("batch/out/pair-1.png") == expected["pair"][1]
+
+
+def test_batch_decode_of_parquet_in_the_store_resumes_after_the_store_stopped_mid_job(sinks_app, s3_server, kl_dir):
+    """The store stops as the third input's file is moved to its name: the two before stay whole,
+    the engine stops after three store failures in a row, and the rerun (the store back) writes the
+    rest and removes the temporary the cut move left."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    url, _ = sinks_app
+    gen = torch.Generator().manual_seed(11)
+    names = list("abcdef")
+    latents = [torch.randn(4, 3 + i % 2, 4, generator=gen) for i in range(len(names))]
+    table = pa.table({"name": names, "latents": [z.tolist() for z in latents]})
+    pq.write_table(table, f"{BUCKET}/pq/in/latents.parquet", filesystem=s3_server.filesystem())
+    with VaeClient(url) as client:
+        expected = {n: client.decode(z[None], "lossless", "png").output[0] for n, z in zip(names, latents, strict=True)}
+    config = {"model": str(kl_dir), "model_name": "kl", "cpu_threads": 1}
+    gate = Gate(s3_server.endpoint, close_on=rb"PUT /%s/pq/out/c\.png[ ?]" % BUCKET.encode())
+    fragile = "?endpoint_override={}&scheme=http&retry_attempts=1&connect_timeout_s=1"
+    source, target = (f"s3://{BUCKET}/pq/{part}" + fragile.format(gate.endpoint) for part in ("in", "out"))
+    try:
+        cut = run_batch_decode(source, target, config, output="png")
+    finally:
+        gate.close()
+    assert (cut.total, cut.counts["decoded"], cut.counts["failed"], cut.counts["stopped"]) == (6, 2, 3, 1)
+    assert [n for n, _ in cut.failures] == ["c", "d", "e"] and all(r.startswith("store: ") for _, r in cut.failures)
+    assert "3 inputs in a row" in cut.stopped_by and "stopped:" in cut.report()
+    written = s3_server.listing("pq/out")
+    assert [p for p in written if not p.rsplit("/", 1)[1].startswith(".")] == ["pq/out/a.png", "pq/out/b.png"]
+    assert [p.rsplit("/", 1)[1].split(".")[1] for p in written if p.rsplit("/", 1)[1].startswith(".")] == ["c"]
+    assert [s3_server.read(f"pq/out/{n}.png") for n in "ab"] == [expected["a"], expected["b"]]
+
+    again = run_batch_decode(s3_server.uri("pq/in"), s3_server.uri("pq/out"), config, output="png")
+    assert (again.counts["skipped"], again.counts["decoded"], again.failures, again.stopped_by) == (2, 4, [], "")
+    assert again.temporaries_removed == 1
+    assert s3_server.listing("pq/out") == [f"pq/out/{n}.png" for n in names]
+    assert {n: s3_server.read(f"pq/out/{n}.png") for n in names} == expected

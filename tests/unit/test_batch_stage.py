@@ -14,6 +14,7 @@ from PIL import Image
 from safetensors.torch import save_file
 
 from tests.models import reference_decode, torch_threads
+from tests.s3 import BUCKET, Gate
 from vae_service.batch.job import BatchSummary, Progress
 from vae_service.batch.outputs import OutputFolder, check_name
 from vae_service.batch.stage import DecodeStage
@@ -156,6 +157,37 @@ def test_finished_inputs_are_skipped_and_unfinished_ones_decoded_whole(stage, tm
     assert (out / "a-0.png").stat().st_mtime_ns != written["a-0.png"] and (out / "a-1.png").is_file()
 
 
+def test_a_store_that_fails_for_three_inputs_in_a_row_stops_the_engine_and_a_success_resets_the_count(
+    kl_dir, tmp_path, s3_server
+):
+    for name in "abcdef":
+        np.save(tmp_path / f"{name}.npy", np.full((1, 4, 3, 3), ord(name) / 100, np.float32))
+    gate = Gate(s3_server.endpoint)
+    target = f"s3://{BUCKET}/unit/stage-stops?endpoint_override={gate.endpoint}&scheme=http&retry_attempts=1"
+    with torch_threads(torch.get_num_threads()):
+        decode = DecodeStage({"model": str(kl_dir), "cpu_threads": 1}, target, "png", options={"scaling_factor": None})
+    files = [tmp_path / f"{n}.npy" for n in "abcdef"]
+    decode.store_failures = 2  # two failures before a success: the count starts again
+    assert as_dict(decode(rows(files[0])))["a"][0] == "decoded" and decode.store_failures == 0
+    gate.close()
+    result = as_dict(decode(rows(*files[1:])))
+    assert [result[n][0] for n in "bcdef"] == ["failed", "failed", "failed", "stopped", "stopped"]
+    assert all(result[n][2].startswith(f"store: s3://{BUCKET}/unit/stage-stops") for n in "bcd")
+    assert result["e"][2] == result["f"][2] and result["e"][2].startswith("the store failed for 3 inputs in a row")
+    assert s3_server.listing("unit/stage-stops") == ["unit/stage-stops/a.png"]
+
+
+def test_a_rerun_removes_the_temporaries_of_its_own_files_and_no_others(tmp_path):
+    folder = OutputFolder(tmp_path, "png")
+    left = [".a.png.0123456789abcdef.tmp", ".a-1.mp4.fedcba9876543210.tmp", ".b.npy.00000000000000aa.tmp"]
+    kept = [".z.png.0123456789abcdef.tmp", ".a.png.123.tmp", "a.png", ".a.gif.0123456789abcdef.tmp"]
+    for name in left + kept:
+        (tmp_path / name).write_bytes(b"x")
+    assert folder.discard_temporaries({"a.png", "a-1.png", "b.png"}) == 3
+    assert sorted(os.listdir(tmp_path)) == sorted(kept)
+    assert OutputFolder(tmp_path / "missing", "png").discard_temporaries({"a.png"}) == 0
+
+
 def test_output_folder_writes_each_file_whole(tmp_path):
     folder = OutputFolder(tmp_path, "png")
     paths = folder.paths("x", 2)
@@ -166,6 +198,23 @@ def test_output_folder_writes_each_file_whole(tmp_path):
         folder.write(paths, [b"a"])
     with pytest.raises(ValueError, match="output 'gif'"):
         OutputFolder(tmp_path, "gif")
+
+
+def test_a_stopped_jobs_summary_names_the_first_failures_and_why_it_stopped():
+    summary = BatchSummary(total=30, temporaries_removed=2)
+    for i in range(25):
+        summary.add({"name": f"x{i}", "status": "failed", "items": 0, "error": f"store: s3://b/o/x{i}.png: refused"})
+    for i in range(5):
+        summary.add({"name": f"y{i}", "status": "stopped", "items": 0, "error": "the store failed for 3 inputs"})
+    lines = summary.report().splitlines()
+    assert lines[0].endswith("0 skipped (already done), 25 failed, 5 not tried")
+    assert lines[1] == "  removed 2 temporaries an interrupted run left"
+    assert lines[2:22] == [f"  failed x{i}: store: s3://b/o/x{i}.png: refused" for i in range(20)]
+    assert lines[22:] == [
+        "  ... and 5 more failed",
+        "  stopped: the store failed for 3 inputs; what was written is whole, and a rerun resumes from there",
+    ]
+    assert summary.progress_line().startswith("[30/30 inputs] 0 decoded, 0 skipped, 25 failed, 5 not tried, ")
 
 
 class _Tty(io.StringIO):

@@ -4,25 +4,28 @@ through vae_service/storage) with every output path computed before anything is
 decoded (two inputs that would write one file are refused, naming both), decoded by an actor pool
 of engines, files written under the output folder, progress shown while it runs and a summary at
 the end. Finished inputs are found by their files, so a rerun after an interruption decodes only
-the rest."""
+the rest; a store that fails for several inputs in a row stops the job (its engines try no more),
+and the rerun resumes it, first removing the temporaries the interrupted writes left behind."""
 
 from __future__ import annotations
 
 import time
 import warnings
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
 from vae_service.batch.latent_files import LATENT_SUFFIXES, LatentFileError, latents_shape
 from vae_service.batch.outputs import BATCH_OUTPUTS, OutputFolder
-from vae_service.batch.stage import DecodeStage
+from vae_service.batch.stage import STOP_AFTER_STORE_FAILURES, DecodeStage
 from vae_service.config import ServiceConfig
 from vae_service.engine import QUALITIES
 from vae_service.storage import Location, LocationError, StoreUnavailable, open_location
 
 PARQUET_COLUMNS = ("name", "latents")
+REPORTED_FAILURES = 20  # a summary names this many failures; a store that died can fail thousands
 
 
 class BatchInputError(ValueError):
@@ -48,6 +51,10 @@ class Inputs:
     @property
     def total_items(self) -> int:
         return sum(self.items.values())
+
+    def output_names(self, output: str | None = None) -> set[str]:
+        """The names of every file the job writes."""
+        return {out for _, out in _planned(self.root, self.items, output)}
 
     def dataset(self):
         """A Ray Dataset of rows {name, path} (a folder) or {name, latents} (Parquet)."""
@@ -129,21 +136,25 @@ def _parquet_inputs(root: Location, files: list[Location], output: str | None) -
     return Inputs(root, parquet=tuple(files), items=items)
 
 
-def _refuse_clashes(root: Location, described: dict[str, str], items: dict[str, int], output: str | None) -> None:
-    """Two inputs whose outputs share a path (x.npy of two items writes x-1.png, as x-1.npy does)."""
-    folder = OutputFolder(root, output or "png")
-    writer: dict[str, str] = {}
+def _planned(root: Location, items: dict[str, int], output: str | None) -> Iterator[tuple[str, str]]:
+    """(input name, file name) of every file the inputs write; a name that is no plain file name
+    writes none (it fails alone when it is decoded)."""
+    folder = OutputFolder(root, output or "png")  # png, jpeg, mp4 ...: one file per item
     for name, n in items.items():
         try:
             paths = folder.paths(name, n)
         except ValueError:
-            continue  # a name that is no plain file name fails alone when it is decoded
-        for out in paths:
-            if out.name in writer:
-                raise BatchInputError(
-                    f"{root}: {writer[out.name]} and {described[name]} would both write {out.name}: rename one"
-                )
-            writer[out.name] = described[name]
+            continue
+        yield from ((name, out.name) for out in paths)
+
+
+def _refuse_clashes(root: Location, described: dict[str, str], items: dict[str, int], output: str | None) -> None:
+    """Two inputs whose outputs share a path (x.npy of two items writes x-1.png, as x-1.npy does)."""
+    writer: dict[str, str] = {}
+    for name, out in _planned(root, items, output):
+        if out in writer:
+            raise BatchInputError(f"{root}: {writer[out]} and {described[name]} would both write {out}: rename one")
+        writer[out] = described[name]
 
 
 def read_inputs(path: str | Path | Location):
@@ -166,12 +177,15 @@ def decode_dataset(
     batch_size: int = 1,
     options: dict | None = None,
     max_restarts: int = 0,
+    stop_after_store_failures: int = STOP_AFTER_STORE_FAILURES,
 ):
     """Decode every row of `ds` ({name, path} or {name, latents} rows, as read_inputs makes them)
     into files under `output_dir` (a local folder, or a store's URI: s3://bucket/prefix, ...).
     Returns the lazy Dataset of per-input results (name, status: decoded | skipped | failed, files,
     items, error, decode_ms); consuming it runs the job.
     `options` are further /decode keys (scaling_factor, height, width, decode_timestep, ...).
+    `stop_after_store_failures`: store failures in a row after which an engine tries no more
+    inputs (they become `stopped` rows at once).
 
     `max_restarts`: an engine that dies is not restarted by default, so the job stops with the
     error and a rerun resumes it. Ray Data would restart it (its default, -1), but with that Ray
@@ -198,6 +212,7 @@ def decode_dataset(
                 "output": output,
                 "quality": quality,
                 "options": options,
+                "stop_after_store_failures": stop_after_store_failures,
             },
             batch_size=batch_size,
             batch_format="numpy",
@@ -215,6 +230,8 @@ class BatchSummary:
     failures: list[tuple[str, str]] = field(default_factory=list)  # (name, reason)
     seconds: float = 0.0
     decoded_items: int = 0  # latent items of the decoded inputs (an input holds one or more)
+    stopped_by: str = ""  # the store failure that stopped an engine
+    temporaries_removed: int = 0  # left by an earlier run's interrupted writes
 
     @property
     def done(self) -> int:
@@ -231,21 +248,32 @@ class BatchSummary:
             self.decoded_items += int(row.get("items", 1))
         if row["status"] == "failed":
             self.failures.append((row["name"], row["error"]))
+        if row["status"] == "stopped":
+            self.stopped_by = self.stopped_by or row["error"]
 
     def progress_line(self) -> str:
         width = len(str(self.total))
         return (
             f"[{self.done:>{width}}/{self.total} inputs] {self.counts['decoded']} decoded, {self.counts['skipped']} "
-            f"skipped, {self.counts['failed']} failed, {self.items_per_s:.2f} items/s"
+            f"skipped, {self.counts['failed']} failed{self._not_tried()}, {self.items_per_s:.2f} items/s"
         )
+
+    def _not_tried(self) -> str:
+        return f", {self.counts['stopped']} not tried" if self.counts["stopped"] else ""
 
     def report(self) -> str:
         lines = [
             f"{self.done} of {self.total} inputs in {self.seconds:.1f} s: {self.counts['decoded']} decoded "
             f"({self.decoded_items} items, {self.items_per_s:.2f} items/s), {self.counts['skipped']} skipped "
-            f"(already done), {self.counts['failed']} failed"
+            f"(already done), {self.counts['failed']} failed{self._not_tried()}"
         ]
-        lines += [f"  failed {name}: {reason}" for name, reason in self.failures]
+        if self.temporaries_removed:
+            lines.append(f"  removed {self.temporaries_removed} temporaries an interrupted run left")
+        lines += [f"  failed {name}: {reason}" for name, reason in self.failures[:REPORTED_FAILURES]]
+        if len(self.failures) > REPORTED_FAILURES:
+            lines.append(f"  ... and {len(self.failures) - REPORTED_FAILURES} more failed")
+        if self.stopped_by:
+            lines.append(f"  stopped: {self.stopped_by}; what was written is whole, and a rerun resumes from there")
         return "\n".join(lines)
 
 
@@ -277,9 +305,15 @@ def run_batch_decode(
     **options,
 ) -> BatchSummary:
     """list_inputs (or `input_path` already listed) + decode_dataset, consumed here, with a
-    progress display on `progress` (e.g. sys.stderr) while it runs; the summary at the end."""
+    progress display on `progress` (e.g. sys.stderr) while it runs; the summary at the end. First
+    the temporaries of this job's files that an interrupted run left are removed (one listing of
+    the output folder): another job writing the same names into the same folder at once would lose
+    its writes, as it would with two jobs writing one file anyway."""
     inputs = input_path if isinstance(input_path, Inputs) else list_inputs(input_path, options.get("output"))
     summary = BatchSummary(total=inputs.count)
+    summary.temporaries_removed = OutputFolder(output_dir, options.get("output") or "png").discard_temporaries(
+        inputs.output_names(options.get("output"))
+    )
     shown = Progress(progress) if progress is not None else None
     start = time.monotonic()
     for row in decode_dataset(inputs.dataset(), config, output_dir, **options).iter_rows():

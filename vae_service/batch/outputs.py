@@ -5,11 +5,12 @@ the rest by their files alone."""
 
 from __future__ import annotations
 
+import posixpath
 from pathlib import Path
 
 import numpy as np
 
-from vae_service.storage import Location, object_names, open_location
+from vae_service.storage import Location, object_names, open_location, temporary_of
 
 # npy: the service's `uint8` answer, [B, H, W, 3] or [B, T, H, W, 3], one file per input
 BATCH_OUTPUTS = ("png", "jpeg", "webp", "avif", "mp4", "webm", "npy")
@@ -49,6 +50,23 @@ class OutputFolder:
             raise ValueError(f"{len(blobs)} outputs for {len(paths)} files")
         for path, blob in zip(paths, blobs, strict=True):
             path.write_whole(blob)
+
+    def discard_temporaries(self, names: set[str]) -> int:
+        """Remove the temporaries of these files that interrupted writes left (a killed process, a
+        store that stopped before the temporary could be removed); how many. Names are matched
+        without their extension: a job's default output (png or mp4) is known once its model loads."""
+        if not self.folder.is_dir():
+            return 0
+        stems = {posixpath.splitext(n)[0] for n in names}
+        stale = [f for f in self.folder.files() if _stem_of_output(temporary_of(f.name)) in stems]
+        for f in stale:
+            f.delete()
+        return len(stale)
+
+
+def _stem_of_output(name: str | None) -> str | None:
+    stem, ext = posixpath.splitext(name or "")
+    return stem if ext[1:] in BATCH_OUTPUTS else None
 
 
 def _npy_bytes(pixels) -> bytes:

@@ -2,7 +2,9 @@
 actor holding one engine (its model loaded once, on its GPU when it has one). Every input is
 decoded as the service decodes one request (its own engine call, the same tiers, outputs and
 encoder settings), so its files are the bytes the service would answer. A bad input becomes a
-`failed` row with its reason; it never stops the job."""
+`failed` row with its reason; it never stops the job. A store that fails for several inputs in a
+row (stopped, unreachable, refusing) does: the engine's later inputs are `stopped` rows, at once,
+with no call to the store (a rerun resumes where the store failed)."""
 
 from __future__ import annotations
 
@@ -22,12 +24,15 @@ from vae_service.storage import StoreUnavailable
 log = logging.getLogger(__name__)
 
 RESULT_COLUMNS = ("name", "status", "files", "items", "error", "decode_ms")
+# store failures in a row after which an engine stops: a store that is down fails every input, and
+# each would wait for its connect and request timeouts
+STOP_AFTER_STORE_FAILURES = 3
 
 
 @dataclass(frozen=True)
 class ItemResult:
     name: str
-    status: str  # decoded | skipped (its files were there) | failed
+    status: str  # decoded | skipped (its files were there) | failed | stopped (not tried: the store failed)
     files: int = 0
     items: int = 0  # latent items (batch dimension) of the input
     error: str = ""
@@ -35,7 +40,15 @@ class ItemResult:
 
 
 class DecodeStage:
-    def __init__(self, config: dict, output_dir: str, output: str | None, quality: str = "lossless", options=None):
+    def __init__(
+        self,
+        config: dict,
+        output_dir: str,
+        output: str | None,
+        quality: str = "lossless",
+        options=None,
+        stop_after_store_failures: int = STOP_AFTER_STORE_FAILURES,
+    ):
         """`output_dir`: a local folder or a store's URI (s3://bucket/prefix?endpoint_override=...)."""
         self.engine = DecodeEngine(ServiceConfig.model_validate(config))
         self.engine.bind_thread()
@@ -43,6 +56,9 @@ class DecodeStage:
         self.folder = OutputFolder(output_dir, output or ("mp4" if self.engine.video else "png"))
         self.folder.folder.make_dirs()  # a local folder; a store needs none
         self.quality, self.options = quality, dict(options or {})
+        self.stop_after_store_failures = stop_after_store_failures
+        self.store_failures = 0  # in a row
+        self.stopped_by = ""  # the store failure that stopped this engine
         log.info("decode stage in pid %d: %s", os.getpid(), self.engine.spec.name)
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -51,12 +67,20 @@ class DecodeStage:
 
     def decode_row(self, batch: dict[str, np.ndarray], i: int) -> ItemResult:
         name = str(batch["name"][i])
+        if self.stopped_by:
+            return ItemResult(name, "stopped", error=self.stopped_by)
         try:
-            return self.decode_item(name, _row_latents(batch, i))
+            result = self.decode_item(name, _row_latents(batch, i))
+            self.store_failures = 0
+            return result
+        except StoreUnavailable as exc:  # its input's or output's store failed: a rerun does it
+            self.store_failures += 1
+            if self.store_failures >= self.stop_after_store_failures:
+                self.stopped_by = f"the store failed for {self.store_failures} inputs in a row, the last: {exc}"
+                log.warning("decode stage stops: %s", self.stopped_by)
+            return ItemResult(name, "failed", error=f"store: {exc}")
         except (DecodeError, ValueError) as exc:  # bad input: the item's own fault
             return ItemResult(name, "failed", error=str(exc))
-        except StoreUnavailable as exc:  # the output's store failed: a rerun writes it
-            return ItemResult(name, "failed", error=f"not stored: {exc}")
         except Exception as exc:  # a fault of ours: reported, logged, and the job goes on
             log.exception("decoding %s failed", name)
             return ItemResult(name, "failed", error=f"internal error ({type(exc).__name__}): {exc}")

@@ -3,7 +3,7 @@ the environment only), caller-chosen keys that cannot leave their prefix, and fi
 or not at all. Pure: no Serve, no protocol, no engine; the serving layer (request sinks) and
 batch-decode (inputs and outputs) use it."""
 
-from vae_service.storage.keys import InvalidKey, check_key, object_names
+from vae_service.storage.keys import InvalidKey, check_key, object_names, temporary_of
 from vae_service.storage.locations import (
     KeyThroughLink,
     Location,
@@ -31,4 +31,5 @@ __all__ = [
     "open_location",
     "parse_uri",
     "redact",
+    "temporary_of",
 ]

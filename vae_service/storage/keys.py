@@ -6,6 +6,7 @@ batch-decode names its files)."""
 from __future__ import annotations
 
 import posixpath
+import re
 import unicodedata
 import uuid
 
@@ -15,6 +16,7 @@ MAX_KEY_CHARS = 512
 MAX_SEGMENT_BYTES = 200
 MAX_OBJECT_BYTES = 1024  # S3's and GCS's bound on an object's name (UTF-8), prefix included
 TEMPORARY_RANDOM_CHARS = 16
+_TEMPORARY = re.compile(rf"\.(?P<name>.+)\.[0-9a-f]{{{TEMPORARY_RANDOM_CHARS}}}\.tmp")
 # control and format characters (bidi overrides, zero-width joiners) and lone surrogates
 _REFUSED_CATEGORIES = ("Cc", "Cf", "Cs")
 _REFUSED_CHARS = "\\?#"  # a separator elsewhere; what would end a URI's path
@@ -53,6 +55,12 @@ def temporary_name(path: str, random: str | None = None) -> str:
     parent, name = posixpath.split(path)
     random = random if random is not None else uuid.uuid4().hex[:TEMPORARY_RANDOM_CHARS]
     return posixpath.join(parent, f".{name}.{random}.tmp")
+
+
+def temporary_of(name: str) -> str | None:
+    """The name whose temporary (temporary_name's, without its folder) `name` is; None for another name."""
+    match = _TEMPORARY.fullmatch(name)
+    return match["name"] if match else None
 
 
 def object_names(key: object, ext: str, items: int, prefix: str = "") -> list[str]:

@@ -377,6 +377,14 @@ class Location:
             with _store_errors(self, writing=True):
                 self.fs.create_dir(self.path, recursive=True)
 
+    def delete(self) -> None:
+        """Remove this file (a link there is removed, not followed); gone already is no error."""
+        with _store_errors(self, writing=True):
+            try:
+                self.fs.delete_file(self.path)
+            except FileNotFoundError:
+                pass
+
     def write_whole(self, data: bytes, check: Callable[[], None] | None = None) -> StoredObject:
         """Write `data` under this name whole or not at all: a temporary object beside it, then a
         move. `check` is called between chunks and before the move: whatever it raises stops the
