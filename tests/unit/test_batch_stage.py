@@ -5,6 +5,7 @@ inputs skipped by their files, and nothing from a file ever unpickled."""
 import io
 import os
 import pickle
+import posixpath
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +20,7 @@ from vae_service.batch.job import BatchSummary, Progress
 from vae_service.batch.outputs import OutputFolder, check_name
 from vae_service.batch.stage import DecodeStage
 from vae_service.engine.media.postprocess import to_uint8
+from vae_service.storage.keys import temporary_name, temporary_of
 
 
 def rows(*files: Path) -> dict:
@@ -186,6 +188,9 @@ def test_a_rerun_removes_the_temporaries_of_its_own_files_and_no_others(tmp_path
     assert folder.discard_temporaries({"a.png", "a-1.png", "b.png"}) == 3
     assert sorted(os.listdir(tmp_path)) == sorted(kept)
     assert OutputFolder(tmp_path / "missing", "png").discard_temporaries({"a.png"}) == 0
+    # what it recognises is what a write makes
+    made = posixpath.basename(temporary_name(str(tmp_path / "c-2.webp")))
+    assert temporary_of(made) == "c-2.webp" and temporary_of("c-2.webp") is None
 
 
 def test_output_folder_writes_each_file_whole(tmp_path):

@@ -309,11 +309,11 @@ def run_batch_decode(
     the temporaries of this job's files that an interrupted run left are removed (one listing of
     the output folder): another job writing the same names into the same folder at once would lose
     its writes, as it would with two jobs writing one file anyway."""
-    inputs = input_path if isinstance(input_path, Inputs) else list_inputs(input_path, options.get("output"))
+    output = options.get("output")
+    inputs = input_path if isinstance(input_path, Inputs) else list_inputs(input_path, output)
     summary = BatchSummary(total=inputs.count)
-    summary.temporaries_removed = OutputFolder(output_dir, options.get("output") or "png").discard_temporaries(
-        inputs.output_names(options.get("output"))
-    )
+    folder = OutputFolder(output_dir, output or "png")
+    summary.temporaries_removed = folder.discard_temporaries(inputs.output_names(output))
     shown = Progress(progress) if progress is not None else None
     start = time.monotonic()
     for row in decode_dataset(inputs.dataset(), config, output_dir, **options).iter_rows():
