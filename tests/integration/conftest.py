@@ -154,3 +154,38 @@ def app(ray_cluster, kl_dir):
     yield deploy
     for name in names:
         serve.delete(name)
+
+
+# Decode sessions (tests/session_wire.py speaks their wire). Sessions here never expire by
+# themselves during a test (idle_timeout_s 300): what frees one is the test's own act (a close, a
+# disconnect, a killed replica). Expiry has its own one-replica application below.
+SESSIONS_CONFIG = {
+    "model_name": "wan",
+    "cpu_threads": 1,
+    "limits": {"max_sessions": 3, "max_session_chunk_frames": 4},
+    "batching": {"batch_wait_ms": 30},
+}
+
+
+def _sessions_app(name: str, wan_dir, replicas: int, **config):
+    from ray import serve
+
+    from vae_service.serving.app import decoder_app
+
+    options = dict(TEST_DEPLOYMENT, num_replicas=replicas, ray_actor_options={"num_cpus": 0})
+    serve.run(decoder_app({**SESSIONS_CONFIG, "model": str(wan_dir), **config}, **options), name=name,
+              route_prefix=f"/{name}-app")  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def sessions_app(ray_cluster, wan_dir):
+    """tiny Wan, two replicas, at most 3 sessions per replica, sessions that outlive any test."""
+    _sessions_app("sessions", wan_dir, 2, sessions={"idle_timeout_s": 300})
+    return f"{ray_cluster}/sessions-app"
+
+
+@pytest.fixture(scope="session")
+def expiring_sessions_app(ray_cluster, wan_dir):
+    """tiny Wan, one replica, sessions idle for 1.5 s expire."""
+    _sessions_app("expiring", wan_dir, 1, sessions={"idle_timeout_s": 1.5})
+    return f"{ray_cluster}/expiring-app"

@@ -14,8 +14,6 @@ import contextlib
 import itertools
 import time
 
-import httpx
-import msgpack
 import numpy as np
 import pytest
 import ray
@@ -23,81 +21,25 @@ from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
 from tests.browser import avc1_codecs, browser_page, require_chromium
-from tests.integration.conftest import TEST_DEPLOYMENT
+from tests.session_wire import (
+    C,
+    H,
+    W,
+    chunk_answer,
+    kill_owner,
+    latents,
+    pixels_of,
+    receive,
+    send,
+    sessions_open,
+    whole_answer,
+    ws_url,
+)
 from vae_service.config import Encoding
 from vae_service_client import VaeClient
-from vae_service_client.messages import latents_map, pack
 from vae_service_client.tensors import decode_tensor
 
 pytestmark = pytest.mark.integration
-H, W, C = 6, 10, 4
-
-
-@pytest.fixture(scope="module")
-def sessions_app(ray_cluster, wan_dir):
-    """tiny Wan, two replicas, short idle timeout, at most 3 sessions per replica."""
-    from ray import serve
-
-    from vae_service.serving.app import decoder_app
-
-    config = {
-        "model": str(wan_dir),
-        "model_name": "wan",
-        "cpu_threads": 1,
-        "sessions": {"idle_timeout_s": 1.5},
-        "limits": {"max_sessions": 3, "max_session_chunk_frames": 4},
-        "batching": {"batch_wait_ms": 30},
-    }
-    options = dict(TEST_DEPLOYMENT, num_replicas=2, ray_actor_options={"num_cpus": 0})
-    serve.run(decoder_app(config, **options), name="sessions", route_prefix="/sessions-app")
-    yield f"{ray_cluster}/sessions-app"
-    serve.delete("sessions")
-
-
-def ws_url(http_url: str) -> str:
-    return http_url.replace("http://", "ws://", 1) + "/sessions"
-
-
-def send(ws, kind: str, fields: dict) -> None:
-    ws.send(pack({kind: fields}))
-
-
-def receive(ws) -> dict:
-    return msgpack.unpackb(ws.recv(timeout=60), raw=False)
-
-
-def chunk_answer(ws, z: np.ndarray, latent_frame: int) -> tuple[list[dict], dict]:
-    """Send one chunk; its frame messages and its chunk_done (or the error message)."""
-    send(ws, "chunk", {"latents": latents_map(z), "latent_frame": latent_frame})
-    messages = []
-    while True:
-        message = receive(ws)
-        if "chunk_done" in message or "error" in message:
-            return messages, message
-        messages.append(message)
-
-
-def pixels_of(messages: list[dict]) -> np.ndarray:
-    return np.concatenate([decode_tensor(m["pixels"], "pixels").to_numpy() for m in messages], axis=1)
-
-
-def whole_answer(url: str, z: np.ndarray, **options):
-    return VaeClient(url).decode(z, **options).output
-
-
-def latents(t: int, seed: int) -> np.ndarray:
-    return np.random.default_rng(seed).standard_normal((1, C, t, H, W)).astype(np.float32)
-
-
-def kill_owner(session_id: str) -> None:
-    """Kills the replica holding a session (its id begins with the replica's): Serve starts another."""
-    owner = session_id.split(".", 1)[0]
-    killed = 0
-    for actor in ray.util.list_named_actors(all_namespaces=True):
-        if actor["name"].startswith("SERVE_REPLICA::sessions#") and actor["name"].endswith(owner):
-            ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]), no_restart=True)
-            killed += 1
-    assert killed == 1, session_id
 
 
 @pytest.mark.parametrize("chunking", [[1, 1, 1, 1, 1], [2, 3], [4, 1], [1, 4]], ids=str)
@@ -149,17 +91,6 @@ def test_a_bad_chunk_is_refused_naming_its_field_and_the_session_goes_on_exactly
         assert "chunk_done" in done
     whole = whole_answer(sessions_app, z)
     np.testing.assert_array_equal(np.concatenate([pixels_of(first), pixels_of(rest)], axis=1), whole)
-
-
-def sessions_open(url: str) -> int:
-    """Open sessions over both replicas (each /health answer is one replica's)."""
-    seen = {}
-    for _ in range(30):
-        health = httpx.get(f"{url}/health", timeout=30).json()
-        seen[health["replica"]] = health["sessions"]["open"]
-        if len(seen) == 2:
-            break
-    return sum(seen.values())
 
 
 def test_open_errors_name_the_field_and_end_the_connection(sessions_app):
