@@ -63,9 +63,10 @@ def send(engine: DecodeEngine, sessions: list[DecodeSession], chunks: list[torch
     """One chunk per session, checked and decoded in one decode_session_chunks call."""
     checked = [engine.check_chunk(s, DecodeRequest(z), engine.context()) for s, z in zip(sessions, chunks, strict=True)]
     answers = engine.decode_session_chunks(checked)
-    for answer in answers:
+    for session, answer in zip(sessions, answers, strict=True):
         if not isinstance(answer, ChunkFrames):
             raise answer
+        session.advance(answer.step)  # the answer is ready: the session takes the chunk (as the replica does)
     return answers
 
 

@@ -86,6 +86,19 @@ class Sessions(BaseModel):
         gt=0,
         description="a session that receives no chunk for this long is freed (its next chunk: session_expired)",
     )
+    max_connections: int = Field(
+        16,
+        ge=0,
+        description="session connections (WebSocket /sessions, gRPC DecodeSession) a replica holds at once, open "
+        "or not yet; counted apart from the decode slots (Serve's max_ongoing_requests is the decode slots plus "
+        "these), so idle connections never take a /decode's place; one more is refused 429 naming `session`",
+    )
+    open_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="a connection that sends no `open` within this long is closed (408 naming `open`); an expired "
+        "session's connection waits this long past the idle timeout for a message to answer session_expired",
+    )
 
 
 class Serving(BaseModel):
@@ -337,10 +350,12 @@ class ServiceConfig(BaseModel):
 
     def deployment_options(self) -> dict:
         """Serve options that follow from the config. Serve's default of 5 ongoing requests would
-        keep batches from filling: a replica must accept a full batch for each key it fills. A
-        replica being removed finishes what it holds: no request waits longer than its timeout."""
+        keep batches from filling: a replica must accept a full batch for each key it fills, and
+        beside them its session connections (a WebSocket or DecodeSession call is one ongoing
+        request for its whole life). A replica being removed finishes what it holds: no request
+        waits longer than its timeout."""
         return {
-            "max_ongoing_requests": self.batching.max_batch_size * self.serving.concurrent_keys,
+            "max_ongoing_requests": self.decode_slots + self.sessions.max_connections,
             "max_queued_requests": self.serving.max_queued_requests,
             "backpressure_config": {
                 "status_code": self.serving.backpressure_status,
@@ -348,6 +363,11 @@ class ServiceConfig(BaseModel):
             },
             "graceful_shutdown_timeout_s": self.batching.request_timeout_s + SHUTDOWN_MARGIN_S,
         }
+
+    @property
+    def decode_slots(self) -> int:
+        """Requests a replica takes at once for its batches: a full batch for each key it fills."""
+        return self.batching.max_batch_size * self.serving.concurrent_keys
 
     @property
     def served_name(self) -> str:

@@ -62,7 +62,16 @@ def test_user_config_takes_limits_and_batching():
 
 
 DEPLOYED = ServiceConfig(batching={"request_timeout_s": 60, "max_batch_size": 8}, serving={"concurrent_keys": 4})
-ENFORCED = {"max_ongoing_requests": 32, "graceful_shutdown_timeout_s": 65}  # derived from DEPLOYED at deploy
+ENFORCED = DEPLOYED.deployment_options() | {"graceful_shutdown_timeout_s": 65}  # what Serve was given at deploy
+
+
+def test_session_connections_are_counted_beside_the_decode_slots():
+    """A WebSocket or DecodeSession call is one of Serve's ongoing requests for its whole life: the
+    replica takes its connections on top of a full batch per key, so idle connections never take a
+    decode's place."""
+    options = ServiceConfig(batching={"max_batch_size": 3}, serving={"concurrent_keys": 2},
+                            sessions={"max_connections": 5}).deployment_options()  # fmt: skip
+    assert options["max_ongoing_requests"] == 3 * 2 + 5
 
 
 @pytest.mark.parametrize(

@@ -23,6 +23,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 import torch
 
@@ -124,7 +125,10 @@ def walk(row: SessionRow, engine: DecodeEngine, device, measure: bool = False) -
             with live if measure else _Nothing():
                 return engine.decode_session_chunks(chunks)
 
-        answers.append(device.submit(decode).result(120))
+        step_answers = device.submit(decode).result(120)
+        for session, answer in zip(sessions, step_answers, strict=True):
+            session.advance(answer.step)  # as the replica's registry does once the answer is ready
+        answers.append(step_answers)
         peaks.append(live.peak)
         prices.append(engine.session_chunk_peak(chunks))
         start += t
@@ -301,3 +305,144 @@ def test_a_video_session_is_the_whole_answers_file_but_its_closing_box(row, fold
     assert data == whole  # a whole answer carries no closing box: the session's file is the same bytes
     trailer = TRAILERS[row.output](DONE_TAG, summary)
     assert len(trailer) > 0 and summary["latent_frames"] == row.latent_frames
+
+
+# ---- through the replica's service: stacked sessions of mixed settings, a failed encode ----------
+MIXED_SETTINGS = [
+    {"output": "uint8"},
+    {"output": "float"},
+    {"output": "mp4"},
+    {"output": "webm"},
+    {"output": "float", "clip_latent_frames": 3},
+    {"output": "uint8", "clip_latent_frames": 3},
+    {"output": "float", "clip_latent_frames": 1000},
+]
+
+
+def mixed_service(folder) -> DecodeService:
+    """fp32, a batching window long enough for every chunk sent at once to meet in the queue."""
+    config = ServiceConfig(
+        model=str(folder),
+        decode_precision="fp32",
+        batching={"batch_wait_ms": 300},
+        serving={"fit_prices_at_start": False},
+    )
+    return DecodeService(config)
+
+
+async def session_answers(service: DecodeService, settings: dict, z: torch.Tensor, chunking) -> list:
+    session = service.sessions.open(SessionOpen(H, W, quality="high", **settings))
+    answers, start = [], 0
+    for t in chunking:
+        answers.append(await service.sessions.chunk(session.id, DecodeRequest(z[:, :, start : start + t]), start))
+        start += t
+    service.sessions.close(session.id)
+    return answers
+
+
+def answer_of(answer) -> torch.Tensor | bytes:
+    return b"".join(f.data for f in answer.fragments) if answer.fragments else answer.frames.pixels
+
+
+@pytest.mark.parametrize("chunking", [(1, 2), (2, 1, 1)], ids=str)
+def test_stacked_sessions_of_mixed_settings_each_answer_as_decoded_alone(folder, chunking):
+    """`high` sessions of one latent size but every output and clip hint, their chunks sent at once:
+    sessions stack only where nothing that shapes an answer differs, and each answer (its frames,
+    its files) is the one the same session gets decoded alone."""
+
+    async def run():
+        service = mixed_service(folder)
+        zs = [latents_of(ROWS[1], service.engine, 10 + i)[:, :, : sum(chunking)] for i in range(len(MIXED_SETTINGS))]
+        together = await asyncio.gather(
+            *(session_answers(service, s, z, chunking) for s, z in zip(MIXED_SETTINGS, zs, strict=True))
+        )
+        service.apply(
+            service.live.model_copy(
+                update={"batching": service.config.batching.model_copy(update={"batch_wait_ms": 0})}
+            )
+        )
+        alone = [await session_answers(service, s, z, chunking) for s, z in zip(MIXED_SETTINGS, zs, strict=True)]
+        await service.drain(5)
+        return together, alone
+
+    together, alone = asyncio.run(run())
+    assert max(a.frames.batch_size for answers in together for a in answers) > 1  # some did stack
+    for settings, stacked, own in zip(MIXED_SETTINGS, together, alone, strict=True):
+        for a, b in zip(stacked, own, strict=True):
+            x, y = answer_of(a), answer_of(b)
+            if settings["output"] in ("mp4", "webm"):
+                assert x[:4] == y[:4] and len(x) > 100, settings  # a file of its own kind, not another's frames
+                assert a.fragments[0].frame == b.fragments[0].frame
+                continue
+            assert x.dtype == y.dtype and x.shape == y.shape, settings
+            if x.dtype == torch.uint8:
+                assert (x.int() - y.int()).abs().max() <= 1, settings  # high: the bound rounds to one level
+            else:
+                assert (x - y).abs().max() <= HIGH_MAX_ABS_FP32, settings
+
+
+@pytest.mark.parametrize("output", ["mp4", "webm"])
+@pytest.mark.parametrize("failing", [1, 2])
+def test_a_chunk_whose_encode_fails_is_not_taken_and_the_file_goes_on_whole(folder, output, failing, monkeypatch):
+    """The `failing`-th fragment's encode fails (an injected fault) in a chunk of two latent frames:
+    the chunk is answered with the error and the session is where it was (frames, latent frames); the
+    same chunk sent again goes on, and the fragments answered, joined, are the whole answer's file."""
+    from vae_service.serving import sessions as registry
+
+    made, real_writer = [], registry.video_writer
+
+    def failing_writer_of(*args):  # the real writer, the first one's fragment() failing once
+        writer = real_writer(*args)
+        made.append(writer)
+        real, calls = writer.fragment, []
+
+        def fragment(frames):
+            calls.append(len(frames))
+            if len(made) == 1 and len(calls) == 1 + failing:  # the first chunk had one fragment
+                raise RuntimeError("injected: the encoder failed")
+            return real(frames)
+
+        writer.fragment = fragment
+        return writer
+
+    monkeypatch.setattr(registry, "video_writer", failing_writer_of)
+
+    async def run():
+        service = DecodeService(ServiceConfig(model=str(folder), decode_precision="fp32"))
+        z = latents_of(ROWS[0], service.engine, 0)  # 4 latent frames
+        session = service.sessions.open(SessionOpen(H, W, output=output))
+        first = await service.sessions.chunk(session.id, DecodeRequest(z[:, :, :1]), 0)
+        before = (session.latent_frames, session.frames, session.chunks)
+        with pytest.raises(Exception, match=f"as {output} failed") as failed:
+            await service.sessions.chunk(session.id, DecodeRequest(z[:, :, 1:3]), 1)
+        after = (session.latent_frames, session.frames, session.chunks)
+        again = await service.sessions.chunk(session.id, DecodeRequest(z[:, :, 1:3]), 1)
+        last = await service.sessions.chunk(session.id, DecodeRequest(z[:, :, 3:]), 3)
+        summary = service.sessions.close(session.id)
+        whole = await service.decode(DecodeRequest(z, output=output))
+        pixels = await service.decode(DecodeRequest(z))
+        await service.drain(5)
+        return first, failed.value, before, after, [again, last], summary, whole.output[0], pixels.output[0]
+
+    first, failed, before, after, rest, summary, whole, pixels = asyncio.run(run())
+    assert failed.field == "output" and after == before == (1, 1, 1)
+    assert [a.frames.latent_frame for a in rest] == [1, 3] and summary["latent_frames"] == 4
+    assert len(made) == 2  # the failed writer was dropped, never written to again
+    joined = b"".join(answer_of(a) for a in [first, *rest])
+    assert joined.startswith(answer_of(first)) and whole.startswith(answer_of(first))
+    # a new encoder goes on from the last fragment answered: the same frames at the same times, as
+    # near the decoded pixels as the unbroken file's (its bits differ: its rate control starts afresh)
+    ours, theirs = decoded_video(joined), decoded_video(whole)
+    assert [t for t, _ in ours] == [t for t, _ in theirs] and len(ours) == summary["frames"] == len(pixels)
+    for (_, a), (_, b), truth in zip(ours, theirs, pixels.numpy().astype(int), strict=True):
+        assert np.abs(a - truth).mean() <= 1.25 * np.abs(b - truth).mean() + 1
+
+
+def decoded_video(data: bytes) -> list[tuple[float, np.ndarray]]:
+    """A file's frames as a player shows them: (time in seconds, RGB)."""
+    import io
+
+    import av
+
+    with av.open(io.BytesIO(data)) as container:
+        return [(round(float(f.time), 6), f.to_ndarray(format="rgb24")) for f in container.decode(video=0)]

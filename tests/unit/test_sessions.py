@@ -172,8 +172,18 @@ def check(m: Served, session: DecodeSession, z: torch.Tensor, context=None):
     return m.engine.check_chunk(session, request, context or m.engine.context())
 
 
+def decoded(m: Served, chunks: list, abandoned: threading.Event | None = None) -> list[ChunkFrames | Exception]:
+    """One batch's answers, each session advanced by its answer's step, as the replica's registry
+    advances it once the answer is ready to go (the engine itself changes no session)."""
+    answers = m.engine.decode_session_chunks(chunks, abandoned)
+    for chunk, answer in zip(chunks, answers, strict=True):
+        if isinstance(answer, ChunkFrames):
+            chunk.session.advance(answer.step)
+    return answers
+
+
 def send(m: Served, session: DecodeSession, z: torch.Tensor, context=None) -> ChunkFrames | Exception:
-    (answer,) = m.engine.decode_session_chunks([check(m, session, z, context)])
+    (answer,) = decoded(m, [check(m, session, z, context)])
     return answer
 
 
@@ -357,9 +367,7 @@ def test_the_sessions_factors_apply_to_every_chunk(served, factors):
     session = m.engine.open_session("session", settings)
     answers = []
     for a, b in spans([1, 3]):
-        (answer,) = m.engine.decode_session_chunks(
-            [m.engine.check_chunk(session, chunk_of(z[:, :, a:b], settings), m.engine.context())]
-        )
+        (answer,) = decoded(m, [m.engine.check_chunk(session, chunk_of(z[:, :, a:b], settings), m.engine.context())])
         answers.append(answer)
     out = joined(answers)
     assert torch.equal(out, whole_answer(m, z, output="float", **factors))
@@ -412,7 +420,7 @@ def test_sessions_decoded_together_each_get_their_own_frames(served, name, quali
     for a, b in spans([1, 1, 2, 1]):  # the batch at walk phases 0, 1, 2, 2
         chunks = [check(m, s, z[:, :, a:b]) for s, z in zip(together, zs, strict=True)]
         assert len({c.batch_key for c in chunks}) == 1
-        batch = m.engine.decode_session_chunks(chunks)
+        batch = decoded(m, chunks)
         for i, answer in enumerate(batch):
             assert isinstance(answer, ChunkFrames) and answer.batch_size == 3
             assert (answer.latent_frame, answer.frame) == (a, first_frame(m, a))
@@ -634,7 +642,7 @@ def test_a_chunk_stopped_mid_decode_leaves_the_session_where_it_was(served, qual
     }[stop]
     chunk = check(m, session, z[:, :, before : before + 3], context)
     with OnLatentFrame(m.engine, at, action) as hook:
-        (answer,) = m.engine.decode_session_chunks([chunk], batch_gone)
+        (answer,) = decoded(m, [chunk], batch_gone)
     assert hook.calls == at  # stopped before its next latent frame
     assert type(answer) is (DecodeTimeout if stop == "deadline" else DecodeAbandoned), answer
     assert_unchanged(session, snapshot)
@@ -659,7 +667,7 @@ def test_a_chunk_whose_caller_left_before_its_turn_is_not_decoded(served, stop):
     else:
         time.sleep(0.02)
     with OnLatentFrame(m.engine, 1, lambda: None) as hook:
-        (answer,) = m.engine.decode_session_chunks([chunk])
+        (answer,) = decoded(m, [chunk])
     assert hook.calls == 0
     assert type(answer) is (DecodeAbandoned if stop == "abandoned" else DecodeTimeout)
     assert_unchanged(session, snapshot)
@@ -680,7 +688,7 @@ def test_a_caller_leaving_a_batch_changes_no_other_session(served, quality):
     contexts = [m.engine.context(), m.engine.context()]
     chunks = [check(m, s, z[:, :, 1:], c) for s, z, c in zip(sessions, zs, contexts, strict=True)]
     with OnLatentFrame(m.engine, 1, contexts[0].abandon):
-        leaver, stayer = m.engine.decode_session_chunks(chunks)
+        leaver, stayer = decoded(m, chunks)
     alone = open_session(m, h, w, quality=quality, output="float")
     send(m, alone, zs[1][:, :, :1])
     own = send(m, alone, zs[1][:, :, 1:])
@@ -710,7 +718,7 @@ def test_every_caller_of_a_batch_leaving_stops_it_and_changes_no_session(served,
             c.abandon()
 
     with OnLatentFrame(m.engine, 2, leave):
-        answers = m.engine.decode_session_chunks(chunks)
+        answers = decoded(m, chunks)
     assert [type(a) for a in answers] == [DecodeAbandoned, DecodeAbandoned]
     for s, snapshot in zip(sessions, snapshots, strict=True):
         assert_unchanged(s, snapshot)
@@ -783,9 +791,7 @@ def test_an_overflowing_session_in_a_batch_fails_alone(overflowing, quality):
     zs = [clip(m, 2, h, w, seed=71 + i) for i in range(2)]
     sessions = [open_session(m, h, w, quality=quality, output="float") for _ in zs]
     snapshot = state(sessions[0])
-    failed, good = m.engine.decode_session_chunks(
-        [check(m, sessions[0], zs[0] * OVERFLOW_LATENTS), check(m, sessions[1], zs[1])]
-    )
+    failed, good = decoded(m, [check(m, sessions[0], zs[0] * OVERFLOW_LATENTS), check(m, sessions[1], zs[1])])
     assert isinstance(failed, DecodeFailed) and failed.field == "latents"
     assert_unchanged(sessions[0], snapshot)
     assert isinstance(good, ChunkFrames) and good.batch_size == 2 and sessions[1].latent_frames == 2

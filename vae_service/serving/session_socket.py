@@ -13,6 +13,7 @@ pinned to its replica by serving/session_router.py.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
@@ -20,7 +21,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from vae_service.engine.request.errors import InvalidInput
 from vae_service.engine.request.session import SessionExpired
-from vae_service.protocol.errors import ANSWERABLE, WireErrorInfo, wire_error
+from vae_service.protocol.errors import ANSWERABLE, BodyTimeout, WireErrorInfo, wire_error
 from vae_service.protocol.requests import call_latents
 from vae_service.protocol.sessions import (
     chunk_of,
@@ -56,42 +57,120 @@ class Reply:
 Receive = Callable[[], Awaitable[tuple[str, dict] | None]]
 
 
+class CallerGone(Exception):
+    """The caller went away while its chunk decoded: the chunk was stopped."""
+
+
+class Inbox:
+    """The caller's messages, one read at a time, and read while a chunk decodes too: a caller gone
+    mid-chunk stops the chunk at its next latent frame (its decode's context abandoned, as a streamed
+    /decode's), and a message sent meanwhile waits its turn."""
+
+    def __init__(self, receive: Receive):
+        self.receive, self.reading = receive, None
+
+    def _read(self) -> asyncio.Future:
+        if self.reading is None:
+            self.reading = asyncio.ensure_future(self.receive())
+        return self.reading
+
+    async def next(self, timeout_s: float) -> tuple[str, dict] | None:
+        """The next message (None: the caller went away); TimeoutError when none came in time."""
+        reading = self._read()
+        done, _ = await asyncio.wait({reading}, timeout=timeout_s)
+        if not done:
+            raise TimeoutError
+        self.reading = None
+        return _received(reading)
+
+    async def during(self, work: Awaitable):
+        """`work`'s result, watching the caller meanwhile; CallerGone (the work cancelled) where the
+        caller went away before it finished."""
+        job, reading = asyncio.ensure_future(work), self._read()
+        try:
+            done, _ = await asyncio.wait({job, reading}, return_when=asyncio.FIRST_COMPLETED)
+            if job not in done and _gone(reading):
+                job.cancel()
+                await asyncio.gather(job, return_exceptions=True)
+                raise CallerGone
+            return await job
+        finally:
+            job.cancel()
+
+    def close(self) -> None:
+        if self.reading is not None:
+            self.reading.cancel()
+
+
+def _gone(reading: asyncio.Future) -> bool:
+    """A read that ended without a message: the transport closed, was cancelled or broke (a message
+    that could not be read is not that: it is answered in its turn)."""
+    if reading.cancelled():
+        return True
+    error = reading.exception()
+    return (error is None and reading.result() is None) or (error is not None and not isinstance(error, ANSWERABLE))
+
+
+def _received(reading: asyncio.Future) -> tuple[str, dict] | None:
+    """The message read (None: the caller went away); a message that could not be read raises its error."""
+    return None if _gone(reading) else reading.result()
+
+
 async def conversation(service: DecodeService, admit: Callable[[], None], receive: Receive) -> AsyncIterator[Reply]:
     """One decode session, whatever carries it (the WebSocket, gRPC's DecodeSession): `admit`
     raises where the caller may not decode; `receive` is the next message as (kind, map), None when
-    the caller went away, raising InvalidInput for a message it cannot read. The session is freed
-    when the conversation ends, however it ends (a disconnect: at once)."""
-    session_id = None
+    the caller went away, raising InvalidInput for a message it cannot read.
+
+    Bounded: the conversation holds one of the replica's session connections (apart from its decode
+    slots) from its first message on; it waits `sessions.open_timeout_s` for `open`, and for the next
+    message at most the idle timeout (the session then expired) and `open_timeout_s` more to answer
+    it `session_expired`, then ends saying so. The session is freed when the conversation ends,
+    however it ends (a disconnect, also in the middle of a chunk: at once)."""
+    sessions, timeouts = service.sessions, service.config.sessions
+    inbox, connected, session_id = Inbox(receive), False, None
     try:
         try:
             admit()
-            first = await receive()
+            sessions.connect()
+            connected = True
+            try:
+                first = await inbox.next(timeouts.open_timeout_s)
+            except TimeoutError:
+                why = f"no open within {timeouts.open_timeout_s:g} s (sessions.open_timeout_s)"
+                raise BodyTimeout("open", why) from None
             if first is None:
                 return
             kind, fields = first
             if kind != "open":
                 raise InvalidInput("message", f"the first message of a session is 'open', got {kind!r}")
-            session = service.sessions.open(session_open(fields))
+            session = sessions.open(session_open(fields))
         except ANSWERABLE as exc:
             info = wire_error(service.rejected(exc))
             yield Reply(error_message(info), ends=True, refused=True, error=info)
             return
         session_id = session.id
-        yield Reply(opened_message(service.sessions.describe_session(session)))
+        yield Reply(opened_message(sessions.describe_session(session)))
         while True:
             try:
-                received = await receive()
+                try:
+                    received = await inbox.next(sessions.idle_timeout_s + timeouts.open_timeout_s)
+                except TimeoutError:  # idle past its timeout: the sweep freed it, or frees it now
+                    sessions.sweep()
+                    sessions.session(session_id)  # raises SessionExpired naming what it had decoded
+                    continue
                 if received is None:
                     return
                 kind, fields = received
                 if kind == "close":
-                    summary = service.sessions.close(session_id)
+                    summary = sessions.close(session_id)
                     yield Reply(closed_message(summary, session.settings.output), ends=True)
                     return
                 if kind == "open":
                     raise InvalidInput("message", "this connection's session is open already: send chunks, then close")
                 request, latent_frame = chunk_request(fields, session.settings)
-                answer = await service.sessions.chunk(session_id, request, latent_frame)
+                answer = await inbox.during(sessions.chunk(session_id, request, latent_frame))
+            except CallerGone:
+                return
             except SessionExpired as exc:
                 info = wire_error(service.rejected(exc))
                 yield Reply(
@@ -105,8 +184,11 @@ async def conversation(service: DecodeService, admit: Callable[[], None], receiv
                 yield Reply(message)
             yield Reply({"chunk_done": answer.done(session)})
     finally:
+        inbox.close()
         if session_id is not None:
-            service.sessions.close(session_id, "the client disconnected")
+            sessions.close(session_id, "the client disconnected")
+        if connected:
+            sessions.disconnect()
 
 
 async def serve_session(service: DecodeService, admission: Admission, ws: WebSocket) -> None:
@@ -115,10 +197,12 @@ async def serve_session(service: DecodeService, admission: Admission, ws: WebSoc
     limit = service.config.limits.max_request_bytes
 
     async def receive() -> tuple[str, dict] | None:
-        try:
-            body = await ws.receive_bytes()
-        except WebSocketDisconnect:
+        message = await ws.receive()
+        if message["type"] == "websocket.disconnect":
             return None
+        body = message.get("bytes")
+        if body is None:
+            raise InvalidInput("message", "session messages are binary msgpack maps, not text frames")
         return parse_message(body, limit)
 
     replies = conversation(service, lambda: admission.check(ws.headers.get("authorization")), receive)

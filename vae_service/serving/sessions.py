@@ -68,26 +68,46 @@ class ChunkAnswer:
 
 
 class _Video:
-    """A session's one mp4/webm file, continued chunk by chunk (a fragment per latent frame)."""
+    """A session's one mp4/webm file, continued chunk by chunk (a fragment per latent frame). Only a
+    chunk whose fragments were all encoded counts (`advance`): a writer whose encode failed or was
+    stopped is dropped (its thread may still be at work on it) and the next chunk's writer goes on
+    from the last fragment the session answered, with the same init segment."""
 
     def __init__(self, output: str, pool: EncoderPool):
-        self.output, self.pool, self.writer, self.init = output, pool, None, None
+        self.output, self.pool, self.writer = output, pool, None
+        self.init: bytes | None = None  # the file's init segment, sent with its first answered fragment
+        self.frames = self.fragments_sent = 0  # what the fragments answered so far hold
 
     async def fragments(self, frames: ChunkFrames, counts: list[int], context: RequestContext) -> list[Mp4Fragment]:
         pixels = frames.pixels[0].numpy()
-        if self.writer is None:
-            height, width = pixels.shape[1:3]
-            settings = self.pool.settings
-            self.writer = await self._run(video_writer, context, self.output, int(width), int(height), settings)
-            self.init = self.writer.init_segment()
-        out, start, frame = [], 0, frames.frame
-        for n in counts:
-            data = await self._run(self.writer.fragment, context, np.ascontiguousarray(pixels[start : start + n]))
-            if self.init is not None:
-                data, self.init = self.init + data, None
-            out.append(Mp4Fragment(frame, n, data))
-            start, frame = start + n, frame + n
+        try:
+            writer = self.writer or await self._writer(pixels, context)
+            out, start, frame = [], 0, frames.frame
+            for n in counts:
+                data = await self._run(writer.fragment, context, np.ascontiguousarray(pixels[start : start + n]))
+                out.append(Mp4Fragment(frame, n, data))
+                start, frame = start + n, frame + n
+        except BaseException:
+            self.close()
+            raise
+        if self.fragments_sent == 0:
+            out[0] = Mp4Fragment(out[0].frame, out[0].frames, self.init + out[0].data)
         return out
+
+    def advance(self, fragments: list[Mp4Fragment]) -> None:
+        self.frames += sum(f.frames for f in fragments)
+        self.fragments_sent += len(fragments)
+
+    async def _writer(self, pixels: np.ndarray, context: RequestContext):
+        height, width = pixels.shape[1:3]
+        writer = await self._run(video_writer, context, self.output, int(width), int(height), self.pool.settings)
+        if self.init is None:
+            self.init = writer.init_segment()
+        elif writer.init_segment() != self.init:  # the file's decoders were told another stream's settings
+            raise failed_encode(self.output, RuntimeError("a new encoder's init segment differs from the file's"))
+        writer.resume(self.frames, self.fragments_sent)
+        self.writer = writer
+        return writer
 
     async def _run(self, work, context: RequestContext, *args):
         future = asyncio.get_running_loop().run_in_executor(self.pool.executor, work, *args)
@@ -114,6 +134,7 @@ class SessionRegistry:
         self._gone: collections.OrderedDict[str, tuple[int, int, str]] = collections.OrderedDict()
         self._sweeper: asyncio.Task | None = None
         self.opened = self.expired = self.chunks = 0
+        self.connections = 0  # conversations (WebSocket, DecodeSession) on this replica, open or not yet
         self.chunk_ms: collections.deque[float] = collections.deque(maxlen=256)
 
     @property
@@ -131,6 +152,23 @@ class SessionRegistry:
     @property
     def held_bytes(self) -> int:
         return sum(s.held_price for s in self.open_sessions.values())
+
+    # ---- connections -----------------------------------------------------------------------
+    def connect(self) -> None:
+        """A conversation begins: it takes one of `sessions.max_connections` (Overloaded when all are
+        taken), whether it opens a session or not; `disconnect` gives it back."""
+        room = self.service.config.sessions.max_connections
+        if self.connections >= room:
+            raise Overloaded(
+                "session",
+                f"{self.connections} session connections are open on this replica (sessions.max_connections "
+                f"{room}); retry when one closes",
+                self.service.config.serving.retry_after_s,
+            )
+        self.connections += 1
+
+    def disconnect(self) -> None:
+        self.connections -= 1
 
     # ---- open ------------------------------------------------------------------------------
     def open(self, settings: SessionOpen) -> DecodeSession:
@@ -202,10 +240,11 @@ class SessionRegistry:
 
     async def chunk(self, session_id: str, request: DecodeRequest, latent_frame: int | None = None) -> ChunkAnswer:
         """Decode the session's next chunk: checked (InvalidInput naming the field: the session is
-        untouched), queued in the batcher under its own deadline, encoded where the output is a video."""
+        untouched), queued in the batcher under its own deadline, encoded where the output is a video;
+        the session takes the chunk only once its answer is ready (any failure before: untouched)."""
         session = self.session(session_id)
         if session.busy:
-            raise InvalidInput("latent_frame", "this session's previous chunk is still decoding: send one at a time")
+            raise InvalidInput("session", "this session's previous chunk is still decoding: send one at a time")
         if latent_frame is not None and latent_frame != session.latent_frames:
             raise InvalidInput(
                 "latent_frame",
@@ -218,16 +257,18 @@ class SessionRegistry:
             chunk = await asyncio.to_thread(self.engine.check_chunk, session, request, context)
             frames = await self.service.submit_prepared(chunk, context)
             queue_ms = max(0.0, (time.perf_counter() - arrived) * 1e3 - frames.decode_ms)
-            fragments, encode_ms = (), 0.0
+            fragments, encode_ms = [], 0.0
             video = self._videos.get(session_id)
             if video is not None:
                 start = time.perf_counter()
                 counts = self._fragment_frames(frames.latent_frame, chunk.prepared.latent_frames)
-                fragments = tuple(await video.fragments(frames, counts, context))
+                fragments = await video.fragments(frames, counts, context)
                 encode_ms = (time.perf_counter() - start) * 1e3
+                video.advance(fragments)
+            session.advance(frames.step)
             self.chunks += 1
             self.chunk_ms.append((time.perf_counter() - arrived) * 1e3)
-            return ChunkAnswer(frames, fragments, encode_ms, queue_ms)
+            return ChunkAnswer(frames, tuple(fragments), encode_ms, queue_ms)
         finally:
             session.busy, session.last_used = False, self.clock()
 
@@ -279,6 +320,8 @@ class SessionRegistry:
         ms = sorted(self.chunk_ms)
         return {
             "open": len(self.open_sessions),
+            "connections": self.connections,
+            "max_connections": self.service.config.sessions.max_connections,
             "held_bytes": self.held_bytes,
             "budget_bytes": self.budget(),
             "opened": self.opened,

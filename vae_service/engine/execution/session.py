@@ -6,9 +6,10 @@ the frames of the whole clip.
   bit-identical to the same frames of `vae.decode` of all the chunks joined, for every chunking);
   `high` stacks the walks of the sessions in one batch on the batch dimension and decodes them in
   one decoder call per latent frame (the fast path's error bound holds per session).
-- Atomic: a chunk runs on a fork of its session's walk, kept only when every one of its latent
-  frames decoded finite; a chunk stopped by its deadline, its caller leaving, or an overflow leaves
-  the session where it was, usable.
+- Atomic: a chunk runs on a fork of its session's walk; its answer carries the step it would take
+  (`SessionStep`), which the session's owner applies (`DecodeSession.advance`) only once the answer
+  is ready to go (encoded, converted): a chunk stopped by its deadline, its caller leaving, an
+  overflow, or a failure after the decode (an encode) leaves the session where it was, usable.
 - Bounded: the walk holds two frames of history per causal conv at the session's size, whatever the
   session's length; a stacked batch's histories are copied out per session (`Walk.split`), so a
   session never keeps its batch's alive. That history is priced at open (the tier's `resident`
@@ -26,12 +27,12 @@ import torch
 from vae_service.engine.execution.call import DecodeCall, checked_chunks
 from vae_service.engine.execution.fallback import FALLBACK_PRECISION, Fp32Fallback
 from vae_service.engine.execution.video import NON_FINITE
-from vae_service.engine.media.postprocess import convert, to_host
+from vae_service.engine.media.postprocess import convert, pixel_form, to_host
 from vae_service.engine.request.errors import DecodeAbandoned, DecodeFailed, DecodeTimeout
 from vae_service.engine.request.latents import PreparedRequest
 from vae_service.engine.request.session import SessionOpen
 from vae_service.engine.runtime.runtime import Runtime
-from vae_service.engine.runtime.wan_walk import Walk, walk_on
+from vae_service.engine.runtime.wan_walk import Walk, post_quant_key, walk_on
 
 
 @dataclass(eq=False)
@@ -60,16 +61,40 @@ class DecodeSession:
     def held_bytes(self) -> int:
         return self.walk.held_bytes
 
+    def advance(self, step: SessionStep) -> None:
+        """The chunk whose answer is ready to go becomes part of the session (its walk, its counts,
+        the precision it decoded at)."""
+        self.walk = step.walk
+        self.latent_frames += step.latent_frames
+        self.frames += step.frames
+        self.chunks += 1
+        self.precision, self.fallback_from_frame = step.precision, step.fallback_from_frame
+
+
+@dataclass(frozen=True)
+class SessionStep:
+    """What a decoded chunk adds to its session: the walk after it, the latent frames and frames it
+    decoded, the precision it decoded at (fp32 once the session fell back, from `fallback_from_frame`)."""
+
+    walk: Walk
+    latent_frames: int
+    frames: int
+    precision: str
+    fallback_from_frame: int | None
+
 
 class SessionBatchKey(NamedTuple):
-    """Sessions share a decoder call only at one tier, precision, chunk shape and walk phase (never
-    with requests: their BatchKey is another type)."""
+    """Sessions share a decoder call only where nothing that shapes a member's answer differs: tier,
+    precision, chunk shape, walk phase, the pixels' form (uint8 or float) and the clip hint the
+    post-quant conv's kernel follows (never with requests: their BatchKey is another type)."""
 
     quality: str
     precision: str
     latent_shape: tuple[int, ...]
     dtype: torch.dtype
     phase: int
+    pixels: str
+    post_quant: tuple[int | None, int | None]
 
 
 @dataclass(frozen=True)
@@ -92,13 +117,23 @@ class SessionChunk:
     @property
     def batch_key(self) -> SessionBatchKey:
         z, session = self.prepared.latents, self.session
-        return SessionBatchKey(session.quality, session.precision, tuple(z.shape[1:]), z.dtype, session.walk.phase)
+        settings, walk = session.settings, session.walk
+        return SessionBatchKey(
+            session.quality,
+            session.precision,
+            tuple(z.shape[1:]),
+            z.dtype,
+            walk.phase,
+            pixel_form(settings.output),
+            post_quant_key(settings.clip_latent_frames, walk.steps, z.shape[2], z.shape[3] * z.shape[4]),
+        )
 
 
 @dataclass(frozen=True)
 class ChunkFrames:
     """A chunk's frames, on the host: uint8 [1, t, H, W, 3] or float [1, 3, t, H, W]; `frame`,
-    `latent_frame`: the first of each in the session."""
+    `latent_frame`: the first of each in the session; `step`: what the session becomes once this
+    answer is ready to go (DecodeSession.advance; None for an answer made apart from a decode)."""
 
     pixels: torch.Tensor
     frame: int
@@ -107,6 +142,7 @@ class ChunkFrames:
     decode_ms: float
     batch_size: int
     fallback_from_frame: int | None = None  # the session's first fp32 frame, once it fell back
+    step: SessionStep | None = field(default=None, repr=False, compare=False)
 
     @property
     def frames(self) -> int:
@@ -119,7 +155,8 @@ def decode_session_chunks(
     """One batch of session chunks (one batch key): `high` stacked in one walk, `lossless` each alone,
     on the fp32 copy for sessions that fell back. The caller holds the tier's gate and inference mode,
     and `call.running()`. `fallback`: where a chunk's frames overflow fp16/bf16, the session goes on
-    at fp32 from that chunk (None: the chunk fails, the session stays where it was)."""
+    at fp32 from that chunk (None: the chunk fails, the session stays where it was). No session is
+    changed here: each answer's `step` is applied by its owner once the answer is ready to go."""
     start = time.perf_counter()
     if chunks[0].session.fallback_from_frame is not None:
         runtime = fallback.session_runtime()
@@ -144,29 +181,33 @@ def decode_session_chunks(
         ms = (time.perf_counter() - start) * 1e3
         for i in members:  # each answer converted at once, its float frames dropped
             walk, frames = decoded.pop(0)
+            chunk = chunks[i]
+            precision, fallback_from = chunk.session.precision, chunk.session.fallback_from_frame
             if not frames.all_finite and fallback is not None and fallback.enabled:
                 del frames, walk  # the failed attempt's frames and cache go before the fp32 decode
-                walk, frames = _at_fp32(fallback, chunks[i], call)
-            answers[i] = _commit(runtime, chunks[i], walk, frames, ms, len(chunks))
+                walk, frames = _at_fp32(fallback, chunk, call)
+                precision, fallback_from = FALLBACK_PRECISION, chunk.first_frame
+            step = SessionStep(walk, chunk.prepared.latent_frames, chunk.prepared.frames, precision, fallback_from)
+            answers[i] = _answer(chunk, step, frames, ms, len(chunks))
     return answers
 
 
 def _at_fp32(fallback: Fp32Fallback, chunk: SessionChunk, call: DecodeCall) -> tuple[Walk, Frames]:
     """The chunk decoded again at fp32 from its session's cache before it (engine/execution/fallback.py's
-    session_walk); the session goes on at fp32 once it is finite."""
+    session_walk); the session goes on at fp32 once it is finite (and its answer goes out)."""
     fp32, session = fallback.session_runtime(), chunk.session
     walk = fallback.session_walk(session.walk)
     z = fallback.latents(chunk.prepared)
     with fp32.gate("lossless"):
         frames = _walked_frames(fp32, walk, z, chunk.prepared.frames, session.settings, call)
     if frames.all_finite:
-        session.precision, session.fallback_from_frame = FALLBACK_PRECISION, chunk.first_frame
         fallback.items += 1
     return walk, frames
 
 
 def _walk_group(runtime: Runtime, group: list[SessionChunk], call: DecodeCall) -> list[tuple[Walk, Frames]]:
-    """Each chunk's walk after it and its frames, converted to the session's output."""
+    """Each chunk's walk after it and its frames, converted to the session's output (one batch key:
+    every member's settings shape its answer as the first's)."""
     zs = [runtime.scaling.to_decoder_input(c.prepared, runtime.device) for c in group]
     walk = Walk.stacked([c.session.walk for c in group])
     z = zs[0] if len(zs) == 1 else torch.cat(zs)
@@ -213,17 +254,13 @@ def _walked_frames(
     return Frames(pixels, finite)
 
 
-def _commit(
-    runtime: Runtime, chunk: SessionChunk, walk: Walk, frames: Frames, ms: float, batch: int
+def _answer(
+    chunk: SessionChunk, step: SessionStep, frames: Frames, ms: float, batch: int
 ) -> ChunkFrames | DecodeFailed:
-    """The chunk's answer; its session advanced only when every frame is finite."""
+    """The chunk's answer, holding the step its session takes once the answer goes out; a chunk
+    with a frame not finite has none (the session stays where it was)."""
     if not frames.all_finite:
         return DecodeFailed("latents", NON_FINITE + "; the session is where it was before this chunk")
-    session = chunk.session
-    latent_frame = session.latent_frames
-    session.walk = walk
-    session.latent_frames += chunk.prepared.latent_frames
-    session.frames += chunk.prepared.frames
-    session.chunks += 1
     out = to_host(frames.pixels)
-    return ChunkFrames(out, chunk.first_frame, latent_frame, session.precision, ms, batch, session.fallback_from_frame)
+    latent_frame = chunk.session.latent_frames
+    return ChunkFrames(out, chunk.first_frame, latent_frame, step.precision, ms, batch, step.fallback_from_frame, step)

@@ -100,6 +100,10 @@ class FragmentedMp4(VideoWriter):
         self._init = self._build_init_segment()
         self._sequence = 0
 
+    def resume(self, frames: int, fragments: int) -> None:
+        super().resume(frames, fragments)
+        self._sequence = fragments
+
     def fragment(self, frames: np.ndarray) -> bytes:
         """uint8 [T, H, W, 3] RGB, T >= 1 -> moof + mdat holding exactly these T frames, the first an IDR."""
         samples = [bytes(packet) for packet in self._encode(frames)]

@@ -35,9 +35,15 @@ def to_uint8(decoded: torch.Tensor, pixels: PixelRange = "signed") -> torch.Tens
     return x.movedim(1, -1).to(torch.uint8, memory_format=torch.contiguous_format)
 
 
+def pixel_form(output: str) -> str:
+    """What `convert` makes for an output: `float` keeps the decoder's output, every other output
+    (raw uint8 or a file encoded later) is `uint8` pixels."""
+    return "float" if output == "float" else "uint8"
+
+
 def convert(decoded: torch.Tensor, output: str, pixels: PixelRange = "signed") -> torch.Tensor:
     """`float`: the decoder's output; anything else: uint8 pixels (encoded later). On its device."""
-    return decoded if output == "float" else to_uint8(decoded, pixels)
+    return decoded if pixel_form(output) == "float" else to_uint8(decoded, pixels)
 
 
 def to_host(x: torch.Tensor, pending: list | None = None) -> torch.Tensor:

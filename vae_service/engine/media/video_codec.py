@@ -102,6 +102,11 @@ class VideoWriter:
     def init_segment(self) -> bytes:
         return self._init
 
+    def resume(self, frames: int, fragments: int) -> None:
+        """Go on with a file another writer of the same settings began, whose init segment was this
+        one's: the next fragment is its `fragments`+1-th, from frame `frames` on."""
+        self._frames_written = frames
+
     def close(self) -> None:
         self._codec = None  # PyAV frees the encoder with its last reference
 
