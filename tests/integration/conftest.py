@@ -163,8 +163,11 @@ SESSIONS_CONFIG = {
     "model_name": "wan",
     "cpu_threads": 1,
     "limits": {"max_sessions": 3, "max_session_chunk_frames": 4},
-    "batching": {"batch_wait_ms": 30},
+    # 2 x 2 decode slots per replica, beside 6 session connections (more than the slots)
+    "batching": {"batch_wait_ms": 30, "max_batch_size": 2},
+    "serving": {"concurrent_keys": 2},
 }
+SESSION_SLOTS, SESSION_CONNECTIONS = 4, 6
 
 
 def _sessions_app(name: str, wan_dir, replicas: int, **config):
@@ -180,12 +183,16 @@ def _sessions_app(name: str, wan_dir, replicas: int, **config):
 @pytest.fixture(scope="session")
 def sessions_app(ray_cluster, wan_dir):
     """tiny Wan, two replicas, at most 3 sessions per replica, sessions that outlive any test."""
-    _sessions_app("sessions", wan_dir, 2, sessions={"idle_timeout_s": 300})
+    _sessions_app(
+        "sessions", wan_dir, 2,
+        sessions={"idle_timeout_s": 300, "open_timeout_s": 30, "max_connections": SESSION_CONNECTIONS},
+    )  # fmt: skip
     return f"{ray_cluster}/sessions-app"
 
 
 @pytest.fixture(scope="session")
 def expiring_sessions_app(ray_cluster, wan_dir):
-    """tiny Wan, one replica, sessions idle for 1.5 s expire."""
-    _sessions_app("expiring", wan_dir, 1, sessions={"idle_timeout_s": 1.5})
+    """tiny Wan, one replica, sessions idle for 1.5 s expire; a connection that sends no open is
+    closed after 3 s, as is an expired session's that sends nothing in the 3 s after its expiry."""
+    _sessions_app("expiring", wan_dir, 1, sessions={"idle_timeout_s": 1.5, "open_timeout_s": 3})
     return f"{ray_cluster}/expiring-app"

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import threading
 import time
 
 import numpy as np
@@ -21,6 +22,7 @@ from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
 from tests.browser import avc1_codecs, browser_page, require_chromium
+from tests.integration.conftest import SESSION_CONNECTIONS, SESSION_SLOTS
 from tests.session_wire import (
     C,
     H,
@@ -30,13 +32,16 @@ from tests.session_wire import (
     latents,
     pixels_of,
     receive,
+    replica_health,
     send,
     sessions_open,
+    wait_until,
     whole_answer,
     ws_url,
 )
 from vae_service.config import Encoding
 from vae_service_client import VaeClient
+from vae_service_client.messages import latents_map
 from vae_service_client.tensors import decode_tensor
 
 pytestmark = pytest.mark.integration
@@ -112,7 +117,8 @@ def test_open_errors_name_the_field_and_end_the_connection(sessions_app):
 
 def test_sessions_over_the_room_are_refused_at_open_and_a_disconnect_frees_at_once(sessions_app):
     """max_sessions 3 per replica, two replicas: the seventh is refused with 429 + retry_after; a
-    client that disconnects without `close` frees its session at once."""
+    client that disconnects without `close` frees its session (the idle timeout, 300 s, frees none
+    during the test)."""
     sockets = []
     try:
         for _ in range(6):
@@ -129,23 +135,141 @@ def test_sessions_over_the_room_are_refused_at_open_and_a_disconnect_frees_at_on
     finally:
         for ws in sockets:
             ws.close()
-    deadline = time.monotonic() + 10
-    while sessions_open(sessions_app) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert sessions_open(sessions_app) == 0
+    wait_until(lambda: sessions_open(sessions_app) == 0, 60, "the disconnected sessions freed")
 
 
-def test_an_idle_session_expires_and_its_next_chunk_names_the_frames_it_had(sessions_app):
+def test_idle_connections_beyond_the_decode_slots_never_hold_a_decode(sessions_app):
+    """Twelve WebSockets that never send `open` (more than the 2 x 4 decode slots): each is held
+    apart from the slots or refused at once (429 naming `session`) where its replica's 6 connections
+    are taken; a /decode meanwhile is answered while they all still wait, and /health counts them."""
+    sockets, kept = [], []
+    try:
+        for _ in range(12):
+            sockets.append(connect(ws_url(sessions_app), open_timeout=30))
+        for ws in sockets:
+            try:
+                error = receive(ws, timeout=0.5)["error"]
+            except TimeoutError:
+                kept.append(ws)  # idle, its connection held
+                continue
+            assert (error["type"], error["field"]) == ("overloaded", "session"), error
+        z = latents(2, seed=61)
+        answer = VaeClient(sessions_app, timeout=60).decode(z).output
+        np.testing.assert_array_equal(answer, whole_answer(sessions_app, z))
+        health = replica_health(sessions_app, 2)
+        assert sum(h["sessions"]["connections"] for h in health.values()) == len(kept)
+        assert all(h["sessions"]["max_connections"] == SESSION_CONNECTIONS for h in health.values())
+        # however Serve spread them, a replica holds its 6 connections: more than its 4 decode slots
+        assert max(h["sessions"]["connections"] for h in health.values()) == SESSION_CONNECTIONS > SESSION_SLOTS
+        for ws in kept:  # still waiting for their open
+            with pytest.raises(TimeoutError):
+                ws.recv(timeout=0.05)
+    finally:
+        for ws in sockets:
+            ws.close()
+    wait_until(lambda: connections(sessions_app) == 0, 60, "the closed connections given back")
+
+
+def connections(url: str, replicas: int = 2) -> int:
+    return sum(h["sessions"]["connections"] for h in replica_health(url, replicas).values())
+
+
+def test_a_connection_that_never_opens_is_closed_naming_open(expiring_sessions_app):
+    with connect(ws_url(expiring_sessions_app)) as ws:
+        error = receive(ws, timeout=60)["error"]  # open_timeout_s 3
+        assert (error["type"], error["field"]) == ("body_timeout", "open"), error
+        with pytest.raises(ConnectionClosed):
+            receive(ws)
+    wait_until(lambda: connections(expiring_sessions_app, 1) == 0, 60, "its connection given back")
+
+
+def test_an_idle_session_expires_and_its_next_chunk_names_the_frames_it_had(expiring_sessions_app):
     z = latents(2, seed=3)
-    with connect(ws_url(sessions_app)) as ws:
+    with connect(ws_url(expiring_sessions_app)) as ws:
         send(ws, "open", {"height": H, "width": W})
         receive(ws)
         chunk_answer(ws, z[:, :, :2], 0)
-        time.sleep(3.0)  # idle_timeout_s 1.5, swept every second
+        time.sleep(3.0)  # idle_timeout_s 1.5, swept every second; the connection waits 3 s more
         _, error = chunk_answer(ws, z[:, :, :1], 2)
         assert error["error"]["type"] == "session_expired"
         assert error["error"]["frames"] == 5 and error["error"]["latent_frames"] == 2
         assert "5 frames" in error["error"]["message"]
+
+
+def test_an_expired_sessions_connection_says_so_and_ends_when_nothing_comes(expiring_sessions_app):
+    """The caller sends nothing after its chunk: past the idle timeout and open_timeout_s more, the
+    replica sends `session_expired` naming the frames decoded and closes the connection."""
+    z = latents(1, seed=4)
+    with connect(ws_url(expiring_sessions_app)) as ws:
+        send(ws, "open", {"height": H, "width": W})
+        receive(ws)
+        chunk_answer(ws, z, 0)
+        error = receive(ws, timeout=60)["error"]
+        assert (error["type"], error["frames"], error["latent_frames"]) == ("session_expired", 1, 1), error
+        with pytest.raises(ConnectionClosed):
+            receive(ws)
+    wait_until(lambda: connections(expiring_sessions_app, 1) == 0, 60, "its connection given back")
+
+
+def test_a_chunk_decoding_past_the_idle_timeout_keeps_its_session(expiring_sessions_app):
+    """A chunk that takes longer than idle_timeout_s (1.5 s) to decode renews its session: the next
+    chunk, sent at once, continues it."""
+    z = np.random.default_rng(5).standard_normal((1, C, 5, 64, 64)).astype(np.float32)
+    with connect(ws_url(expiring_sessions_app), max_size=None) as ws:  # 13 frames of 512 px
+        send(ws, "open", {"height": 64, "width": 64})
+        receive(ws)
+        _, done = chunk_answer(ws, z[:, :, :4], 0)
+        timing = done["chunk_done"]["timing"]
+        assert timing["queue_ms"] + timing["decode_ms"] > 1500, timing  # what this test is about
+        _, done = chunk_answer(ws, z[:, :, 4:], 4)
+        assert done["chunk_done"]["latent_frames"] == 5, done
+
+
+@pytest.mark.parametrize("transport", ["websocket", "grpc"])
+def test_a_caller_gone_mid_chunk_stops_it_and_frees_its_session(sessions_app, grpc_target, transport):
+    """The caller leaves (a closed WebSocket, a cancelled DecodeSession call) while its chunk of 4
+    latent frames decodes: the chunk stops (no session took it: the replicas' chunk count stays) and
+    the session is freed, the idle timeout (300 s) having nothing to do with it."""
+    import grpc
+
+    from vae_service_client.grpc_gen import decode_pb2_grpc
+    from vae_service_client.session_proto import request_proto
+
+    z = np.random.default_rng(6).standard_normal((1, C, 4, 48, 48)).astype(np.float32)
+    chunks_before = sum(h["sessions"]["chunks"] for h in replica_health(sessions_app, 2).values())
+
+    def decoding() -> bool:
+        return any(h["running_batches"] for h in replica_health(sessions_app, 2).values())
+
+    if transport == "websocket":
+        ws = connect(ws_url(sessions_app))
+        send(ws, "open", {"height": 48, "width": 48})
+        assert "opened" in receive(ws)
+        send(ws, "chunk", {"latents": latents_map(z), "latent_frame": 0})
+        wait_until(decoding, 60, "the chunk decoding")
+        ws.close()
+    else:
+        channel = grpc.insecure_channel(grpc_target)
+        requests = [
+            request_proto({"open": {"height": 48, "width": 48}}),
+            request_proto({"chunk": {"latents": latents_map(z), "latent_frame": 0}}),
+        ]
+        held = threading.Event()
+
+        def stream():
+            yield from requests
+            held.wait(120)  # the caller's side stays open until it cancels
+
+        stub = decode_pb2_grpc.VaeDecoderStub(channel)
+        replies = stub.DecodeSession(stream(), metadata=(("application", "sessions"),), timeout=120)
+        assert next(replies).WhichOneof("kind") == "opened"
+        wait_until(decoding, 60, "the chunk decoding")
+        replies.cancel()
+        held.set()
+        channel.close()
+    wait_until(lambda: sessions_open(sessions_app) == 0, 60, "the session freed")
+    wait_until(lambda: not decoding(), 60, "the device idle")
+    assert sum(h["sessions"]["chunks"] for h in replica_health(sessions_app, 2).values()) == chunks_before
 
 
 def test_high_sessions_batch_across_sessions(sessions_app):
@@ -320,9 +444,10 @@ def test_a_lost_session_resumes_in_the_client_with_the_same_frames(sessions_app)
             session.decode(z[:, :, 1:2])
 
 
-def test_an_expired_session_raises_or_resumes_in_the_client(sessions_app):
+def test_an_expired_session_raises_or_resumes_in_the_client(expiring_sessions_app):
     from vae_service_client import SessionExpired
 
+    sessions_app = expiring_sessions_app
     z = latents(2, seed=34)
     with VaeClient(sessions_app).session(H, W, output="float", resume=True) as session:
         first = session.decode(z[:, :, :1])
@@ -395,17 +520,12 @@ def test_a_grpc_session_decodes_exactly_refuses_bad_chunks_and_resumes_a_lost_re
             with pytest.raises(SessionLost, match="after frame 0"):
                 session.decode(z[:, :, 1:2])
 
-        deadline = time.monotonic() + 30  # the killed replicas' successors up
-        while sessions_open(sessions_app) and time.monotonic() < deadline:
-            time.sleep(0.2)
+        wait_until(lambda: sessions_open(sessions_app) == 0, 60, "the killed replicas' successors up")
         with pytest.raises(RuntimeError), client.session(H, W) as session:
             session.decode(z[:, :, :1])
             assert sessions_open(sessions_app) == 1
             raise RuntimeError("the caller's own failure: the call is cancelled, no close sent")
-    deadline = time.monotonic() + 10
-    while sessions_open(sessions_app) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert sessions_open(sessions_app) == 0
+    wait_until(lambda: sessions_open(sessions_app) == 0, 60, "the cancelled call's session freed")
 
 
 def test_a_grpc_stream_ends_a_refused_session_with_the_errors_status(grpc_target, sessions_app):

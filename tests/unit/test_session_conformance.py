@@ -14,7 +14,11 @@ as the service loads it:
   closing box;
 - honest answers: `precision`, `fallback_from_frame`, the batch size, the frames counted.
 
-Rows run several sessions at once where they say `sessions > 1` (batched across sessions)."""
+Rows run several sessions at once where they say `sessions > 1` (batched across sessions). Two more
+rows run through the replica's service (its batcher, its encoders), where they happen: `high`
+sessions of every output and clip hint sent at once (stacked only where nothing that shapes an
+answer differs, each answer the one it gets alone), and a chunk whose encode fails (not taken: the
+session and its file go on from the last chunk answered)."""
 
 from __future__ import annotations
 
@@ -32,7 +36,7 @@ from vae_service.config import ServiceConfig
 from vae_service.engine import DecodeEngine, DecodeRequest
 from vae_service.engine.pricing.memory import LiveBytes
 from vae_service.engine.request.context import WAIT_SLICE_S, RequestContext
-from vae_service.engine.request.errors import DecodeAbandoned, DecodeTimeout
+from vae_service.engine.request.errors import DecodeAbandoned, DecodeTimeout, InvalidInput
 from vae_service.engine.request.session import SessionOpen
 from vae_service.engine.runtime.wan_walk import Walk
 from vae_service.serving.decode_service import DecodeService
@@ -446,3 +450,27 @@ def decoded_video(data: bytes) -> list[tuple[float, np.ndarray]]:
 
     with av.open(io.BytesIO(data)) as container:
         return [(round(float(f.time), 6), f.to_ndarray(format="rgb24")) for f in container.decode(video=0)]
+
+
+def test_a_chunk_sent_while_the_sessions_previous_one_decodes_is_refused_naming_the_session(folder):
+    """Chunks of one session are decoded one at a time, in order: a second sent before the first is
+    answered (handles and the actor can send them at once) is refused naming `session`, and the
+    first is answered as if alone."""
+
+    async def run():
+        service = DecodeService(ServiceConfig(model=str(folder), decode_precision="fp32"))
+        z = latents_of(ROWS[0], service.engine, 0)
+        session = service.sessions.open(SessionOpen(H, W))
+        first = asyncio.ensure_future(service.sessions.chunk(session.id, DecodeRequest(z[:, :, :2]), 0))
+        await asyncio.sleep(0)  # the first is under way
+        assert session.busy
+        with pytest.raises(InvalidInput) as refused:
+            await service.sessions.chunk(session.id, DecodeRequest(z[:, :, 2:3]), 2)
+        answer = await first
+        (whole,) = service.engine.decode([service.engine.prepare(DecodeRequest(z[:, :, :2]))])
+        await service.drain(5)
+        return refused.value, answer, whole.output
+
+    refused, answer, whole = asyncio.run(run())
+    assert refused.field == "session" and "one at a time" in str(refused)
+    assert torch.equal(answer.frames.pixels, whole)

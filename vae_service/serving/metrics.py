@@ -55,6 +55,11 @@ def _metrics() -> dict:
             tag_keys=("model",),
         ),
         "sessions": Gauge("vae_sessions_open", description="decode sessions open", tag_keys=("model",)),
+        "session_connections": Gauge(
+            "vae_session_connections",
+            description="session connections held (WebSocket, DecodeSession; open or not yet), apart from decode slots",
+            tag_keys=("model",),
+        ),
         "session_bytes": Gauge(
             "vae_session_held_bytes", description="causal caches held by open sessions (priced)", tag_keys=("model",)
         ),
@@ -99,6 +104,7 @@ def report_sessions(model: str, sessions, expired_before: int) -> None:
     """Open sessions and their held bytes now, and the expiries since `expired_before` was read."""
     m, tags = _metrics(), {"model": model}
     m["sessions"].set(len(sessions.open_sessions), tags=tags)
+    m["session_connections"].set(sessions.connections, tags=tags)
     m["session_bytes"].set(sessions.held_bytes, tags=tags)
     if sessions.expired > expired_before:
         m["session_expiries"].inc(sessions.expired - expired_before, tags=tags)

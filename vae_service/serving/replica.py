@@ -130,6 +130,7 @@ class DecoderReplica:
             log.warning(warning)
         metrics.report_folded_bytes(self.service.engine)
         self.service.sinks.on_change = functools.partial(metrics.report_sinks, self.model, self.service.sinks)
+        self.service.sessions.on_change = self._report_sessions
 
     @property
     def config(self) -> ServiceConfig:

@@ -135,6 +135,7 @@ class SessionRegistry:
         self._sweeper: asyncio.Task | None = None
         self.opened = self.expired = self.chunks = 0
         self.connections = 0  # conversations (WebSocket, DecodeSession) on this replica, open or not yet
+        self.on_change: Callable[[], None] = lambda: None  # connections or open sessions changed (metrics)
         self.chunk_ms: collections.deque[float] = collections.deque(maxlen=256)
 
     @property
@@ -166,9 +167,11 @@ class SessionRegistry:
                 self.service.config.serving.retry_after_s,
             )
         self.connections += 1
+        self.on_change()
 
     def disconnect(self) -> None:
         self.connections -= 1
+        self.on_change()
 
     # ---- open ------------------------------------------------------------------------------
     def open(self, settings: SessionOpen) -> DecodeSession:
@@ -198,6 +201,7 @@ class SessionRegistry:
             self._videos[session_id] = _Video(session.settings.output, self.service.encoders)
         self.opened += 1
         self._ensure_sweeper()
+        self.on_change()
         return session
 
     def describe_session(self, session: DecodeSession) -> dict:
@@ -291,6 +295,7 @@ class SessionRegistry:
         self._gone[session_id] = (session.frames, session.latent_frames, why)
         while len(self._gone) > EXPIRED_KEPT:
             self._gone.popitem(last=False)
+        self.on_change()
         return {"frames": session.frames, "latent_frames": session.latent_frames}
 
     def sweep(self) -> None:
