@@ -22,24 +22,24 @@ in place of the `free` box (vae_service_client.webm); `write_chunks(..., output=
 from __future__ import annotations
 
 import json
-import struct
 from collections.abc import AsyncIterable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from vae_service_client.errors import make_error
+# the readers (and the trailer's tags) live below this module and webm.py, which both hand them out
+from vae_service_client.container_readers import BOX_HEADER, TRAILER_BOX, BoxReader, ElementReader
+from vae_service_client.container_readers import DONE_TAG as DONE_TAG
+from vae_service_client.container_readers import ERROR_TAG as ERROR_TAG
+from vae_service_client.container_readers import TrailerReader as TrailerReader
 
 MP4_MEDIA_TYPE = "video/mp4"
-TRAILER_BOX = b"free"
-DONE_TAG, ERROR_TAG = b"vae-service:done", b"vae-service:error"
-_HEADER = struct.Struct(">I4s")
 
 
 def trailer(tag: bytes, fields: dict) -> bytes:
     """The stream's last box: `tag` (DONE_TAG or ERROR_TAG) and `fields` as JSON."""
     payload = tag + json.dumps(fields, separators=(",", ":")).encode()
-    return _HEADER.pack(_HEADER.size + len(payload), TRAILER_BOX) + payload
+    return BOX_HEADER.pack(BOX_HEADER.size + len(payload), TRAILER_BOX) + payload
 
 
 @dataclass(frozen=True)
@@ -52,77 +52,6 @@ class Mp4Fragment:
     data: bytes
 
 
-class TrailerReader:
-    """What BoxReader and webm.ElementReader share: the bytes not yet whole, and the trailing vae-service
-    box (element) kept apart as the summary, or the error that `close` raises (after every media byte
-    before it was passed on). A subclass's `feed` passes each whole trailer's payload to `_keep`."""
-
-    container = ""  # "mp4", "webm": for close's errors
-    unit = ""  # "a box", "an element"
-
-    def __init__(self) -> None:
-        self._buffer = bytearray()
-        self.summary: dict | None = None
-        self._error: dict | None = None
-
-    def _keep(self, payload: bytes) -> bool:
-        """Keeps a trailer payload's summary or error; False if it is neither (media, then)."""
-        if payload.startswith(ERROR_TAG):
-            self._error = json.loads(payload[len(ERROR_TAG) :])
-        elif payload.startswith(DONE_TAG):
-            self.summary = json.loads(payload[len(DONE_TAG) :])
-        else:
-            return False
-        return True
-
-    def close(self) -> dict:
-        """The summary; raises the stream's error, or if it ended before its summary (cut off, or
-        inside a box or element)."""
-        if self._error is not None:
-            err = self._error
-            raise make_error(err.get("type", "internal"), err.get("field"), err.get("message", ""))
-        if self._buffer:
-            raise make_error(
-                "unavailable",
-                None,
-                f"the {self.container} stream ended inside {self.unit} ({len(self._buffer)} bytes left)",
-            )
-        if self.summary is None:
-            raise make_error("unavailable", None, f"the {self.container} stream ended before its summary")
-        return self.summary
-
-
-class BoxReader(TrailerReader):
-    """Top-level ISO BMFF boxes out of byte chunks of any size: media bytes are passed on as soon as
-    a box is whole; the trailing vae-service box is kept apart as the summary, or the error that
-    `close` raises (after every media byte before it was passed on)."""
-
-    container, unit = "mp4", "a box"
-
-    def feed(self, data: bytes) -> bytes:
-        """The media bytes of every box `data` completes."""
-        self._buffer += data
-        media, start = bytearray(), 0
-        while len(self._buffer) - start >= _HEADER.size:
-            size, kind = _HEADER.unpack_from(self._buffer, start)
-            header = _HEADER.size
-            if size == 1:  # a 64-bit size follows the type
-                if len(self._buffer) - start < 16:
-                    break
-                (size,) = struct.unpack_from(">Q", self._buffer, start + 8)
-                header = 16
-            if size < header:
-                raise ValueError(f"a {kind!r} box of {size} bytes: not an mp4 stream")
-            if len(self._buffer) - start < size:
-                break
-            box = bytes(self._buffer[start : start + size])
-            start += size
-            if not (kind == TRAILER_BOX and self._keep(box[header:])):
-                media += box
-        del self._buffer[:start]
-        return bytes(media)
-
-
 def _open(target: str | Path | BinaryIO) -> tuple[BinaryIO, bool]:
     if isinstance(target, str | Path):
         return open(target, "wb"), True  # closed by the caller
@@ -130,9 +59,7 @@ def _open(target: str | Path | BinaryIO) -> tuple[BinaryIO, bool]:
 
 
 def stream_reader(output: str = "mp4"):
-    """The reader of a streamed video's body: BoxReader for mp4, webm.ElementReader for webm."""
-    from vae_service_client.webm import ElementReader  # webm imports this module (TrailerReader)
-
+    """The reader of a streamed video's body: BoxReader for mp4, ElementReader for webm."""
     readers = {"mp4": BoxReader, "webm": ElementReader}
     if output not in readers:
         raise ValueError(f"output {output!r} is not a streamed video ({', '.join(readers)})")

@@ -87,8 +87,8 @@ def test_chromium_buffers_while_the_response_is_open_and_plays_to_the_end(clip):
     def source():
         yield content_type, paced(pieces)
 
-    started = time.monotonic()
-    with browser_page(source) as page:
+    # the relay's own hold timeout out of reach: only the page's `buffered` report lets it go
+    with browser_page(source, hold_timeout=3600.0) as page:
         kind = page.wait_for("type")
         assert kind["supported"] and kind["type"] == content_type, page.explain()
         buffered = page.wait_for("buffered")
@@ -98,7 +98,6 @@ def test_chromium_buffers_while_the_response_is_open_and_plays_to_the_end(clip):
         # the page reports in order: a failure made before `ended` was reported came in already
         assert page.find("failure") is None, page.explain()
         relay = page.relay
-    elapsed = time.monotonic() - started
 
     duration = FRAMES / FPS
     assert abs(ended["duration"] - duration) <= 1 / FPS, page.explain()
@@ -110,7 +109,6 @@ def test_chromium_buffers_while_the_response_is_open_and_plays_to_the_end(clip):
     assert relay.released_at >= buffered["received_at"] >= relay.held_at, page.explain()
     assert bytes(relay.body) == b"".join(pieces) and relay.error is None
     assert relay.boxes == ["ftyp", "moov"] + ["moof", "mdat"] * len(fragments) + ["free"]
-    assert elapsed < 30
 
 
 def test_the_page_reports_an_error_box(clip):

@@ -485,7 +485,9 @@ def test_a_replica_that_hangs_with_a_tile_ends_the_request_at_its_deadline_with_
     finally:
         replicas[0].fault = None
     assert isinstance(result, DecodeTimeout) and not isinstance(result, DecodeAbandoned)  # 504, not a 503
-    assert time.monotonic() - context.deadline < 2.0  # at the deadline, not later
+    # the deadline that ended it is the request's own (request_timeout_s, passed when it answered),
+    # not a shorter wait of the tile's or the offer's
+    assert context.expired and "within request_timeout_s" in result.message
 
 
 def test_a_caller_that_leaves_while_tiles_are_out_frees_the_device_thread_and_the_replicas(models):

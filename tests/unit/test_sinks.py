@@ -432,22 +432,41 @@ class _HangingFileSystem(_FaultyFileSystem):
         return super().open_output_stream(path, metadata)
 
 
-async def test_a_hung_store_holds_only_its_own_sinks_writes(tmp_path):
+class _LoopClock:
+    """The running event loop's clock (its timers: a sink's write_timeout_s) as real time plus what
+    the test moved it on by: a timer set an hour ahead fires when the test says, not before."""
+
+    def __init__(self, monkeypatch):
+        loop, self.moved = asyncio.get_running_loop(), 0.0
+        real = loop.time
+        monkeypatch.setattr(loop, "time", lambda: real() + self.moved)
+
+    async def advance(self, seconds: float) -> None:
+        self.moved += seconds
+        for _ in range(3):  # the loop's next rounds run the timers now due
+            await asyncio.sleep(0)
+
+
+async def test_a_hung_store_holds_only_its_own_sinks_writes(tmp_path, monkeypatch):
     """Two writes at once on the hung sink: a third request is refused at once (503 + Retry-After
-    naming the sink, not queued), a healthy sink meanwhile writes as usual; the hung requests answer
-    503 after write_timeout_s, their calls left stuck (and counted) while the store says nothing; once
-    it answers, the stuck calls end and the sink writes again."""
+    naming the sink, not queued), a healthy sink meanwhile writes as usual, while the hung sink's
+    slots are all still held; the hung requests answer 503 once write_timeout_s passed (on the loop's
+    clock, moved by the test), their calls left stuck (and counted) while the store says nothing;
+    once it answers, the stuck calls end and the sink writes again."""
+    clock = _LoopClock(monkeypatch)
     hanging = _HangingFileSystem()
     config = {
-        "hung": Sink(uri=str(tmp_path / "hung"), max_concurrent_writes=2, write_timeout_s=0.5),
+        "hung": Sink(uri=str(tmp_path / "hung"), max_concurrent_writes=2, write_timeout_s=3600.0),
         "disk": Sink(uri=str(tmp_path / "disk")),
     }
     sinks = Sinks(config, retry_after_s=2.0)
     root = open_location(str(tmp_path / "hung"))
     sinks._locations["hung"] = storage_locations.Location(pafs.PyFileSystem(hanging), root.path, root.uri)
     admitted = lambda: RequestContext.admit(30.0, Limits())  # noqa: E731
-    hung = [
-        asyncio.ensure_future(sinks.store(_encoded([b"a"]), _request("hung", f"k{i}", items=1), admitted()))
+    hung = [  # their deadline past their sink's write_timeout_s: the timeout that ends them is the sink's
+        asyncio.ensure_future(
+            sinks.store(_encoded([b"a"]), _request("hung", f"k{i}", items=1), RequestContext.admit(7200.0, Limits()))
+        )
         for i in (0, 1)
     ]
     while hanging.calls < 2:
@@ -455,11 +474,16 @@ async def test_a_hung_store_holds_only_its_own_sinks_writes(tmp_path):
     with pytest.raises(Unavailable) as busy:
         await sinks.store(_encoded([b"b"]), _request("hung", "k2", items=1), admitted())
     assert (busy.value.field, busy.value.retry_after_s) == ("sink", 2.0) and "sink 'hung' is busy" in busy.value.message
-    started = time.monotonic()
+    # the healthy sink's own write_timeout_s (20 s) would fail this write had it waited on the hung
+    # sink's slots or threads: those stay held until the test moves the clock an hour on
     healthy = await sinks.store(_encoded([b"c", b"d"]), _request("disk", "ok"), admitted())
-    assert len(healthy.output) == 2 and time.monotonic() - started < 0.5 and not all(f.done() for f in hung)
+    assert len(healthy.output) == 2 and not any(f.done() for f in hung)
+    assert sinks.describe()["hung"]["in_flight"] == 2 and sinks.describe()["disk"]["written"] == 2
+    await clock.advance(1800.0)  # half the sink's write_timeout_s: still waiting
+    assert not any(f.done() for f in hung) and sinks.describe()["hung"]["in_flight"] == 2
+    await clock.advance(1800.0)
     for future in hung:
-        with pytest.raises(Unavailable, match="did not answer within write_timeout_s"):
+        with pytest.raises(Unavailable, match=r"did not answer within write_timeout_s \(3600 s\)"):
             await future
     assert sinks.describe()["hung"] | {"written": 0} == {
         "capacity": 2, "in_flight": 0, "stuck": 2, "written": 0, "failed": 0, "refused": 1
