@@ -10,6 +10,7 @@ import msgpack
 import numpy as np
 from hypothesis import strategies as st
 
+from vae_service.protocol.sessions import OPEN_KEYS
 from vae_service_client.messages import REQUEST_KEYS, pack
 
 OUTPUTS = ["uint8", "float", "png", "jpeg", "webp", "avif", "mp4", "webm", "gif", "", None]
@@ -183,3 +184,52 @@ def remote_decode_queries(draw) -> tuple[list[tuple[str, str]], bytes, str]:
     body = draw(st.one_of(st.binary(max_size=300), st.just(bytes(64)), st.just(np.ones(64, "<f4").tobytes())))
     content_type = draw(st.sampled_from(["tensor/binary", "application/octet-stream", "application/json", ""]))
     return params, body, content_type
+
+
+# ---- decode sessions: the `open` message (docs/interfaces.md, "Decode sessions") ------------------
+HUGE_INTS = [2**31, 2**53 + 1, 10**9, 10**18, 2**63 - 1, 2**64 - 1, 2**70, -(2**63)]
+TINY_FLOATS = [1e-300, -1e-300, 5e-324, 1e-39, 1e-5, 1e300, -1e300, 3.5e38, 65520.0]
+# the values every field is tried with beside its own: wrong types and edges of every kind
+hostile_scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.sampled_from(HUGE_INTS),
+    st.integers(-(2**64), 2**64),
+    st.sampled_from([*EDGE_FLOATS, *TINY_FLOATS]),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=12),
+    st.binary(max_size=12),
+    st.lists(st.integers(0, 8), max_size=3),
+    st.dictionaries(st.text(max_size=4), st.integers(), max_size=2),
+)
+
+
+def session_open_value(key: str):
+    """A value for `open`'s `key`: plausible, at its bounds, past them, or of another type."""
+    own = {
+        "height": st.one_of(st.integers(-4, 70000), st.sampled_from([1, 3, 6, 65536, 65537])),
+        "width": st.one_of(st.integers(-4, 70000), st.sampled_from([1, 5, 10, 65536, 65537])),
+        "quality": st.sampled_from(["lossless", "high", "preview", "best", "", "LOSSLESS"]),
+        "output": st.sampled_from(["uint8", "float", "mp4", "webm", "png", "gif", "", "UINT8"]),
+        "dtype": st.sampled_from(["float32", "float16", "bfloat16", "float64", "int8", ""]),
+        "scaling_factor": st.one_of(st.floats(allow_nan=True), st.floats(-1e3, 1e3), st.sampled_from(TINY_FLOATS)),
+        "shift_factor": st.one_of(st.floats(allow_nan=True), st.floats(-1e3, 1e3), st.sampled_from(TINY_FLOATS)),
+        "model": st.one_of(st.sampled_from(["tiny-wan", "wan", ""]), st.text(max_size=300)),
+        "request_id": st.one_of(st.text(max_size=300), st.just("r" * 256), st.just("r" * 257), st.just("x" * 5000)),
+        "clip_latent_frames": st.one_of(st.integers(-4, 2**21), st.sampled_from([1, 2**20, 2**20 + 1])),
+    }[key]
+    return st.one_of(own, own, hostile_scalars)
+
+
+@st.composite
+def session_opens(draw, height: int = 3, width: int = 5) -> tuple[dict, set[str]]:
+    """(an `open` map, the keys drawn hostile): a valid open with one to three of its fields drawn
+    from session_open_value (height and width may also be left out)."""
+    fields: dict = {"height": height, "width": width}
+    drawn = set(draw(st.lists(st.sampled_from(OPEN_KEYS), min_size=1, max_size=3, unique=True)))
+    for key in drawn:
+        if key in ("height", "width") and draw(st.integers(0, 9)) == 0:
+            del fields[key]
+        else:
+            fields[key] = draw(session_open_value(key))
+    return fields, drawn

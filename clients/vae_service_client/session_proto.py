@@ -6,6 +6,7 @@ nil, as in DecodeRequest (messages.py)."""
 
 from __future__ import annotations
 
+from vae_service_client.errors import refused_here
 from vae_service_client.grpc_gen import decode_pb2
 from vae_service_client.messages import tensor_map_of_proto, tensor_proto, timing_of_proto, timing_proto
 
@@ -43,7 +44,10 @@ def request_proto(message: dict):
             opened.latents_scaled = True
             del fields[key]
     for key, value in fields.items():
-        setattr(opened, key, value)
+        try:
+            setattr(opened, key, value)
+        except (TypeError, ValueError) as exc:  # out of int32, another type: nothing sent
+            raise refused_here(key, f"{value!r:.60} does not fit SessionOpen.{key} ({exc})") from None
     return decode_pb2.SessionRequest(open=opened)
 
 

@@ -54,6 +54,7 @@ SESSION_OUTPUTS = ("uint8", "float", "mp4", "webm")
 VIDEO_OUTPUTS = ("mp4", "webm")  # one fragmented file across the session's chunks
 SESSION_OPTIONS = ("scaling_factor", "shift_factor", "model", "request_id", "clip_latent_frames")
 CLOSE = pack({"close": {}})
+MESSAGE_TOO_BIG = 1009  # the WebSocket close code of a message over the receiver's limit (RFC 6455)
 
 
 # ---- messages -----------------------------------------------------------------------------------
@@ -108,6 +109,12 @@ def chunk_fields(latents, latent_frame: int, settings: dict) -> dict:
     shape = tuple(getattr(latents, "shape", ()))
     if len(shape) != 5 or shape[0] != 1:
         raise refused_here("latents.shape", f"a chunk is [1, C, t, H, W] (one video item), got {list(shape)}")
+    if 0 in shape:
+        raise refused_here(
+            "latents",
+            f"an empty chunk, shape {list(shape)}: a chunk is [1, C, t, H, W] with t >= 1 latent frames "
+            "(and no empty axis)",
+        )
     if shape[3:] != (settings["height"], settings["width"]):
         size = f"{settings['height']}x{settings['width']}"
         raise refused_here("latents.shape", f"the session was opened for {size} latents, got {shape[3]}x{shape[4]}")
@@ -287,9 +294,11 @@ class SessionBook:
                 f"{self.latent_frames} handed out; replay the latents in a new session",
             )
 
-    def lost(self, exc: ConnectionClosed | None, url: str, why: str = "") -> SessionLost:
+    def lost(self, exc: ConnectionClosed | None, url: str, why: str = "") -> VaeServiceError:
         """The connection dropped without `closed` (the replica died or restarted, the network cut):
-        the session's causal cache is gone, whatever the close code said."""
+        the session's causal cache is gone, whatever the close code said (SessionLost). A close with
+        1009 says the chunk's message was over the server's message limit: that chunk raises 413
+        naming `latents` (it would fail again; no resume), the next one SessionLost (or resumes)."""
         where = "before its first frame" if not self.frames else f"after frame {self.frames - 1}"
         how = why or f"the connection to {url} closed ({exc})"
         error = make_error(
@@ -299,6 +308,16 @@ class SessionBook:
             "received); resume with resume=True or replay the latents in a new session",
         )
         self.gone = error
+        rcvd = getattr(exc, "rcvd", None)
+        if rcvd is not None and rcvd.code == MESSAGE_TOO_BIG:  # the chunk itself was over the server's limit
+            return make_error(
+                "payload_too_large",
+                "latents",
+                f"the chunk's message was over the server's WebSocket message limit (it closed the connection "
+                f"with 1009: {rcvd.reason or 'message too big'}); send fewer latent frames per chunk. "
+                f"The connection is gone with session {self.session_id} ({self.frames} frames received): "
+                "the next chunk raises SessionLost, or resumes with resume=True",
+            )
         return error
 
     def raise_if_gone(self) -> None:

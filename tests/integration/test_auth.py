@@ -1,14 +1,18 @@
 """Bearer-token authentication on the real local Serve: HTTP routes, gRPC, the routing ingress;
 the token from a file or from the environment."""
 
+import json
+
 import grpc
 import httpx
 import numpy as np
 import pytest
 import torch
 from ray import serve
+from websockets.sync.client import connect
 
 from tests.integration.conftest import TEST_DEPLOYMENT
+from tests.session_wire import receive, send, ws_url
 from vae_service.serving.admission import TOKEN_ENV
 from vae_service.serving.app import decoder_app, multi_model_app
 from vae_service_client import Unauthenticated, VaeClient, VaeGrpcClient
@@ -76,3 +80,35 @@ def test_grpc_requires_the_token(secured, grpc_target):
             with pytest.raises(grpc.RpcError) as raw:
                 stub.Decode(request_proto(np.zeros((1, 4, 2, 2), np.float32)), metadata=(("application", application),))
         assert raw.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_the_bearer_scheme_is_case_insensitive_over_http_and_the_websocket(secured):
+    """RFC 7235: `bearer` and `BEARER` are the scheme as well as `Bearer` (the token itself exact)."""
+    body = pack(request_map(torch.zeros(1, 4, 2, 2)))
+    for _, url in secured:
+        for scheme in ("bearer", "BEARER"):
+            answer = httpx.post(
+                f"{url}/decode", content=body, headers={"content-type": MSGPACK, "authorization": f"{scheme} {TOKEN}"}
+            )
+            assert answer.status_code == 200, answer.text
+    # the single-model app's /sessions: past the token, its open is answered (tiny-kl has no causal decoder)
+    with connect(ws_url(secured[0][1]), additional_headers={"Authorization": f"bearer {TOKEN}"}) as ws:
+        send(ws, "open", {"height": 2, "width": 2})
+        error = receive(ws)["error"]
+    assert (error["type"], error["field"]) == ("invalid_request", "model"), error
+
+
+def test_a_session_handshake_without_the_token_is_refused_before_the_upgrade(secured):
+    """No WebSocket is opened for a caller without the token: the handshake is answered 401 (the
+    error's JSON, `WWW-Authenticate: Bearer`), and the client raises Unauthenticated."""
+    from websockets.exceptions import InvalidStatus
+
+    url = secured[0][1]
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        with pytest.raises(InvalidStatus) as refused:
+            connect(ws_url(url), additional_headers=headers)
+        response = refused.value.response
+        assert response.status_code == 401 and response.headers["WWW-Authenticate"] == "Bearer"
+        assert json.loads(response.body)["error"]["type"] == "unauthenticated"
+    with pytest.raises(Unauthenticated), VaeClient(url).session(2, 2):
+        pass

@@ -102,7 +102,7 @@ async def through(guard_: ProxyGuard, client: Client, **scope_args) -> Client:
 
 
 # ---- 1. the token, before any body byte ------------------------------------------------------------
-@pytest.mark.parametrize("authorization", [None, "Bearer wrong", TOKEN, f"bearer {TOKEN}"])
+@pytest.mark.parametrize("authorization", [None, "Bearer wrong", TOKEN, f"Basic {TOKEN}"])
 @pytest.mark.parametrize("path", ["/decode", "/kl/decode", "/remote-decode", "/multi/health", "/health/"])
 async def test_a_missing_or_wrong_token_is_refused_before_any_body_byte_is_read(token_file, authorization, path):
     headers = [("content-length", "4")] + ([("authorization", authorization)] if authorization else [])
@@ -186,7 +186,8 @@ async def test_a_body_still_arriving_at_the_configs_deadline_gets_408_then():
     start = asyncio.get_running_loop().time()
     client = await through(guard(never_called, limits={"body_timeout_s": 0.3}), slow)
     took = asyncio.get_running_loop().time() - start
-    assert client.status == 408 and 0.3 <= took < 1.5
+    # cut off at the deadline (never before it): the rest of the body was never asked for
+    assert client.status == 408 and took >= 0.3 and client.receives >= 1 and slow.pending
     error = json.loads(client.body)["error"]
     assert (error["type"], error["field"]) == ("body_timeout", "body") and "0.3 s" in error["message"]
 

@@ -303,7 +303,20 @@ class DecodeEngine:
             raise InvalidInput("output", f"a session answers frames or one video, not {settings.output!r}")
         side = self.spec.geometry.min_latent_side
         if min(settings.height, settings.width) < side:
-            raise InvalidInput("height", f"model '{self.spec.name}' decodes latents of at least {side}x{side}")
+            field = "height" if settings.height < side else "width"
+            raise InvalidInput(field, f"model '{self.spec.name}' decodes latents of at least {side}x{side}")
+        # the least a session at this size decodes, a chunk of one latent frame past the first, within
+        # the deployment's pixels (413 naming the larger side): in Python integers, before anything is
+        # priced or a meta tensor is made (the chunk bound's pixels and FLOPs follow, naming `latents`)
+        frames = self._chunk_frames(1, 1)
+        pixels = frames * settings.height * settings.width * self.spec.spatial_scale**2
+        if pixels > limits.max_output_pixels:
+            raise LimitExceeded(
+                "width" if settings.width > settings.height else "height",
+                f"a chunk of one latent frame at {settings.height}x{settings.width} latents decodes to {pixels} "
+                f"pixels ({frames} frames), over the limit of {limits.max_output_pixels} (max_output_pixels): "
+                "open a smaller session",
+            )
         settings = replace(settings, quality=self.runtime.tier(settings.quality))
         if settings.quality == "preview":
             raise InvalidInput("quality", "sessions decode 'lossless' or 'high' (a preview has no causal state)")
@@ -311,7 +324,15 @@ class DecodeEngine:
         if self.fallback.enabled:  # it may go on at fp32: the fp32 cache is what it may come to hold
             held = max(held, self.cost.fallback.tiers["lossless"].resident(1, settings.height, settings.width))
         probe = self._chunk_request(settings, limits.max_session_chunk_frames)
-        self.cost.check_limits(probe.latents, limits, self._chunk_frames(1, limits.max_session_chunk_frames))
+        try:
+            self.cost.check_limits(probe.latents, limits, self._chunk_frames(1, limits.max_session_chunk_frames))
+        except LimitExceeded as exc:  # the chunk bound, not the size: one latent frame fits (above)
+            raise LimitExceeded(
+                "latents",
+                f"a chunk of {limits.max_session_chunk_frames} latent frames (max_session_chunk_frames) at "
+                f"{settings.height}x{settings.width} {exc.message.removeprefix('latents: ')}: open a smaller "
+                "session or lower limits.max_session_chunk_frames",
+            ) from None
         peak = self.cost.peak(probe, settings.quality)
         if peak > self.cost.bound(limits):
             raise LimitExceeded(

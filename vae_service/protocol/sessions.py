@@ -5,8 +5,10 @@ docs/interfaces.md ("Decode sessions"); every body is parsed by the bounded msgp
 
 from __future__ import annotations
 
+import msgpack
+
 from vae_service.engine.request.decode_request import DecodeRequest
-from vae_service.engine.request.errors import InvalidInput
+from vae_service.engine.request.errors import InvalidInput, LimitExceeded
 from vae_service.engine.request.session import SessionOpen
 from vae_service.protocol.errors import WireErrorInfo
 from vae_service.protocol.msgpack_body import unpack_body
@@ -32,6 +34,7 @@ OPEN_KEYS = (
 )
 CHUNK_KEYS = ("latents", "latent_frame")
 MESSAGES = ("open", "chunk", "close")
+MAX_OPEN_BYTES = 64 * 1024  # an open's fields are a few short strings and numbers
 
 
 def _known(fields: object, allowed: tuple[str, ...], what: str) -> dict:
@@ -54,8 +57,21 @@ def session_open(fields: object) -> SessionOpen:
 
 
 def parse_message(body: bytes, max_request_bytes: int) -> tuple[str, dict]:
-    """One WebSocket message: (its kind, its map), bounded like a /decode body."""
-    message = unpack_body(body, max_request_bytes)
+    """One WebSocket message: (its kind, its map), bounded like a /decode body. A message over the
+    bound is a chunk's latents (nothing else a session sends comes near it): 413 naming `latents`,
+    and the session goes on."""
+    if len(body) > max_request_bytes:
+        raise LimitExceeded(
+            "latents",
+            f"a message of {len(body)} bytes is over the limit of {max_request_bytes} (max_request_bytes): "
+            "send fewer latent frames per chunk",
+        )
+    try:
+        message = unpack_body(body, max_request_bytes)
+    except InvalidInput as refused:  # the walk bounds a /decode body: an open is read by its own bounds
+        message = _open_message(body)
+        if message is None:
+            raise refused from None
     if not isinstance(message, dict) or len(message) != 1:
         raise InvalidInput("message", f"one map with one of the keys {list(MESSAGES)}")
     ((kind, fields),) = message.items()
@@ -65,12 +81,29 @@ def parse_message(body: bytes, max_request_bytes: int) -> tuple[str, dict]:
     return kind, fields if fields is not None else {}
 
 
+def _open_message(body: bytes) -> dict | None:
+    """An `open` message the /decode walk refused (a string over its 1024 characters: a 5,000-char
+    `request_id`) read by msgpack's own parser under an open's bounds (a few KiB, small containers),
+    so that session_open names the field; None for anything else (the walk's refusal stands)."""
+    if len(body) > MAX_OPEN_BYTES:
+        return None
+    bounds = {"max_str_len": len(body), "max_bin_len": len(body), "max_array_len": 16, "max_map_len": 32}
+    try:
+        message = msgpack.unpackb(body, raw=False, max_ext_len=0, **bounds)
+    except Exception:  # malformed, an extension, over the bounds: the walk's answer
+        return None
+    return message if isinstance(message, dict) and list(message) == ["open"] else None
+
+
 def chunk_request(fields: object, settings: SessionOpen) -> tuple[DecodeRequest, int | None]:
     """A `chunk` message's map -> (its latents as a request with the session's settings, the
     `latent_frame` it says it starts at)."""
     fields = _known(fields, CHUNK_KEYS, "chunk")
     if "latents" not in fields:
         raise InvalidInput("latents", "is required")
+    shape = fields["latents"].get("shape") if isinstance(fields["latents"], dict) else None
+    if isinstance(shape, list | tuple) and all(type(d) is int for d in shape):
+        _refuse_empty(shape)
     latents = to_torch(decode_tensor(fields["latents"], "latents", LATENT_DTYPES))
     return chunk_of(latents, settings), _latent_frame(fields.get("latent_frame"))
 
@@ -78,8 +111,21 @@ def chunk_request(fields: object, settings: SessionOpen) -> tuple[DecodeRequest,
 def chunk_of(latents, settings: SessionOpen) -> DecodeRequest:
     """A chunk's latents (a torch tensor on the host or the decoding device) as a request carrying
     the session's factors."""
+    shape = getattr(latents, "shape", None)
+    if shape is not None:
+        _refuse_empty(list(shape))
     factors = {k: getattr(settings, k) for k in ("scaling_factor", "shift_factor") if getattr(settings, k) is not None}
     return DecodeRequest(latents, quality=settings.quality, latents_scaled=settings.latents_scaled, **factors)
+
+
+def _refuse_empty(shape: list) -> None:
+    """A chunk [1, C, t, H, W] with t = 0 (or any other empty axis): nothing to decode, said so."""
+    if len(shape) == 5 and 0 in shape:
+        raise InvalidInput(
+            "latents",
+            f"an empty chunk, shape {list(shape)}: a chunk is [1, C, t, H, W] with t >= 1 latent frames "
+            "(and no empty axis)",
+        )
 
 
 def _latent_frame(value: object) -> int | None:

@@ -124,7 +124,7 @@ class Admission:
     body_timeout_s: float
     retry_after_s: float = 1.0  # `Retry-After` of a request lost with its replica (proxy guard)
     auth_token_file: str | None = None
-    # `Bearer <token>`, read once where the Admission is built: not a setting, never compared or sent
+    # the token, read once where the Admission is built: not a setting, never compared or sent
     _expected: bytes | None = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -135,7 +135,7 @@ class Admission:
         if not (isinstance(self.retry_after_s, int | float) and self.retry_after_s >= 0):
             raise ValueError(f"retry_after_s: must be a number >= 0, got {self.retry_after_s!r}")
         token = load_token(self.auth_token_file)
-        object.__setattr__(self, "_expected", f"Bearer {token}".encode() if token else None)
+        object.__setattr__(self, "_expected", token.encode() if token else None)
 
     # ---- built from the config -----------------------------------------------------------------
     @classmethod
@@ -182,8 +182,14 @@ class Admission:
 
     def refuse_token(self, authorization: str | None) -> None:
         """Raise AdmissionRefused unless `authorization` is `Bearer <token>` (or no token is configured).
-        Constant time; a missing token gets the same answer as a wrong one."""
-        if self._expected is not None and not hmac.compare_digest((authorization or "").encode(), self._expected):
+        The scheme in any case (RFC 7235: `Bearer`, `bearer`, `BEARER`), one or more spaces before the
+        token; the token itself compared in constant time. A missing token gets the same answer as a
+        wrong one."""
+        if self._expected is None:
+            return
+        scheme, _, credentials = (authorization or "").partition(" ")
+        given = credentials.lstrip(" ").encode() if scheme.lower() == "bearer" else b""
+        if not hmac.compare_digest(given, self._expected):
             raise AdmissionRefused("unauthenticated", "Authorization", TOKEN_REQUIRED)
 
     def check(self, authorization: str | None) -> None:

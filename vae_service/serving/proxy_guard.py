@@ -10,6 +10,9 @@ service's `Admission` (admission.py) before a replica holds a request:
   slots for as long as a slow client likes;
 - FastAPI's API docs (/docs, /redoc, /openapi.json, under any prefix) need the token too when one
   is configured (the multi-model router's as well as the replicas');
+- a WebSocket handshake (decode sessions) without the token is refused before the upgrade (401),
+  and the proxy's WebSocket message limit follows `limits.max_request_bytes`
+  (websocket_message_limit: a message over the bound reaches the replica, which answers 413);
 - a request that reaches no answer because its replica died (Serve's proxy then sends nothing and
   returns, and uvicorn would answer 500) gets 503 + Retry-After: decoding is idempotent, the retry
   succeeds on another replica. An exception out of the proxy is a bug, not a lost replica (Serve's
@@ -72,6 +75,9 @@ class ProxyGuard:
         return docs or self.admission.protects(path, carries_body)
 
     async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "websocket":
+            await self.websocket(scope, receive, send)
+            return
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
@@ -120,12 +126,37 @@ class ProxyGuard:
             answer = error_json("unavailable", None, "the replica holding this request went away; retry")
             await _answer(send, ERROR_KINDS["unavailable"].http_status, answer, {"Retry-After": retry_after})
 
+    async def websocket(self, scope, receive, send) -> None:
+        """A WebSocket handshake (the decode sessions' /sessions) without the token is refused before
+        the upgrade: 401 with the replica's JSON error where the server speaks ASGI's WebSocket
+        denial response (uvicorn does), else a close before the accept (the server answers the
+        handshake 403). With the token, or none configured, the handshake goes on to Serve."""
+        headers = {k.lower(): v for k, v in scope.get("headers", [])}
+        authorization = headers.get(b"authorization")
+        try:
+            if self.admission.protects(scope["path"], carries_body=True):
+                self.admission.refuse_token(authorization.decode("latin-1") if authorization else None)
+        except AdmissionRefused as exc:
+            if (await receive())["type"] != "websocket.connect":
+                return  # the client went away
+            if "websocket.http.response" in (scope.get("extensions") or {}):
+                await _answer(send, exc.http_status, exc.http_body(), exc.http_headers(), "websocket.http.response")
+            else:
+                await send({"type": "websocket.close", "code": POLICY_VIOLATION, "reason": ""})
+            return
+        await self.app(scope, receive, send)
 
-async def _answer(send, status: int, body: bytes, headers: dict[str, str] | None = None) -> None:
+
+POLICY_VIOLATION = 1008  # RFC 6455's close code for a refused peer
+
+
+async def _answer(
+    send, status: int, body: bytes, headers: dict[str, str] | None = None, kind: str = "http.response"
+) -> None:
     raw_headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     raw_headers += [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]
-    await send({"type": "http.response.start", "status": status, "headers": raw_headers})
-    await send({"type": "http.response.body", "body": body})
+    await send({"type": f"{kind}.start", "status": status, "headers": raw_headers})
+    await send({"type": f"{kind}.body", "body": body})
 
 
 def proxy_guard_env(config: ServiceConfig | Iterable[ServiceConfig] | None = None) -> dict[str, str]:
@@ -179,10 +210,55 @@ def bind_exclusively() -> None:
     grpc_util.gRPCGenericServer = ExclusiveGrpcServer
 
 
+def websocket_message_limit(max_request_bytes: int) -> int:
+    """The largest WebSocket message the proxy takes in: twice `limits.max_request_bytes`, so that
+    a message over the bound reaches the replica, whose bounded parse answers it 413 naming
+    `latents` with the session kept (protocol/sessions.py's parse_message). Past twice the bound
+    the proxy's WebSocket layer closes the connection with 1009 (message too big) as soon as the
+    frame's header says its size, before its payload is read (the client raises 413 naming
+    `latents`; the session is gone)."""
+    return 2 * max_request_bytes
+
+
+class _SizedUvicorn:
+    """The `uvicorn` module as Serve's http_util sees it, its Config taking `ws_max_size`."""
+
+    def __init__(self, module, config: type):
+        self._module, self.Config = module, config
+
+    def __getattr__(self, name: str):
+        return getattr(self._module, name)
+
+
+def sized_uvicorn(module, ws_max_size: int):
+    """`module` (uvicorn) whose Config defaults to WebSocket messages of up to `ws_max_size` bytes."""
+    base = module.Config
+
+    class SizedConfig(base):
+        def __init__(self, *args, **kwargs):
+            kwargs.setdefault("ws_max_size", ws_max_size)
+            super().__init__(*args, **kwargs)
+
+    return _SizedUvicorn(module, SizedConfig)
+
+
+def size_websocket_messages(admission: Admission) -> None:
+    """Serve 2.60 builds its proxy's uvicorn.Config itself (http_util.start_asgi_http_server) without
+    `ws_max_size`: uvicorn's default, 16 MiB, would close a session's chunk between 16 MiB and
+    `max_request_bytes` (64 MiB by default) with 1009 and lose the session. The proxy's http_util
+    is given a uvicorn whose Config defaults to websocket_message_limit (made in the proxy process
+    before it starts its server: its callback runs first)."""
+    import uvicorn
+    from ray.serve._private import http_util
+
+    http_util.uvicorn = sized_uvicorn(uvicorn, websocket_message_limit(admission.max_request_bytes))
+
+
 def middlewares() -> list[Middleware]:
     """What RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH points Serve's proxy at (called once, when
     the proxy starts, before it binds its ports: an unreadable token file or a bad
     VAE_SERVICE_ADMISSION fails it loudly)."""
     admission = Admission.from_env()
     bind_exclusively()
+    size_websocket_messages(admission)
     return [Middleware(ProxyGuard, admission=admission)]

@@ -17,11 +17,12 @@ import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
+from starlette.responses import Response
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from vae_service.engine.request.errors import InvalidInput
 from vae_service.engine.request.session import SessionExpired
-from vae_service.protocol.errors import ANSWERABLE, BodyTimeout, WireErrorInfo, wire_error
+from vae_service.protocol.errors import ANSWERABLE, BodyTimeout, Unauthenticated, WireErrorInfo, wire_error
 from vae_service.protocol.requests import call_latents
 from vae_service.protocol.sessions import (
     chunk_of,
@@ -40,6 +41,7 @@ from vae_service_client.errors import make_error
 from vae_service_client.messages import pack
 
 NORMAL, POLICY = 1000, 1008
+DENIAL = "websocket.http.response"  # the ASGI extension that answers a handshake with HTTP
 
 
 @dataclass(frozen=True)
@@ -192,7 +194,19 @@ async def conversation(service: DecodeService, admit: Callable[[], None], receiv
 
 
 async def serve_session(service: DecodeService, admission: Admission, ws: WebSocket) -> None:
-    """The WebSocket transport: one binary msgpack message each way per Reply."""
+    """The WebSocket transport: one binary msgpack message each way per Reply. A handshake without
+    the token is refused with 401 before the upgrade where the server can answer a handshake with
+    HTTP (the proxy guard refuses it there already); elsewhere the conversation's first answer says
+    so and the connection closes."""
+    if DENIAL in ws.scope.get("extensions", {}):
+        try:
+            admission.check(ws.headers.get("authorization"))
+        except Unauthenticated as exc:
+            error = wire_error(service.rejected(exc))
+            await ws.send_denial_response(
+                Response(error.http_body(), error.http_status, error.http_headers(), "application/json")
+            )
+            return
     await ws.accept()
     limit = service.config.limits.max_request_bytes
 

@@ -22,7 +22,7 @@ OUTPUTS = ("uint8", "float", *IMAGE_OUTPUTS, *VIDEO_OUTPUTS)
 TILINGS = ("auto", "model", "none")
 LATENT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_LATENT_DIMS = 6
-_MAX_ID_CHARS = 256
+MAX_ID_CHARS = 256
 
 
 @dataclass(frozen=True)
@@ -71,8 +71,8 @@ class DecodeRequest:
                 raise InvalidInput(key, f"must be true or false, got {getattr(self, key)!r}")
         for key in ("request_id", "model", "sink"):
             value = getattr(self, key)
-            if value is not None and (not isinstance(value, str) or len(value) > _MAX_ID_CHARS):
-                raise InvalidInput(key, f"must be a string of at most {_MAX_ID_CHARS} characters")
+            if value is not None and (not isinstance(value, str) or len(value) > MAX_ID_CHARS):
+                raise InvalidInput(key, f"must be a string of at most {MAX_ID_CHARS} characters")
         _check_sink(self)
 
     @property
