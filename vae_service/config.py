@@ -220,8 +220,9 @@ class Sink(BaseModel):
     )
     endpoint_override: str | None = Field(
         None,
-        description="the store's endpoint, host:port or http(s)://host:port (MinIO, R2, Ceph, a test store); "
-        "default: AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL, else the provider's",
+        description="the store's endpoint, host:port or http(s)://host:port and nothing more (user info, a path, "
+        "a query or a fragment: refused, its value not shown; MinIO, R2, Ceph, a test store); default: "
+        "AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL, else the provider's",
     )
     scheme: Literal["http", "https"] | None = Field(None, description="transport to the endpoint (default https)")
     region: str | None = Field(

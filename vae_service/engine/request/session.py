@@ -12,8 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vae_service.engine.request.decode_request import MAX_ID_CHARS
-from vae_service.engine.request.decode_request import QUALITIES, VIDEO_OUTPUTS
+from vae_service.engine.request.decode_request import MAX_ID_CHARS, QUALITIES, VIDEO_OUTPUTS
 from vae_service.engine.request.errors import DecodeError, InvalidInput, LimitExceeded
 
 SESSION_OUTPUTS = ("uint8", "float", *VIDEO_OUTPUTS)  # frames, or one fragmented file across all chunks
