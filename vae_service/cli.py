@@ -38,8 +38,11 @@ EXIT_CONFIG, EXIT_ENVIRONMENT = 2, 1
 
 
 def refuse(message: str, status: int = EXIT_CONFIG) -> NoReturn:
-    """One line on stderr, then exit: what is wrong and how to fix it, never a traceback."""
-    print(f"vae-service: {message}", file=sys.stderr, flush=True)
+    """One line on stderr, then exit: what is wrong and how to fix it, never a traceback; never a
+    secret either (storage's scrub: a location in it as `redact` shows it, a store's own words too)."""
+    from vae_service.storage.locations import scrub
+
+    print(f"vae-service: {scrub(message)}", file=sys.stderr, flush=True)
     sys.exit(status)
 
 
@@ -383,13 +386,15 @@ def _load_latents(args: argparse.Namespace):
     import numpy as np
 
     from vae_service.batch.latent_files import LatentFileError, load_latents
+    from vae_service.storage import redact
 
     try:
         latents = load_latents(args.latents, args.key)
     except LatentFileError as exc:
         refuse(str(exc), 1)
     if str(latents.dtype) == "float64":  # NumPy's (a torch tensor comes only from bfloat16 files)
-        print(f"vae-service: {Path(args.latents).name} holds float64 latents: sending them as float32", file=sys.stderr)
+        shown = Path(redact(args.latents)).name
+        print(f"vae-service: {shown} holds float64 latents: sending them as float32", file=sys.stderr)
         latents = latents.astype(np.float32)
     return latents
 
@@ -397,13 +402,13 @@ def _load_latents(args: argparse.Namespace):
 def _output_stem(args: argparse.Namespace) -> str:
     """What the outputs are named after: the latents file's name without its suffix (as
     batch-decode names an input's), or `random` for --random-latents."""
-    from vae_service.storage import InvalidKey, object_names
+    from vae_service.storage import InvalidKey, object_names, redact
 
     stem = "random" if args.random_latents else Path(args.latents).stem
     try:
         object_names(stem, "png", 1)  # the names' own rule: a plain name, not hidden
     except InvalidKey as exc:
-        refuse(f"{args.latents}: its name cannot name the output files ({exc}); rename it", 2)
+        refuse(f"{redact(args.latents)}: its name cannot name the output files ({exc}); rename it", 2)
     return stem
 
 
@@ -529,7 +534,7 @@ def cmd_batch_decode(args: argparse.Namespace) -> None:
     config = _config_from(args)
     check_model(config)
     from vae_service.batch import BatchInputError, list_inputs
-    from vae_service.storage import LocationError, StoreUnavailable, check_location, redact
+    from vae_service.storage import LocationError, StoreUnavailable, check_location, redact, scrub
 
     try:  # every output path, before Ray starts: two inputs that would write one file stop the job here
         check_location(args.output_dir)
@@ -570,7 +575,7 @@ def cmd_batch_decode(args: argparse.Namespace) -> None:
     finally:
         if started:
             ray.shutdown()
-    print(summary.report(), flush=True)
+    print(scrub(summary.report()), flush=True)
     if summary.failures:
         sys.exit(1)
 

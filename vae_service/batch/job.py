@@ -22,7 +22,7 @@ from vae_service.batch.outputs import BATCH_OUTPUTS, OutputFolder
 from vae_service.batch.stage import STOP_AFTER_STORE_FAILURES, DecodeStage
 from vae_service.config import ServiceConfig
 from vae_service.engine import QUALITIES
-from vae_service.storage import Location, LocationError, StoreUnavailable, open_location
+from vae_service.storage import Location, LocationError, StoreUnavailable, open_location, scrub
 
 PARQUET_COLUMNS = ("name", "latents")
 REPORTED_FAILURES = 20  # a summary names this many failures; a store that died can fail thousands
@@ -77,7 +77,7 @@ def list_inputs(path: str | Path | Location, output: str | None = None) -> Input
     try:
         return _list_inputs(path if isinstance(path, Location) else open_location(str(path)), output)
     except (LocationError, StoreUnavailable) as exc:
-        raise BatchInputError(str(exc)) from None
+        raise BatchInputError(scrub(exc)) from None
 
 
 def _list_inputs(path: Location, output: str | None) -> Inputs:
@@ -112,6 +112,15 @@ def _items_of(path: Location) -> int:
 
 
 def _parquet_inputs(root: Location, files: list[Location], output: str | None) -> Inputs:
+    import pyarrow as pa
+
+    try:
+        return _read_parquet_inputs(root, files, output)
+    except (OSError, pa.ArrowException) as exc:  # pyarrow's own text may name the endpoint: scrubbed
+        raise BatchInputError(scrub(f"{root}: cannot be read as Parquet ({' '.join(str(exc).split())})")) from None
+
+
+def _read_parquet_inputs(root: Location, files: list[Location], output: str | None) -> Inputs:
     import pyarrow.parquet as pq
 
     columns = pq.read_schema(files[0].path, filesystem=files[0].fs).names

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import traceback
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,7 +20,7 @@ from vae_service.batch.outputs import OutputFolder
 from vae_service.config import ServiceConfig
 from vae_service.engine import DecodeEngine, DecodeError
 from vae_service.protocol.requests import request_from_call
-from vae_service.storage import StoreUnavailable
+from vae_service.storage import StoreUnavailable, scrub
 
 log = logging.getLogger(__name__)
 
@@ -76,14 +77,14 @@ class DecodeStage:
         except StoreUnavailable as exc:  # its input's or output's store failed: a rerun does it
             self.store_failures += 1
             if self.store_failures >= self.stop_after_store_failures:
-                self.stopped_by = f"the store failed for {self.store_failures} inputs in a row, the last: {exc}"
+                self.stopped_by = f"the store failed for {self.store_failures} inputs in a row, the last: {scrub(exc)}"
                 log.warning("decode stage stops: %s", self.stopped_by)
-            return ItemResult(name, "failed", error=f"store: {exc}")
-        except (DecodeError, ValueError) as exc:  # bad input: the item's own fault
-            return ItemResult(name, "failed", error=str(exc))
-        except Exception as exc:  # a fault of ours: reported, logged, and the job goes on
-            log.exception("decoding %s failed", name)
-            return ItemResult(name, "failed", error=f"internal error ({type(exc).__name__}): {exc}")
+            return ItemResult(name, "failed", error=f"store: {scrub(exc)}")
+        except (DecodeError, ValueError) as exc:  # bad input (an output's name a folder holds): the item's own
+            return ItemResult(name, "failed", error=scrub(exc))
+        except Exception as exc:  # a fault of ours: reported, logged (its text scrubbed), and the job goes on
+            log.error("decoding %s failed: %s", name, scrub("".join(traceback.format_exception(exc))))
+            return ItemResult(name, "failed", error=scrub(f"internal error ({type(exc).__name__}): {exc}"))
 
     def decode_item(self, name: str, latents) -> ItemResult:
         request = request_from_call(

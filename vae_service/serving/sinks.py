@@ -8,8 +8,10 @@ The sink's name and the key are checked when the request is parsed, before any d
 with 503 + Retry-After; never the device thread), within the sink's `write_timeout_s` (503 past it)
 and the request's deadline (504 past it): a write not yet moved to its name stops, leaving nothing
 there. A store that fails answers 503 `unavailable` naming the sink, with Retry-After, or 424
-`store_refused` where it refused for good; the cause goes to the log under an error id, never to
-the caller. Each file is whole
+`store_refused` where it refused for good (or the sink's location cannot be opened: its endpoint
+from the environment is not one); the cause goes to the log under an error id (its text through
+storage's `scrub`), never to the caller. A folder standing where a file goes (a local sink)
+answers 400 naming `key` and the taken name: the caller's name, not the store, is at fault. Each file is whole
 under its name or absent; on a failure, files of the same request already written stay (each
 whole) and the retry overwrites them. gRPC has no `sink` field: HTTP and handles only.
 """
@@ -31,12 +33,14 @@ from vae_service.serving.sink_writes import SinkWrites
 from vae_service.storage import (
     InvalidKey,
     Location,
+    LocationError,
     RefusedByStore,
     StoredObject,
     StoreUnavailable,
     object_names,
     open_location,
     parse_uri,
+    scrub,
 )
 
 log = logging.getLogger("ray.serve")
@@ -140,24 +144,26 @@ class Sinks:
     def _write(self, sink: str, name: str, data: bytes, context: RequestContext) -> StoredObject:
         try:
             location = self.location(sink)
+        except LocationError as exc:  # the environment's endpoint is not one: a retry would meet it again
+            raise RefusedByStore(f"sink {sink!r}: {exc}") from exc
         except (ValueError, OSError) as exc:  # a filesystem that cannot even be made (GCS credentials, ...)
-            raise StoreUnavailable(f"sink {sink!r}: {exc}") from exc
+            raise StoreUnavailable(f"sink {sink!r}: {scrub(exc)}") from exc
         try:
             return location.child(name).write_whole(data, check=lambda: context.check(f"writing to sink {sink!r}"))
-        except InvalidKey as exc:  # a folder of the key is a link in the sink's folder: never followed
+        except InvalidKey as exc:  # a folder of the key is a link, or a folder stands at the file's name
             raise InvalidInput("key", str(exc)) from None
 
     def _failed(self, sink: str, exc: OSError) -> Unavailable | StoreRefused:
         """The caller's error: 424 where the store refused for good (not retried), else 503 with
         Retry-After; the store's own words go to the log, under the error id the message carries."""
         error_id = uuid.uuid4().hex[:12]
-        log.error("writing to sink %s failed, error id %s: %s", sink, error_id, exc)
+        log.error("writing to sink %s failed, error id %s: %s", sink, error_id, scrub(exc))
         if isinstance(exc, RefusedByStore):
             return StoreRefused(
                 "sink",
                 f"sink {sink!r} refused the write (error id {error_id}, see the server log): a bucket that does not "
-                "exist, access denied or a refused credential; a retry would be refused again: the deployment's sink "
-                "or its credentials need fixing",
+                "exist, access denied, a refused credential or an endpoint that is not one; a retry would be refused "
+                "again: the deployment's sink or its credentials need fixing",
             )
         return Unavailable(
             "sink",

@@ -8,6 +8,7 @@ from vae_service.storage.locations import (
     KeyThroughLink,
     Location,
     LocationError,
+    NameTakenByFolder,
     RefusedByStore,
     StoredObject,
     StoreUnavailable,
@@ -15,6 +16,7 @@ from vae_service.storage.locations import (
     open_location,
     parse_uri,
     redact,
+    scrub,
 )
 
 __all__ = [
@@ -22,6 +24,7 @@ __all__ = [
     "KeyThroughLink",
     "Location",
     "LocationError",
+    "NameTakenByFolder",
     "RefusedByStore",
     "StoreUnavailable",
     "StoredObject",
@@ -31,5 +34,6 @@ __all__ = [
     "open_location",
     "parse_uri",
     "redact",
+    "scrub",
     "temporary_of",
 ]

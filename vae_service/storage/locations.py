@@ -10,7 +10,12 @@ server. A URI that carries any (`s3://key:secret@bucket`, `?access_key=`) is ref
 An S3 endpoint (a test store, MinIO, R2, Ceph ...) is named by `endpoint_override` (an option, or
 the URI's query: `s3://bucket/prefix?endpoint_override=127.0.0.1:9000&scheme=http`), else by
 AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL, read here as pyarrow 26's FileSystem.from_uri reads
-them (its S3FileSystem constructor alone does not).
+them (its S3FileSystem constructor alone does not). An endpoint is a host and a port, nothing
+more: one with user info, a path, a query or a fragment (a presigned credential, a token) is refused
+where it is named, the option or the variable said and its value not shown.
+
+Every text that leaves this package naming a location goes through `redact` (a location) or
+`scrub` (any message, pyarrow's own included: pyarrow echoes the endpoint it was given).
 
 Every file is written whole or not at all (`Location.write_whole`): into a temporary object beside
 it (`.{name}.{random}.tmp`), then moved to its name; on S3 and GCS a move is a server-side copy and
@@ -21,7 +26,8 @@ In a local folder no symbolic link below the location's root is followed: each f
 opened (or made) relative to the one above it without following a link, the temporary is created
 in that folder, never through a link, and the move replaces whatever is at the final name (a link
 included) with the file, inside the folder held open. A name through a link is refused (KeyThroughLink);
-a link swapped in while a write is in flight changes nothing (the folders are held open).
+a link swapped in while a write is in flight changes nothing (the folders are held open). A folder
+standing at a file's name is never replaced: the write is refused (NameTakenByFolder), naming it.
 
 Pure: nothing here knows of requests, Serve or Ray; pyarrow is imported on first use."""
 
@@ -38,11 +44,12 @@ import stat
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, quote, unquote, urlencode, urlsplit
 
 from vae_service.storage.keys import InvalidKey, temporary_name
 
 SCHEMES = {"s3": "s3", "gs": "gs", "gcs": "gs", "file": "file"}
+_PLAIN_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,31}")
 # what a URI's query may set (the same names as the options of open_location)
 URI_OPTIONS = ("endpoint_override", "scheme", "region", "connect_timeout_s", "request_timeout_s", "retry_attempts")
 OPTION_VALUES = {
@@ -101,6 +108,10 @@ class KeyThroughLink(InvalidKey):
     """A name whose folder is a symbolic link (or a file) inside a local location: refused, never followed."""
 
 
+class NameTakenByFolder(InvalidKey):
+    """A file's name where a folder stands, inside a local location: refused, the folder left as it was."""
+
+
 @dataclass(frozen=True)
 class StoredObject:
     """A file written whole: its URI (no query, no credentials), size in bytes and SHA-256 (hex)."""
@@ -130,8 +141,10 @@ def parse_uri(uri: str, **options) -> ParsedUri:
     if not isinstance(uri, str) or not uri.strip():
         raise LocationError(f"location {redact(uri)!r}: must be a non-empty string")
     if "://" not in uri:
-        if "?" in uri or "#" in uri:
-            raise LocationError(f"{uri}: a local folder's path has no query; use file:// or s3:// URIs for options")
+        if "?" in uri or "#" in uri:  # what follows may be a secret: never shown
+            raise LocationError(
+                f"{redact(uri)}: a local folder's path has no query; use file:// or s3:// URIs for options"
+            )
         return ParsedUri("file", os.path.abspath(uri), _options(uri, options))
     try:
         parts = urlsplit(uri)
@@ -151,7 +164,7 @@ def parse_uri(uri: str, **options) -> ParsedUri:
         )
     unknown = sorted(k for k in query if k not in URI_OPTIONS)
     if unknown:
-        raise LocationError(f"{redact(uri)}: unknown option {unknown[0]!r} (allowed: {list(URI_OPTIONS)})")
+        raise LocationError(f"{redact(uri)}: unknown option {_name_shown(unknown[0])!r} (allowed: {list(URI_OPTIONS)})")
     if kind == "file":
         if parts.netloc not in ("", "localhost") or query:
             raise LocationError(f"{redact(uri)}: a file:// URI names a local folder (file:///path), without options")
@@ -170,18 +183,61 @@ def parse_uri(uri: str, **options) -> ParsedUri:
 
 
 def redact(uri: object) -> str:
-    """A location as every message, log line and answer shows it: without user info and with each
-    query value masked (either may hold a secret), no #fragment; a local path as it is. The one
-    redaction: nothing that names a location is shown any other way."""
+    """A location as every message, log line and answer shows it: without user info, with what
+    follows a `:` after the host masked (a bucket has no port: `s3://bucket:secret` is a secret's
+    place; an http(s) URI keeps a numeric port), each query value masked (either may hold a secret),
+    no #fragment; a local path as it is, up to a `?` or `#` (parse_uri refuses a path with one). The
+    one redaction: nothing that names a location is shown any other way."""
     text = str(uri)
-    if "://" not in text:
-        return text
+    if "://" not in text:  # a local path has no query (parse_uri refuses one): what follows `?` or `#` masked
+        found = re.search(r"[?#]", text)
+        return f"{text[: found.end()]}***" if found else text
     try:
         parts = urlsplit(text)
-        query = "&".join(f"{k}=***" for k, _ in parse_qsl(parts.query, keep_blank_values=True))
-        return urlunsplit((parts.scheme, parts.netloc.rpartition("@")[2], parts.path, query, ""))
+        query = "&".join(f"{_name_shown(k)}=***" for k, _ in parse_qsl(parts.query, keep_blank_values=True))
+        if parts.query and not query:  # a query that is no k=v list (`?secret`): masked whole
+            query = "***"
+        shown = _host_shown(parts.scheme.lower(), parts.netloc.rpartition("@")[2])
+        return f"{parts.scheme}://{shown}{parts.path}" + (f"?{query}" if query else "")
     except ValueError:  # a netloc urlsplit cannot read ("[::1"): its scheme alone
         return f"{text.partition('://')[0]}://(a location that cannot be parsed)"
+
+
+def _name_shown(name: str) -> str:
+    """An option's name as a message may show it: a plain identifier; anything else (a secret given
+    where a name goes, `?SECRET`) as ***."""
+    return name if _PLAIN_NAME.fullmatch(name) else "***"
+
+
+def _host_shown(scheme: str, hostport: str) -> str:
+    """A netloc's host, with its port where that is a port (digits, http or https), else `:***`."""
+    end = hostport.index("]") + 1 if hostport.startswith("[") and "]" in hostport else len(hostport.partition(":")[0])
+    host, rest = hostport[:end], hostport[end:]
+    if not rest:
+        return host
+    port = rest[1:] if rest.startswith(":") else ""
+    return f"{host}:{port}" if scheme in ("http", "https") and port.isdigit() else f"{host}:***"
+
+
+# in an arbitrary message: a URI (scheme://...) up to a space or a quote, and a query's value
+_URI_IN_TEXT = re.compile(r"\b[A-Za-z][A-Za-z0-9+.-]*://[^\s`'\"<>]*")
+_QUERY_VALUE_IN_TEXT = re.compile(r"([?&][A-Za-z0-9_.~%-]+=)[^&\s`'\"<>]*")
+# the environment's secrets (the AWS SDK's); a message holding one shows *** in its place
+SECRET_VARIABLES = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ACCESS_KEY_ID")
+_MIN_SECRET_CHARS = 4  # shorter values would mask ordinary words
+
+
+def scrub(message: object, secrets: tuple[str, ...] = ()) -> str:
+    """`message` (any text: a store's own error, pyarrow's, an exception's) fit to leave the
+    service: every location-like substring (`scheme://...`) as `redact` shows it, every
+    `?name=value` / `&name=value` value masked, and the known secret values (the environment's
+    AWS credentials and `secrets`) as ***. Text without any is returned as it was."""
+    text = _URI_IN_TEXT.sub(lambda m: redact(m.group(0)), str(message))
+    text = _QUERY_VALUE_IN_TEXT.sub(lambda m: m.group(1) + ("" if m.group(0).endswith("=") else "***"), text)
+    known = [os.environ.get(name) or "" for name in SECRET_VARIABLES] + [str(s) for s in secrets]
+    for secret in sorted({s for s in known if len(s) >= _MIN_SECRET_CHARS}, key=len, reverse=True):
+        text = text.replace(secret, "***")
+    return text
 
 
 def _check_segments(uri: str, path: str) -> None:
@@ -192,7 +248,7 @@ def _check_segments(uri: str, path: str) -> None:
 def _options(uri: str, given: dict) -> StoreOptions:
     unknown = sorted(k for k in given if k not in URI_OPTIONS)
     if unknown:
-        raise LocationError(f"{redact(uri)}: unknown option {unknown[0]!r} (allowed: {list(URI_OPTIONS)})")
+        raise LocationError(f"{redact(uri)}: unknown option {_name_shown(unknown[0])!r} (allowed: {list(URI_OPTIONS)})")
     typed: dict = {}
     for key, value in given.items():
         if value is None:
@@ -214,9 +270,38 @@ def _options(uri: str, given: dict) -> StoreOptions:
                 f"{redact(uri)}: credentials never go in endpoint_override; the store's SDK reads them from the "
                 "environment"
             )
+        if key == "endpoint_override" and ok and not plain_endpoint(typed[key]):
+            raise LocationError(f"{redact(uri)}: option endpoint_override is not valid: {ENDPOINT_RULE}")
         if not ok:
             raise LocationError(f"{redact(uri)}: option {key} is not valid: {OPTION_VALUES[key]} (its value not shown)")
     return StoreOptions(**typed)
+
+
+ENDPOINT_RULE = (
+    "host:port or http(s)://host:port, without user info, path, query or fragment (its value not shown; "
+    "credentials come from the environment)"
+)
+
+
+def plain_endpoint(endpoint: str) -> bool:
+    """Whether `endpoint` is `host[:port]` or `http(s)://host[:port][/]` and nothing more: no user
+    info, path, query or fragment (a presigned credential or a token would be echoed by pyarrow's
+    errors), no space or control character."""
+    if not endpoint or any(ch.isspace() or not ch.isprintable() for ch in endpoint):
+        return False
+    try:
+        parts = urlsplit(endpoint if "://" in endpoint else f"//{endpoint}")
+        port = parts.port  # a port that is not a number raises ValueError
+    except ValueError:
+        return False
+    plain = not (parts.query or parts.fragment or "?" in endpoint or "#" in endpoint or "@" in parts.netloc)
+    return (
+        plain
+        and parts.scheme in ("", "http", "https")
+        and parts.path in ("", "/")
+        and bool(parts.hostname)
+        and (port is None or 0 < port < 65536)
+    )
 
 
 def check_location(uri: str, absolute: bool = False, **options) -> str:
@@ -234,7 +319,10 @@ def open_location(uri: str, **options) -> Location:
     parsed = parse_uri(uri, **options)
     store = parsed.options
     if parsed.kind == "s3" and store.endpoint_override is None:  # as pyarrow's from_uri reads them
-        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
+        variable = next((v for v in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL") if os.environ.get(v)), None)
+        endpoint = os.environ[variable] if variable else None
+        if endpoint is not None and not plain_endpoint(endpoint):
+            raise LocationError(f"{redact(uri)}: the environment's {variable} is not a valid endpoint: {ENDPOINT_RULE}")
         store = replace(store, endpoint_override=endpoint)
     fs = _filesystem(parsed.kind, store)
     if parsed.kind == "file":
@@ -424,6 +512,8 @@ class Location:
                 inner = _open_folder_below(folder, part, self.path)
                 os.close(folder)
                 folder = inner
+            relative = posixpath.relpath(self.path, root)
+            _refuse_folder_at(folder, name, relative)
             temporary = posixpath.basename(temporary_name(name))
             flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
             out = os.open(temporary, flags, 0o666, dir_fd=folder)
@@ -431,7 +521,13 @@ class Location:
                 with os.fdopen(out, "wb") as f:
                     _write_chunks(f.write, view, check)
                 check()
-                os.rename(temporary, name, src_dir_fd=folder, dst_dir_fd=folder)  # a link there is replaced
+                try:
+                    os.rename(temporary, name, src_dir_fd=folder, dst_dir_fd=folder)  # a link there is replaced
+                except OSError as exc:  # a folder made at its name meanwhile
+                    if exc.errno not in (errno.EISDIR, errno.ENOTEMPTY, errno.EEXIST):
+                        raise
+                    _refuse_folder_at(folder, name, relative)
+                    raise
             except BaseException:
                 with contextlib.suppress(OSError):
                     os.unlink(temporary, dir_fd=folder)
@@ -461,6 +557,19 @@ def _open_folder_below(parent: int, part: str, path: str) -> int:
         raise KeyThroughLink(f"{part!r} in {path!r} is {what}; links are never followed below a location") from None
 
 
+def _refuse_folder_at(parent: int, name: str, relative: str) -> None:
+    """NameTakenByFolder where a folder (not a link to one) stands at `name` in the open folder `parent`."""
+    try:
+        taken = stat.S_ISDIR(os.stat(name, dir_fd=parent, follow_symlinks=False).st_mode)
+    except FileNotFoundError:
+        return
+    if taken:
+        raise NameTakenByFolder(
+            f"{relative!r} is taken by a folder, so no file can be written under that name; nothing was written "
+            "there (choose another name, or remove the folder)"
+        )
+
+
 def _discard(fs, path: str) -> None:
     """Remove a temporary, where the store still answers (else it stays: a `.` name ending .tmp)."""
     try:
@@ -481,4 +590,4 @@ def _store_errors(location: Location, writing: bool = False) -> Iterator[None]:
         if isinstance(exc, FileNotFoundError) and not writing:
             raise
         kind = RefusedByStore if refused_for_good(exc) else StoreUnavailable
-        raise kind(f"{location.uri}: {' '.join(str(exc).split())}") from exc
+        raise kind(f"{location.uri}: {scrub(' '.join(str(exc).split()))}") from exc
