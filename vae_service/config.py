@@ -91,7 +91,7 @@ class Sessions(BaseModel):
         ge=0,
         description="session connections (WebSocket /sessions, gRPC DecodeSession) a replica holds at once, open "
         "or not yet; counted apart from the decode slots (Serve's max_ongoing_requests is the decode slots plus "
-        "these), so idle connections never take a /decode's place; one more is refused 429 naming `session`",
+        "these), so idle connections never take a /decode's place; one more is refused 429 naming `session` (0: none)",
     )
     open_timeout_s: float = Field(
         10.0,

@@ -193,6 +193,6 @@ def sessions_app(ray_cluster, wan_dir):
 @pytest.fixture(scope="session")
 def expiring_sessions_app(ray_cluster, wan_dir):
     """tiny Wan, one replica, sessions idle for 1.5 s expire; a connection that sends no open is
-    closed after 3 s, as is an expired session's that sends nothing in the 3 s after its expiry."""
-    _sessions_app("expiring", wan_dir, 1, sessions={"idle_timeout_s": 1.5, "open_timeout_s": 3})
+    closed after 4 s, as is an expired session's that sends nothing in the 4 s after its expiry."""
+    _sessions_app("expiring", wan_dir, 1, sessions={"idle_timeout_s": 1.5, "open_timeout_s": 4})
     return f"{ray_cluster}/expiring-app"

@@ -14,6 +14,7 @@ import contextlib
 import itertools
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -146,13 +147,14 @@ def test_idle_connections_beyond_the_decode_slots_never_hold_a_decode(sessions_a
     try:
         for _ in range(12):
             sockets.append(connect(ws_url(sessions_app), open_timeout=30))
-        for ws in sockets:
-            try:
-                error = receive(ws, timeout=0.5)["error"]
-            except TimeoutError:
-                kept.append(ws)  # idle, its connection held
-                continue
-            assert (error["type"], error["field"]) == ("overloaded", "session"), error
+        # a refusal is sent right after its handshake: whatever says nothing for 3 s is held
+        with ThreadPoolExecutor(len(sockets)) as pool:
+            answers = list(pool.map(first_word, sockets))
+        for ws, answer in zip(sockets, answers, strict=True):
+            if answer is None:
+                kept.append(ws)
+            else:
+                assert (answer["error"]["type"], answer["error"]["field"]) == ("overloaded", "session"), answer
         z = latents(2, seed=61)
         answer = VaeClient(sessions_app, timeout=60).decode(z).output
         np.testing.assert_array_equal(answer, whole_answer(sessions_app, z))
@@ -172,6 +174,13 @@ def test_idle_connections_beyond_the_decode_slots_never_hold_a_decode(sessions_a
 
 def connections(url: str, replicas: int = 2) -> int:
     return sum(h["sessions"]["connections"] for h in replica_health(url, replicas).values())
+
+
+def first_word(ws) -> dict | None:
+    try:
+        return receive(ws, timeout=3)
+    except TimeoutError:
+        return None
 
 
 def test_a_connection_that_never_opens_is_closed_naming_open(expiring_sessions_app):
@@ -211,20 +220,6 @@ def test_an_expired_sessions_connection_says_so_and_ends_when_nothing_comes(expi
     wait_until(lambda: connections(expiring_sessions_app, 1) == 0, 60, "its connection given back")
 
 
-def test_a_chunk_decoding_past_the_idle_timeout_keeps_its_session(expiring_sessions_app):
-    """A chunk that takes longer than idle_timeout_s (1.5 s) to decode renews its session: the next
-    chunk, sent at once, continues it."""
-    z = np.random.default_rng(5).standard_normal((1, C, 5, 64, 64)).astype(np.float32)
-    with connect(ws_url(expiring_sessions_app), max_size=None) as ws:  # 13 frames of 512 px
-        send(ws, "open", {"height": 64, "width": 64})
-        receive(ws)
-        _, done = chunk_answer(ws, z[:, :, :4], 0)
-        timing = done["chunk_done"]["timing"]
-        assert timing["queue_ms"] + timing["decode_ms"] > 1500, timing  # what this test is about
-        _, done = chunk_answer(ws, z[:, :, 4:], 4)
-        assert done["chunk_done"]["latent_frames"] == 5, done
-
-
 @pytest.mark.parametrize("transport", ["websocket", "grpc"])
 def test_a_caller_gone_mid_chunk_stops_it_and_frees_its_session(sessions_app, grpc_target, transport):
     """The caller leaves (a closed WebSocket, a cancelled DecodeSession call) while its chunk of 4
@@ -235,7 +230,7 @@ def test_a_caller_gone_mid_chunk_stops_it_and_frees_its_session(sessions_app, gr
     from vae_service_client.grpc_gen import decode_pb2_grpc
     from vae_service_client.session_proto import request_proto
 
-    z = np.random.default_rng(6).standard_normal((1, C, 4, 48, 48)).astype(np.float32)
+    z = np.random.default_rng(6).standard_normal((1, C, 4, 64, 64)).astype(np.float32)
     chunks_before = sum(h["sessions"]["chunks"] for h in replica_health(sessions_app, 2).values())
 
     def decoding() -> bool:
@@ -243,7 +238,7 @@ def test_a_caller_gone_mid_chunk_stops_it_and_frees_its_session(sessions_app, gr
 
     if transport == "websocket":
         ws = connect(ws_url(sessions_app))
-        send(ws, "open", {"height": 48, "width": 48})
+        send(ws, "open", {"height": 64, "width": 64})
         assert "opened" in receive(ws)
         send(ws, "chunk", {"latents": latents_map(z), "latent_frame": 0})
         wait_until(decoding, 60, "the chunk decoding")
@@ -251,7 +246,7 @@ def test_a_caller_gone_mid_chunk_stops_it_and_frees_its_session(sessions_app, gr
     else:
         channel = grpc.insecure_channel(grpc_target)
         requests = [
-            request_proto({"open": {"height": 48, "width": 48}}),
+            request_proto({"open": {"height": 64, "width": 64}}),
             request_proto({"chunk": {"latents": latents_map(z), "latent_frame": 0}}),
         ]
         held = threading.Event()

@@ -328,7 +328,7 @@ def mixed_service(folder) -> DecodeService:
     config = ServiceConfig(
         model=str(folder),
         decode_precision="fp32",
-        batching={"batch_wait_ms": 300},
+        batching={"batch_wait_ms": 1000},
         serving={"fit_prices_at_start": False},
     )
     return DecodeService(config)
@@ -383,6 +383,23 @@ def test_stacked_sessions_of_mixed_settings_each_answer_as_decoded_alone(folder,
                 assert (x.int() - y.int()).abs().max() <= 1, settings  # high: the bound rounds to one level
             else:
                 assert (x - y).abs().max() <= HIGH_MAX_ABS_FP32, settings
+
+
+def test_batch_keys_hold_what_shapes_an_answer(engines):
+    """On CPU: sessions whose chunks differ in the pixels' form (float, or uint8 for uint8, mp4 and
+    webm) or in the clip hint the post-quant conv's kernel follows never share a batch; uint8, mp4
+    and webm sessions do."""
+    engine = engines["fp32"]
+    z = latents_of(ROWS[1], engine, 0)[:, :, :1]
+
+    def key(**settings):
+        session = engine.open_session("k", SessionOpen(H, W, quality="high", **settings))
+        return engine.check_chunk(session, DecodeRequest(z), engine.context()).batch_key
+
+    assert key(output="uint8") == key(output="mp4") == key(output="webm") != key(output="float")
+    hinted = {key(output="float", clip_latent_frames=n) for n in (1, 2, 3, 1000)}
+    assert len(hinted) == 4 and key(output="float") not in hinted
+    assert key(output="float", clip_latent_frames=3) == key(output="float", clip_latent_frames=3)
 
 
 @pytest.mark.parametrize("output", ["mp4", "webm"])

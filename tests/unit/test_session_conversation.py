@@ -14,10 +14,14 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
+import pytest
 import torch
 
 from vae_service.config import ServiceConfig
+from vae_service.engine import DecodeRequest, InvalidInput
+from vae_service.engine.request.session import SessionOpen
 from vae_service.serving.decode_service import DecodeService
 from vae_service.serving.session_socket import conversation
 from vae_service_client.messages import latents_map
@@ -34,8 +38,49 @@ class Caller:
     def say(self, kind: str | None, fields: dict | None = None) -> None:
         self.inbox.put_nowait(None if kind is None else (kind, fields or {}))
 
+    def say_unreadable(self) -> None:
+        """A message the transport cannot read (a WebSocket's text frame, say)."""
+        self.inbox.put_nowait(InvalidInput("message", "session messages are binary msgpack maps"))
+
     async def receive(self):
-        return await self.inbox.get()
+        message = await self.inbox.get()
+        if isinstance(message, Exception):
+            raise message
+        return message
+
+
+class Clock:
+    """The session registry's clock (idle expiry), moved by the test alone."""
+
+    def __init__(self):
+        self.now = time.monotonic()
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Gate:
+    """A hook on the decoder's middle attention, which the walk calls once per latent frame: the
+    first call signals `entered` and waits until the test opens the gate."""
+
+    def __init__(self, service: DecodeService):
+        self.entered, self.opened, self.calls = threading.Event(), threading.Event(), 0
+        attention = service.engine.vae.decoder.mid_block.attentions[0]
+        self.handle = attention.register_forward_pre_hook(self)
+
+    def __call__(self, module, args) -> None:
+        self.calls += 1
+        if self.calls == 1:
+            self.entered.set()
+            self.opened.wait(60)
+
+    async def wait_entered(self) -> None:
+        while not self.entered.is_set():
+            await asyncio.sleep(0.01)
+
+    def remove(self) -> None:
+        self.opened.set()
+        self.handle.remove()
 
 
 def service_of(wan_dir, **sessions) -> DecodeService:
@@ -46,6 +91,11 @@ def service_of(wan_dir, **sessions) -> DecodeService:
 def chunk(t: int, seed: int = 0, side: tuple[int, int] = (H, W)) -> dict:
     z = torch.randn(1, 4, t, *side, generator=torch.Generator().manual_seed(seed)).numpy()
     return {"latents": latents_map(z)}
+
+
+def chunk_request_of(t: int, seed: int, session) -> DecodeRequest:
+    z = torch.randn(1, 4, t, H, W, generator=torch.Generator().manual_seed(seed))
+    return DecodeRequest(z, output=session.settings.output)
 
 
 async def replies_of(service: DecodeService, caller: Caller) -> list:
@@ -82,50 +132,90 @@ def test_connections_beyond_the_room_are_refused_at_once_and_each_end_gives_its_
     assert refused[0].error.retry_after_s > 0 and connections == 0
 
 
-def test_an_expired_sessions_conversation_says_so_and_ends(wan_dir):
-    async def run():
-        service = service_of(wan_dir, idle_timeout_s=0.2, open_timeout_s=0.2)
-        caller = Caller()
-        caller.say("open", {"height": H, "width": W})
-        caller.say("chunk", chunk(1))
-        return await replies_of(service, caller), service.sessions
+async def expired_conversation(wan_dir, after_expiry) -> tuple[list, object]:
+    """A session that decoded one chunk and then expired (its registry's clock moved past the idle
+    timeout once chunk_done was answered); `after_expiry(caller)` says what the caller does then."""
+    service = service_of(wan_dir, idle_timeout_s=0.2, open_timeout_s=0.2)
+    clock = service.sessions.clock = Clock()
+    caller, replies = Caller(), []
+    caller.say("open", {"height": H, "width": W, "output": "mp4"})
+    caller.say("chunk", chunk(1))
+    async for reply in conversation(service, lambda: None, caller.receive):
+        replies.append(reply)
+        if "chunk_done" in reply.message:
+            clock.now += 10  # idle far past its timeout
+            after_expiry(caller)
+    await service.drain(5)
+    return replies, service.sessions
 
-    replies, sessions = asyncio.run(run())
-    kinds = [next(iter(r.message)) for r in replies]
-    assert kinds[0] == "opened" and kinds[-2] == "chunk_done" and kinds[-1] == "error"
+
+@pytest.mark.parametrize(
+    "then",
+    [
+        lambda caller: None,  # nothing: the conversation's own wait ends it
+        lambda caller: caller.say("close"),
+        lambda caller: caller.say("open", {"height": H, "width": W}),
+        lambda caller: caller.say("chunk", {"latents": "not a tensor"}),
+        lambda caller: caller.say_unreadable(),
+    ],
+    ids=["silence", "close", "open", "bad-chunk", "unreadable"],
+)
+def test_an_expired_sessions_conversation_answers_session_expired_to_anything_and_ends(wan_dir, then):
+    replies, sessions = asyncio.run(expired_conversation(wan_dir, then))
+    assert "opened" in replies[0].message and "chunk_done" in replies[-2].message
     error = replies[-1].message["error"]
-    assert (error["type"], error["frames"], error["latent_frames"]) == ("session_expired", 1, 1)
+    assert (error["type"], error["frames"], error["latent_frames"]) == ("session_expired", 1, 1), error
     assert replies[-1].ends and not sessions.open_sessions and sessions.connections == 0
 
 
+def test_a_chunk_decoding_past_the_idle_timeout_renews_its_session(wan_dir):
+    """The registry's clock moves far past the idle timeout while a chunk decodes: no sweep frees a
+    session whose chunk is under way, and the chunk's end renews it: the next chunk continues it."""
+
+    async def run():
+        service = service_of(wan_dir, idle_timeout_s=1.0)
+        clock = service.sessions.clock = Clock()
+        session = service.sessions.open(SessionOpen(H, W))
+        gate = Gate(service)
+        first = asyncio.ensure_future(service.sessions.chunk(session.id, chunk_request_of(1, 0, session), 0))
+        await gate.wait_entered()
+        clock.now += 100
+        service.sessions.sweep()
+        still_open = session.id in service.sessions.open_sessions
+        gate.remove()
+        await first
+        service.sessions.sweep()
+        second = await service.sessions.chunk(session.id, chunk_request_of(1, 1, session), 1)
+        await service.drain(5)
+        return still_open, second, session
+
+    still_open, second, session = asyncio.run(run())
+    assert still_open and second.frames.latent_frame == 1 and session.latent_frames == 2
+
+
 def test_a_caller_gone_mid_chunk_stops_it_at_its_next_latent_frame_and_frees_the_session(wan_dir):
-    """The caller leaves while the first of the chunk's 4 latent frames decodes (a hook on the
-    decoder's middle attention, called once per latent frame, says when): the device stops at the
-    next one, the session never takes the chunk and is freed."""
+    """The caller leaves while the first of the chunk's 4 latent frames decodes (held there by a
+    gate until the conversation has ended): the device stops before the next one, the session never
+    takes the chunk and is freed."""
 
     async def run():
         service = service_of(wan_dir, idle_timeout_s=300)
-        caller, steps, started = Caller(), [], threading.Event()
-        loop = asyncio.get_running_loop()
-
-        def on_step(module, args):
-            steps.append(1)
-            if len(steps) == 1:
-                started.set()
-                loop.call_soon_threadsafe(caller.say, None)  # gone while its first latent frame decodes
-
-        hook = service.engine.vae.decoder.mid_block.attentions[0].register_forward_pre_hook(on_step)
+        caller, gate = Caller(), Gate(service)
         caller.say("open", {"height": H, "width": W})
         caller.say("chunk", chunk(4))
-        replies = await replies_of(service, caller)
+        talk = asyncio.ensure_future(replies_of(service, caller))
+        await gate.wait_entered()
+        caller.say(None)  # gone while its first latent frame decodes
+        replies = await talk
+        freed = (service.sessions.chunks, len(service.sessions.open_sessions), service.sessions.connections)
+        gate.remove()
         await service.batcher.drain(30)
-        hook.remove()
-        return replies, steps, started.is_set(), service.sessions
+        return replies, gate.calls, freed, service.sessions.chunks
 
-    replies, steps, started, sessions = asyncio.run(run())
-    assert started and [next(iter(r.message)) for r in replies] == ["opened"]
-    assert len(steps) <= 2  # stopped before its third latent frame (one may be under way as it leaves)
-    assert sessions.chunks == 0 and not sessions.open_sessions and sessions.connections == 0
+    replies, steps, freed, chunks = asyncio.run(run())
+    assert [next(iter(r.message)) for r in replies] == ["opened"]
+    assert freed == (0, 0, 0)  # freed as the caller left, before the device let go of the chunk
+    assert steps == 1 and chunks == 0  # stopped before its second latent frame, taken by no session
 
 
 def test_a_message_sent_while_a_chunk_decodes_is_answered_after_the_chunk(wan_dir):

@@ -52,7 +52,7 @@ from vae_service.engine.request.session import SessionOpen
 from vae_service.engine.runtime.preview import build_preview
 from vae_service.engine.runtime.runtime import Runtime
 from vae_service.engine.runtime.tile_jobs import TileJob
-from vae_service.engine.runtime.wan_walk import Walk
+from vae_service.engine.runtime.wan_walk import Walk, post_quant_key
 from vae_service.models import LoadedVae
 from vae_service.models.probe_cache import ProbeCache
 from vae_service.models.spec import jsonable_config, pipeline_statistics
@@ -385,7 +385,8 @@ class DecodeEngine:
         check_finite(z)
         chunk_request = replace(request, quality=settings.quality, output=settings.output)
         prepared = PreparedRequest(chunk_request, z, frames, form, timestep, context)
-        return SessionChunk(session, prepared, session.frames)
+        place = post_quant_key(settings.clip_latent_frames, session.walk.steps, t, z.shape[3] * z.shape[4], self.device)
+        return SessionChunk(session, prepared, session.frames, place)
 
     def session_chunk_peak(self, chunks: list[SessionChunk]) -> int:
         """Estimated peak of decoding these chunks in one batch (engine/execution/session.py): `high`

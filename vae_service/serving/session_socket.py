@@ -124,10 +124,11 @@ async def conversation(service: DecodeService, admit: Callable[[], None], receiv
     the caller went away, raising InvalidInput for a message it cannot read.
 
     Bounded: the conversation holds one of the replica's session connections (apart from its decode
-    slots) from its first message on; it waits `sessions.open_timeout_s` for `open`, and for the next
+    slots) from its first moment; it waits `sessions.open_timeout_s` for `open`, and for the next
     message at most the idle timeout (the session then expired) and `open_timeout_s` more to answer
-    it `session_expired`, then ends saying so. The session is freed when the conversation ends,
-    however it ends (a disconnect, also in the middle of a chunk: at once)."""
+    it `session_expired`, then ends saying so (every message after the expiry is answered so). The
+    session is freed when the conversation ends, however it ends (a disconnect, also in the middle of
+    a chunk: at once; a caller that already sent its next message is seen gone after the chunk)."""
     sessions, timeouts = service.sessions, service.config.sessions
     inbox, connected, session_id = Inbox(receive), False, None
     try:
@@ -157,11 +158,14 @@ async def conversation(service: DecodeService, admit: Callable[[], None], receiv
                 try:
                     received = await inbox.next(sessions.idle_timeout_s + timeouts.open_timeout_s)
                 except TimeoutError:  # idle past its timeout: the sweep freed it, or frees it now
-                    sessions.sweep()
-                    sessions.session(session_id)  # raises SessionExpired naming what it had decoded
+                    sessions.session(session_id)  # sweeps; raises SessionExpired naming what it had decoded
                     continue
+                except ANSWERABLE:  # a message that could not be read: an expired session's conversation ends
+                    sessions.session(session_id)
+                    raise
                 if received is None:
                     return
+                sessions.session(session_id)  # whatever came, an expired session answers session_expired
                 kind, fields = received
                 if kind == "close":
                     summary = sessions.close(session_id)

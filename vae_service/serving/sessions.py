@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 import time
 import uuid
 from collections.abc import Callable
@@ -37,6 +38,7 @@ from vae_service.engine.request.session import SessionExpired, SessionLost, Sess
 from vae_service.serving.encoders import EncoderPool, failed_encode
 from vae_service_client.mp4 import Mp4Fragment
 
+log = logging.getLogger("ray.serve")
 EXPIRED_KEPT = 4096  # expired or closed session ids remembered, to answer their chunks `session_expired`
 SWEEP_EVERY_S = 1.0
 
@@ -159,6 +161,8 @@ class SessionRegistry:
         """A conversation begins: it takes one of `sessions.max_connections` (Overloaded when all are
         taken), whether it opens a session or not; `disconnect` gives it back."""
         room = self.service.config.sessions.max_connections
+        if room == 0:
+            raise LimitExceeded("session", "this deployment takes no session connections (sessions.max_connections 0)")
         if self.connections >= room:
             raise Overloaded(
                 "session",
@@ -167,11 +171,18 @@ class SessionRegistry:
                 self.service.config.serving.retry_after_s,
             )
         self.connections += 1
-        self.on_change()
+        self._changed()
 
     def disconnect(self) -> None:
         self.connections -= 1
-        self.on_change()
+        self._changed()
+
+    def _changed(self) -> None:
+        """Tell on_change (metrics); its failure never costs a session or a connection its count."""
+        try:
+            self.on_change()
+        except Exception:
+            log.exception("reporting the sessions' metrics failed")
 
     # ---- open ------------------------------------------------------------------------------
     def open(self, settings: SessionOpen) -> DecodeSession:
@@ -201,7 +212,7 @@ class SessionRegistry:
             self._videos[session_id] = _Video(session.settings.output, self.service.encoders)
         self.opened += 1
         self._ensure_sweeper()
-        self.on_change()
+        self._changed()
         return session
 
     def describe_session(self, session: DecodeSession) -> dict:
@@ -295,7 +306,7 @@ class SessionRegistry:
         self._gone[session_id] = (session.frames, session.latent_frames, why)
         while len(self._gone) > EXPIRED_KEPT:
             self._gone.popitem(last=False)
-        self.on_change()
+        self._changed()
         return {"frames": session.frames, "latent_frames": session.latent_frames}
 
     def sweep(self) -> None:

@@ -32,7 +32,7 @@ from vae_service.engine.request.errors import DecodeAbandoned, DecodeFailed, Dec
 from vae_service.engine.request.latents import PreparedRequest
 from vae_service.engine.request.session import SessionOpen
 from vae_service.engine.runtime.runtime import Runtime
-from vae_service.engine.runtime.wan_walk import Walk, post_quant_key, walk_on
+from vae_service.engine.runtime.wan_walk import Walk, walk_on
 
 
 @dataclass(eq=False)
@@ -105,6 +105,7 @@ class SessionChunk:
     session: DecodeSession
     prepared: PreparedRequest  # its latents [1, C, t, H, W] in decoder layout, its context
     first_frame: int
+    post_quant: tuple[int | None, int | None] = (None, None)  # what its post-quant conv's bits follow (post_quant_key)
 
     @property
     def items(self) -> int:
@@ -117,15 +118,14 @@ class SessionChunk:
     @property
     def batch_key(self) -> SessionBatchKey:
         z, session = self.prepared.latents, self.session
-        settings, walk = session.settings, session.walk
         return SessionBatchKey(
             session.quality,
             session.precision,
             tuple(z.shape[1:]),
             z.dtype,
-            walk.phase,
-            pixel_form(settings.output),
-            post_quant_key(settings.clip_latent_frames, walk.steps, z.shape[2], z.shape[3] * z.shape[4]),
+            session.walk.phase,
+            pixel_form(session.settings.output),
+            self.post_quant,
         )
 
 

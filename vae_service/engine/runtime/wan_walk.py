@@ -303,11 +303,14 @@ def chunk_post_quant(
     return conv(padded)[:, :, :t]
 
 
-def post_quant_key(clip_latent_frames: int | None, start: int, t: int, plane: int) -> tuple[int | None, int | None]:
+def post_quant_key(
+    clip_latent_frames: int | None, start: int, t: int, plane: int, device: torch.device
+) -> tuple[int | None, int | None]:
     """What of a chunk's place in its clip chunk_post_quant's bits depend on, beyond the chunk's own
-    shape: the clip's length where it is known, and the chunk's first latent frame where the clip is
-    so small that it runs at its place in a zero clip. Chunks stacked in one call share it."""
-    if clip_latent_frames is None:
+    shape: on CPU, the clip's length where it is known, and the chunk's first latent frame where the
+    clip is so small that it runs at its place in a zero clip (elsewhere nothing: the conv runs on
+    the chunk as it is). Chunks stacked in one call share it."""
+    if clip_latent_frames is None or device.type != "cpu":
         return None, None
     in_place = t * plane < MIN_GEMM_POSITIONS and clip_latent_frames * plane < MIN_GEMM_POSITIONS
     return clip_latent_frames, start if in_place else None
