@@ -1,10 +1,11 @@
 """A /decode's latency alone vs beside idle decode-session connections, on one running service (one
 replica of tiny-kl): WebSockets that connect to /sessions and send nothing, more of them than the
 replica has decode slots (`batching.max_batch_size x serving.concurrent_keys`). Before session
-connections were counted apart from the slots (`sessions.max_connections`), such sockets held
-every slot and a /decode waited until they closed (a review measured a 0.09 s decode answered
-after 32.1 s). Printed: the /decode round trip p50/p99 with 0 idle connections and with N, their
-ratio, and how many of the N the replica held (the rest refused at once, 429 naming `session`).
+connections had a room of their own within the slots (`sessions.max_connections`, never more than
+the slots less a full batch), such sockets held every slot and a /decode waited until they closed
+(a review measured a 0.09 s decode answered after 32.1 s). Printed: the /decode round trip p50/p99
+with 0 idle connections and with N, their ratio, and how many of the N the replica held (the rest
+refused at once, 429 naming `session`).
 
 Seeded random weights: they decode noise; the timings do not depend on them.
 Usage: python bench/bench_idle_connections.py [--quick] [--rounds N] [--idle N]
@@ -24,7 +25,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(__file__))
 from _common import local_serve, print_table
 
-SLOTS, CONNECTIONS = (2, 2), 16  # max_batch_size x concurrent_keys = 4 decode slots, 16 connections
+SLOTS, CONNECTIONS = (2, 4), 6  # max_batch_size x concurrent_keys = 8 decode slots, 6 of them for connections
 
 
 def decode_times(client, z: np.ndarray, rounds: int) -> list[float]:
@@ -45,7 +46,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="a few rounds: a smoke run")
     parser.add_argument("--rounds", type=int, default=40)
-    parser.add_argument("--idle", type=int, default=20, help="idle connections (over the 4 decode slots)")
+    parser.add_argument("--idle", type=int, default=20, help="idle connections (over the 8 decode slots)")
     args = parser.parse_args()
     if args.quick:
         args.rounds = 3

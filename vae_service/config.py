@@ -90,8 +90,9 @@ class Sessions(BaseModel):
         16,
         ge=0,
         description="session connections (WebSocket /sessions, gRPC DecodeSession) a replica holds at once, open "
-        "or not yet; counted apart from the decode slots (Serve's max_ongoing_requests is the decode slots plus "
-        "these), so idle connections never take a /decode's place; one more is refused 429 naming `session` (0: none)",
+        "or not yet, and never more than its decode slots less one full batch (batching.max_batch_size x "
+        "serving.concurrent_keys - batching.max_batch_size): each is one of Serve's ongoing requests for its whole "
+        "life, so the rest always decode; one more is refused 429 naming `session` (0: none)",
     )
     open_timeout_s: float = Field(
         10.0,
@@ -351,12 +352,10 @@ class ServiceConfig(BaseModel):
 
     def deployment_options(self) -> dict:
         """Serve options that follow from the config. Serve's default of 5 ongoing requests would
-        keep batches from filling: a replica must accept a full batch for each key it fills, and
-        beside them its session connections (a WebSocket or DecodeSession call is one ongoing
-        request for its whole life). A replica being removed finishes what it holds: no request
-        waits longer than its timeout."""
+        keep batches from filling: a replica must accept a full batch for each key it fills. A
+        replica being removed finishes what it holds: no request waits longer than its timeout."""
         return {
-            "max_ongoing_requests": self.decode_slots + self.sessions.max_connections,
+            "max_ongoing_requests": self.decode_slots,
             "max_queued_requests": self.serving.max_queued_requests,
             "backpressure_config": {
                 "status_code": self.serving.backpressure_status,
@@ -369,6 +368,13 @@ class ServiceConfig(BaseModel):
     def decode_slots(self) -> int:
         """Requests a replica takes at once for its batches: a full batch for each key it fills."""
         return self.batching.max_batch_size * self.serving.concurrent_keys
+
+    @property
+    def session_connections(self) -> int:
+        """The session connections a replica holds at once: `sessions.max_connections`, within its
+        decode slots less one full batch (a WebSocket or DecodeSession call holds one of Serve's
+        ongoing requests for its whole life: idle ones must never leave no room to decode)."""
+        return min(self.sessions.max_connections, max(0, self.decode_slots - self.batching.max_batch_size))
 
     @property
     def served_name(self) -> str:

@@ -163,11 +163,11 @@ SESSIONS_CONFIG = {
     "model_name": "wan",
     "cpu_threads": 1,
     "limits": {"max_sessions": 3, "max_session_chunk_frames": 4},
-    # 2 x 2 decode slots per replica, beside 6 session connections (more than the slots)
+    # 2 x 3 decode slots per replica, of which at most 4 hold session connections
     "batching": {"batch_wait_ms": 30, "max_batch_size": 2},
-    "serving": {"concurrent_keys": 2},
+    "serving": {"concurrent_keys": 3},
 }
-SESSION_SLOTS, SESSION_CONNECTIONS = 4, 6
+SESSION_SLOTS, SESSION_CONNECTIONS = 6, 4
 
 
 def _sessions_app(name: str, wan_dir, replicas: int, **config):

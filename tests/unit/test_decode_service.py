@@ -65,13 +65,19 @@ DEPLOYED = ServiceConfig(batching={"request_timeout_s": 60, "max_batch_size": 8}
 ENFORCED = DEPLOYED.deployment_options() | {"graceful_shutdown_timeout_s": 65}  # what Serve was given at deploy
 
 
-def test_session_connections_are_counted_beside_the_decode_slots():
-    """A WebSocket or DecodeSession call is one of Serve's ongoing requests for its whole life: the
-    replica takes its connections on top of a full batch per key, so idle connections never take a
-    decode's place."""
-    options = ServiceConfig(batching={"max_batch_size": 3}, serving={"concurrent_keys": 2},
-                            sessions={"max_connections": 5}).deployment_options()  # fmt: skip
-    assert options["max_ongoing_requests"] == 3 * 2 + 5
+@pytest.mark.parametrize(
+    "batch, keys, connections, room",
+    [(8, 4, 16, 16), (8, 4, 30, 24), (3, 2, 5, 3), (1, 1, 16, 0), (2, 3, 4, 4), (8, 4, 0, 0)],
+)
+def test_session_connections_leave_a_full_batch_of_decode_slots(batch, keys, connections, room):
+    """A WebSocket or DecodeSession call is one of Serve's ongoing requests for its whole life:
+    a replica holds at most `sessions.max_connections` of them, and never so many that a full batch
+    could not still be decoded beside them; Serve's pool stays the decode slots."""
+    config = ServiceConfig(batching={"max_batch_size": batch}, serving={"concurrent_keys": keys},
+                           sessions={"max_connections": connections})  # fmt: skip
+    assert config.session_connections == room
+    assert config.deployment_options()["max_ongoing_requests"] == batch * keys
+    assert config.deployment_options()["max_ongoing_requests"] - room >= batch
 
 
 @pytest.mark.parametrize(

@@ -83,12 +83,12 @@ def _check_against_deploy(live: LiveConfig, deployed: ServiceConfig, serve_optio
             "was derived (a draining replica would be killed with its requests): change it in args to redeploy"
         )
     ongoing = serve_options.get("max_ongoing_requests")
-    keys, connections = deployed.serving.concurrent_keys, deployed.sessions.max_connections
-    if ongoing is not None and batching.max_batch_size * keys + connections > ongoing:
+    keys = deployed.serving.concurrent_keys
+    if ongoing is not None and batching.max_batch_size * keys > ongoing:
         raise ValueError(
-            f"user_config: batching.max_batch_size {batching.max_batch_size} x serving.concurrent_keys {keys} + "
-            f"sessions.max_connections {connections} is over this deployment's max_ongoing_requests {ongoing}, fixed "
-            "at deploy (batches could never fill beside the session connections): change it in args to redeploy"
+            f"user_config: batching.max_batch_size {batching.max_batch_size} x serving.concurrent_keys {keys} is "
+            f"over this deployment's max_ongoing_requests {ongoing}, fixed at deploy (batches could never fill): "
+            "change it in args to redeploy"
         )
 
 

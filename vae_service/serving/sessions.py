@@ -158,17 +158,23 @@ class SessionRegistry:
 
     # ---- connections -----------------------------------------------------------------------
     def connect(self) -> None:
-        """A conversation begins: it takes one of `sessions.max_connections` (Overloaded when all are
-        taken), whether it opens a session or not; `disconnect` gives it back."""
-        room = self.service.config.sessions.max_connections
+        """A conversation begins: it takes one of the replica's session connections
+        (ServiceConfig.session_connections; Overloaded when all are taken), whether it opens a session
+        or not; `disconnect` gives it back."""
+        config = self.service.config
+        room = config.session_connections
         if room == 0:
-            raise LimitExceeded("session", "this deployment takes no session connections (sessions.max_connections 0)")
+            raise LimitExceeded(
+                "session",
+                f"this deployment takes no session connections (sessions.max_connections "
+                f"{config.sessions.max_connections}, within {config.decode_slots} decode slots less a full batch)",
+            )
         if self.connections >= room:
             raise Overloaded(
                 "session",
-                f"{self.connections} session connections are open on this replica (sessions.max_connections "
-                f"{room}); retry when one closes",
-                self.service.config.serving.retry_after_s,
+                f"{self.connections} session connections are open on this replica (sessions.max_connections, within "
+                f"its decode slots less a full batch: {room}); retry when one closes",
+                config.serving.retry_after_s,
             )
         self.connections += 1
         self._changed()
@@ -337,7 +343,7 @@ class SessionRegistry:
         return {
             "open": len(self.open_sessions),
             "connections": self.connections,
-            "max_connections": self.service.config.sessions.max_connections,
+            "max_connections": self.service.config.session_connections,
             "held_bytes": self.held_bytes,
             "budget_bytes": self.budget(),
             "opened": self.opened,
