@@ -48,11 +48,11 @@ TIMED = tests/timed.sh
 
 # the unit suite in parallel workers, then the Ray suites (one shared local cluster) in order
 test: lint
-	@$(TIMED) "unit suite" "5 minutes" $(UNIT_SUITE)
-	@$(TIMED) "Ray suites" "19 minutes" $(VENV)/bin/python -m pytest tests --ignore=tests/unit $(PYTEST_ARGS)
+	@$(TIMED) "unit suite" "7 minutes" $(UNIT_SUITE)
+	@$(TIMED) "Ray suites" "25 minutes" $(VENV)/bin/python -m pytest tests --ignore=tests/unit $(PYTEST_ARGS)
 
 test-unit: $(INSTALLED)
-	@$(TIMED) "unit suite" "5 minutes" $(UNIT_SUITE)
+	@$(TIMED) "unit suite" "7 minutes" $(UNIT_SUITE)
 
 lint: $(INSTALLED)
 	@$(TIMED) "ruff check" "1 s" $(VENV)/bin/ruff check .

@@ -3,8 +3,14 @@ own local Ray with the default resources: this machine's 2 CPUs), answers /healt
 request through every model it serves, and shuts down on Ctrl-C. Started as its comments say
 (`eval "$(vae-service guard-env FILE)"` first) its proxy keeps its ports to itself; started
 without, a replica says the guard is missing (before: nothing did). GPU YAMLs are checked
-structurally in test_deploy_configs.py."""
+structurally in test_deploy_configs.py.
 
+The YAMLs' `serve run`s start together (one fixture for the module): each brings up its own Ray,
+and much of that is waiting (Ray's processes, the controller, Serve's polls), so the second one's
+start-up overlaps the first one's test instead of following it. Each test still checks its own
+process from /health to Ctrl-C."""
+
+import dataclasses
 import os
 import shlex
 import signal
@@ -92,18 +98,64 @@ def _shares_a_port(*ports: int) -> bool:
 GUARDED = {"serve-cpu.yaml": True}
 
 
-@pytest.mark.parametrize("name", CPU_YAMLS)
-def test_cpu_yaml_starts_answers_and_stops_on_two_cpus(name, tmp_path):
-    path, port = _on_free_ports(name, tmp_path)
+@dataclasses.dataclass
+class Started:
+    proc: subprocess.Popen
+    path: Path  # the YAML it runs (on free ports)
+    port: int
+    log: Path  # its stdout and stderr
+    guarded: bool
+
+
+def _start(name: str, folder: Path) -> Started:
+    path, port = _on_free_ports(name, folder)
     guarded = GUARDED.get(name, False)
-    assert f'eval "$(vae-service guard-env deploy/{name})"' in (DEPLOY / name).read_text()
     env = {k: v for k, v in os.environ.items() if k not in (CALLBACK_ENV, ADMISSION_ENV, "RAY_ADDRESS")}
     env.update(_guard_env(path) if guarded else {}, RAY_AUTH_MODE="disabled")  # a new local cluster, as a user's
     serve = Path(sys.executable).with_name("serve")
-    log = (tmp_path / "serve.log").open("w")
-    proc = subprocess.Popen(
-        [str(serve), "run", str(path)], cwd=tmp_path, env=env, stdout=log, stderr=log, start_new_session=True
-    )
+    log = folder / "serve.log"
+    with log.open("w") as out:  # the child keeps its own descriptor
+        proc = subprocess.Popen(
+            [str(serve), "run", str(path)], cwd=folder, env=env, stdout=out, stderr=out, start_new_session=True
+        )
+    return Started(proc, path, port, log, guarded)
+
+
+def _stop(proc: subprocess.Popen) -> bool:
+    """Ctrl-C: serve run shuts down Serve and the Ray it started. Whether it ended within 120 s
+    (else its process group, which only this module started, is killed)."""
+    if proc.poll() is not None:
+        return True
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=120)
+        return True
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        return False
+
+
+@pytest.fixture(scope="module")
+def started(request, tmp_path_factory):
+    """Every YAML this run tests, started at once: name -> Started. A test stops its own; what a
+    failed test left running is stopped here."""
+    chosen = {item.callspec.params["name"] for item in request.session.items
+              if item.module is request.module and hasattr(item, "callspec")}  # fmt: skip
+    runs = {name: _start(name, tmp_path_factory.mktemp(name.removesuffix(".yaml"))) for name in CPU_YAMLS
+            if name in chosen}  # fmt: skip
+    try:
+        yield runs
+    finally:
+        for run in runs.values():
+            _stop(run.proc)
+
+
+@pytest.mark.parametrize("name", CPU_YAMLS)
+def test_cpu_yaml_starts_answers_and_stops_on_two_cpus(name, started):
+    run = started[name]
+    proc, path, port, guarded = run.proc, run.path, run.port, run.guarded
+    assert f'eval "$(vae-service guard-env deploy/{name})"' in (DEPLOY / name).read_text()
     try:
         url = f"http://127.0.0.1:{port}"
         models = _models(_wait_healthy(url, proc))
@@ -118,17 +170,9 @@ def test_cpu_yaml_starts_answers_and_stops_on_two_cpus(name, tmp_path):
                 expected = (1, 1, 32, 48, 3) if info["family"] == "video" else (1, 32, 48, 3)
                 assert (resp.model, resp.output.shape, resp.output.dtype) == (model, expected, np.uint8)
     finally:
-        proc.send_signal(signal.SIGINT)  # Ctrl-C: serve run shuts down Serve and the Ray it started
-        try:
-            proc.wait(timeout=120)
-            stopped_on_ctrl_c = True
-        except subprocess.TimeoutExpired:
-            stopped_on_ctrl_c = False
-            os.killpg(proc.pid, signal.SIGKILL)  # only the process group this test started
-            proc.wait()
-        log.close()
+        stopped_on_ctrl_c = _stop(proc)
     assert stopped_on_ctrl_c, "serve run was still running 120 s after Ctrl-C"
-    warned = "no proxy guard (token, body limits, own ports) in Serve's proxy" in (tmp_path / "serve.log").read_text()
+    warned = "no proxy guard (token, body limits, own ports) in Serve's proxy" in run.log.read_text()
     assert warned is not guarded
     deadline = time.monotonic() + 30  # and the HTTP proxy goes with it
     while True:

@@ -72,14 +72,15 @@ class Output:
                 return line
 
 
-def make(*args: str, **env) -> subprocess.Popen:
-    """`make ARGS` in the checkout (VENV= only where the tests run in a venv other than its .venv)."""
+def make(*args: str, stdout=subprocess.PIPE, **env) -> subprocess.Popen:
+    """`make ARGS` in the checkout (VENV= only where the tests run in a venv other than its .venv);
+    its output to `stdout` (a pipe, or a file)."""
     venv = [] if VENV_BIN.parent == REPO / ".venv" else [f"VENV={VENV_BIN.parent}"]
     return subprocess.Popen(
         ["make", *args, *venv],
         cwd=REPO,
         env=new_shell_env(**env),
-        stdout=subprocess.PIPE,
+        stdout=stdout,
         stderr=subprocess.STDOUT,
         text=True,
         start_new_session=True,
@@ -106,6 +107,34 @@ def stop(proc: subprocess.Popen) -> None:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+MISFIT = "test_a_model_that_fails_in_its_replica_is_one_line_and_one_traceback_per_attempt"
+
+
+@pytest.fixture(scope="module")
+def misfit(tmp_path_factory, kl_dir):
+    """`make serve` of a folder that passes every check before Ray (a served class, weights present)
+    whose weights do not fit its config (MISFIT's case): (the folder, the process, its output file).
+    Started with the module (`_start_early`), its own Ray and its replica's attempts run beside
+    `served`'s start-up instead of after it; MISFIT waits for it to end."""
+    folder = tmp_path_factory.mktemp("misfit")
+    config = json.loads((kl_dir / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "latent_channels": 8}))
+    (folder / "diffusion_pytorch_model.safetensors").symlink_to(kl_dir / "diffusion_pytorch_model.safetensors")
+    log = tmp_path_factory.mktemp("misfit-output") / "make.log"
+    with log.open("w") as out:  # the process writes through its own descriptor
+        proc = make("serve", f"MODEL={folder}", f"PORT={free_port()}", stdout=out)
+    yield folder, proc, log
+    if proc.poll() is None:  # MISFIT did not run to its end
+        stop(proc)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _start_early(request):
+    """Starts `misfit` before the module's first test, where this run holds MISFIT."""
+    if any(item.module is request.module and item.originalname == MISFIT for item in request.session.items):
+        request.getfixturevalue("misfit")
 
 
 @pytest.fixture(scope="module")
@@ -148,14 +177,13 @@ def test_the_printed_command_runs_as_printed_in_a_new_shell(served, tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny_wan_url(ray_cluster):
-    """What `make serve MODEL=tiny-wan` serves (the preset, as the CLI deploys it), in this session's
-    cluster: a second `make serve` would start a second Ray."""
+    """What `make serve MODEL=tiny-wan` serves (the preset, as the CLI deploys it: torch on every
+    core, cpu_threads unset), in this session's cluster: a second `make serve` would start a second Ray."""
     from ray import serve
 
     from vae_service.serving.app import decoder_app
 
-    serve.run(decoder_app({"model": "tiny-wan", "cpu_threads": 1}, **TEST_DEPLOYMENT), name="tiny-wan",
-              route_prefix="/tiny-wan")  # fmt: skip
+    serve.run(decoder_app({"model": "tiny-wan"}, **TEST_DEPLOYMENT), name="tiny-wan", route_prefix="/tiny-wan")
     yield f"{ray_cluster}/tiny-wan"
     serve.delete("tiny-wan")
 
@@ -178,6 +206,14 @@ def test_every_documented_example_runs_as_written(example, request, tmp_path):
         url = request.getfixturevalue("tiny_wan_url")
     else:
         url = None
+    if "vae-service batch-decode" in example.code:
+        # `batch-decode` joins RAY_ADDRESS's Ray when set (its --help says so): this session's
+        # (tests/integration/conftest.py), rather than a local Ray of its own started beside it for
+        # one latent (what the CLI does to start one is `make serve`'s, run by the fixture above)
+        import ray
+
+        request.getfixturevalue("ray_cluster")
+        env.update(RAY_ADDRESS=ray.get_runtime_context().gcs_address, RAY_AUTH_MODE="disabled")
     if url:
         code, env["VAE_SERVICE_URL"] = code.replace("http://127.0.0.1:8000", url), url
     latents = np.random.default_rng(0).standard_normal((1, 4, 16, 16)).astype(np.float32)
@@ -232,16 +268,16 @@ def test_a_mistyped_model_is_one_line_with_close_matches_in_seconds():
     assert "Traceback" not in out and "starting Ray" not in out and seconds < 60
 
 
-def test_a_model_that_fails_in_its_replica_is_one_line_and_one_traceback_per_attempt(tmp_path, kl_dir):
+def test_a_model_that_fails_in_its_replica_is_one_line_and_one_traceback_per_attempt(misfit):
     """A folder that passes every check before Ray (a served class, weights present) whose weights
-    do not fit its config: the replica's constructor raises, and Serve's destructor call after it
-    adds nothing (before: `'VaeDecoderHttp' object has no attribute 'service'` each time)."""
-    config = json.loads((kl_dir / "config.json").read_text())
-    (tmp_path / "config.json").write_text(json.dumps({**config, "latent_channels": 8}))
-    (tmp_path / "diffusion_pytorch_model.safetensors").symlink_to(kl_dir / "diffusion_pytorch_model.safetensors")
-    code, out, _ = finished(make("serve", f"MODEL={tmp_path}", f"PORT={free_port()}"), 600)
+    do not fit its config (`misfit`, started with the module): the replica's constructor raises,
+    and Serve's destructor call after it adds nothing (before: `'VaeDecoderHttp' object has no
+    attribute 'service'` each time)."""
+    folder, proc, log = misfit
+    code, _, _ = finished(proc, 600)
+    out = log.read_text()
     ours = [line for line in out.splitlines() if line.startswith("vae-service:") and "starting Ray" not in line]
-    assert code != 0 and len(ours) == 1 and f"model: weights in '{tmp_path}' do not match its config" in ours[0], out
+    assert code != 0 and len(ours) == 1 and f"model: weights in '{folder}' do not match its config" in ours[0], out
     assert "has no attribute 'service'" not in out
 
 
