@@ -3,6 +3,8 @@ write is refused naming the output (a request's `key`: 400 invalid_request), the
 it holds are left as they were, no temporary stays behind, and a store refusal (424
 `store_refused`) keeps meaning a store that refuses for good."""
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -41,6 +43,14 @@ def test_a_folder_where_a_file_goes_is_refused_naming_the_file_not_the_store(tmp
     _left_as_it_was(root, name)
 
 
+def settled(sinks: Sinks, timeout_s: float = 30.0) -> None:
+    """Every write of every sink ended (its thread returned)."""
+    deadline = time.monotonic() + timeout_s
+    while any(w["in_flight"] or w["stuck"] for w in sinks.describe().values()):
+        assert time.monotonic() < deadline, sinks.describe()
+        time.sleep(0.01)
+
+
 async def test_a_sink_request_whose_output_name_is_a_folder_answers_400_naming_key(tmp_path):
     """The caller chose the name (`key`): 400 invalid_request naming `key` and the taken name, not
     424 store_refused (which says the deployment's bucket or credentials need fixing)."""
@@ -56,6 +66,7 @@ async def test_a_sink_request_whose_output_name_is_a_folder_answers_400_naming_k
     assert (answer.http_status, answer.type, answer.field) == (400, "invalid_request", "key")
     assert "'job-42/frame-1.png'" in answer.message and "folder" in answer.message
     assert "bucket" not in answer.message and "credential" not in answer.message
+    settled(sinks)  # the answer came at the first failure: the other file's write may still be under way
     _left_as_it_was(root, "job-42/frame-1.png")
     assert (root / "job-42/frame-0.png").read_bytes() == b"first"  # the other file is whole under its name
 
