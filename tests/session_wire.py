@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import time
 
-import httpx
 import msgpack
 import numpy as np
 import ray
@@ -66,23 +65,32 @@ def kill_owner(session_id: str, app: str = "sessions") -> None:
 
 
 def replica_health(url: str, replicas: int, timeout_s: float = 60) -> dict[str, dict]:
-    """Each replica's /health (an answer is one replica's; Serve picks which): asked until all
-    `replicas` answered, through restarts (a killed replica's successor starting)."""
-    seen: dict[str, dict] = {}
+    """Each replica's /health fields (DecoderReplica.describe), asked of every running replica of
+    the application served at `url` (route prefix `/<app>-app`) through a handle pinned to it (the
+    session router sends a call whose session id begins with a replica's id there): through HTTP,
+    Serve's power-of-two choices keeps sending /health to the less busy replica, and a replica that
+    holds a long connection may never be asked. Asked until `replicas` answered (through restarts)."""
+    from ray import serve
+
+    app = url.rstrip("/").rsplit("/", 1)[1].removesuffix("-app")
+    handle = serve.get_app_handle(app)
     deadline = time.monotonic() + timeout_s
-    while len(seen) < replicas:
-        assert time.monotonic() < deadline, f"only {sorted(seen)} of {replicas} replicas answered /health"
-        try:
-            answer = httpx.get(f"{url}/health", timeout=30)
-        except httpx.TransportError:
-            time.sleep(0.1)
-            continue
-        if answer.status_code == 200:
-            health = answer.json()
-            seen[health["replica"]] = health
-        else:
-            time.sleep(0.1)
-    return seen
+    while True:
+        seen: dict[str, dict] = {}
+        for actor in ray.util.list_named_actors(all_namespaces=True):
+            if not actor["name"].startswith(f"SERVE_REPLICA::{app}#"):
+                continue
+            replica = actor["name"].rsplit("#", 1)[1]
+            try:
+                health = handle.options(session_id=f"{replica}.health").describe.remote().result(timeout_s=10)
+            except Exception:  # a replica starting or just killed: asked again below
+                continue
+            if health["replica"] == replica:  # not one that answered in place of a replica gone
+                seen[replica] = health
+        if len(seen) >= replicas:
+            return seen
+        assert time.monotonic() < deadline, f"only {sorted(seen)} of {replicas} replicas answered"
+        time.sleep(0.1)
 
 
 def sessions_open(url: str, replicas: int = 2) -> int:
