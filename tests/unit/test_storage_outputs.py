@@ -3,13 +3,12 @@ write is refused naming the output (a request's `key`: 400 invalid_request), the
 it holds are left as they were, no temporary stays behind, and a store refusal (424
 `store_refused`) keeps meaning a store that refuses for good."""
 
-import time
-
 import numpy as np
 import pytest
 import torch
 
 from tests.models import torch_threads
+from tests.unit.test_sinks import settled
 from vae_service.batch.stage import DecodeStage
 from vae_service.config import Limits, Sink
 from vae_service.engine import DecodeRequest, DecodeResult
@@ -41,14 +40,6 @@ def test_a_folder_where_a_file_goes_is_refused_naming_the_file_not_the_store(tmp
     assert not isinstance(caught.value, StoreUnavailable)
     assert repr(name) in str(caught.value) and "folder" in str(caught.value)
     _left_as_it_was(root, name)
-
-
-def settled(sinks: Sinks, timeout_s: float = 30.0) -> None:
-    """Every write of every sink ended (its thread returned)."""
-    deadline = time.monotonic() + timeout_s
-    while any(w["in_flight"] or w["stuck"] for w in sinks.describe().values()):
-        assert time.monotonic() < deadline, sinks.describe()
-        time.sleep(0.01)
 
 
 async def test_a_sink_request_whose_output_name_is_a_folder_answers_400_naming_key(tmp_path):
