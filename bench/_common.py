@@ -28,7 +28,7 @@ def local_serve(grpc_port: int | None = None):
     import ray
     from ray import serve
 
-    from vae_service.serving.proxy_guard import proxy_guard_env
+    from vae_service.serving.wire.proxy_guard import proxy_guard_env
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     os.environ.update(proxy_guard_env())  # as the CLI runs the service

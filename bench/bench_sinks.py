@@ -1,4 +1,4 @@
-"""Sinks as bulkheads (serving/sinks.py, sink_writes.py): a healthy sink's write latency while
+"""Sinks as bulkheads (serving/outputs/sinks.py, sink_writes.py): a healthy sink's write latency while
 another sink's store hangs, measured side by side in one run, serving layer only (no Ray).
 
 The hung sink is an S3 sink whose endpoint accepts connections, reads what it is sent and never
@@ -32,7 +32,7 @@ from vae_service.engine import DecodeRequest, DecodeResult
 from vae_service.engine.request.context import RequestContext
 from vae_service.engine.request.errors import Unavailable
 from vae_service.engine.request.result import Timing
-from vae_service.serving.sinks import Sinks
+from vae_service.serving.outputs.sinks import Sinks
 
 FILES = [os.urandom(64 * 1024), os.urandom(64 * 1024)]
 

@@ -36,7 +36,7 @@ AXES: dict[str, tuple[str, ...]] = {
     "tiles": ("local", "shared"),  # shared: with an in-process peer replica (tests/peers.py)
     "output": ("uint8", "float"),  # a video stream answers its container
 }
-VIDEOS = ("mp4", "webm")  # the streamed video containers (serving/video_stream.py)
+VIDEOS = ("mp4", "webm")  # the streamed video containers (serving/outputs/video_stream.py)
 
 # pairs of axes every one of whose meaningful value pairs some row holds
 RISKY_PAIRS = [

@@ -1,6 +1,6 @@
 """Replicas without Ray, for unit tests of shared tiles: each `Replica` is a real DecodeService (its
 engine, batcher, device thread and `tile` method) on an event loop of its own thread; `Deployment`
-is the engine's TilePeers over them, with the transport of serving/tile_peers.py (RemoteStream) and
+is the engine's TilePeers over them, with the transport of serving/scheduling/tile_peers.py (RemoteStream) and
 a router like Serve's (the replica with the fewest requests in it). Only the transport between them
 is a stand-in, and the faults it injects: a replica that dies after some messages, hangs, or fails
 with a bug."""
@@ -18,7 +18,7 @@ from vae_service.config import ServiceConfig
 from vae_service.engine import DecodeEngine
 from vae_service.engine.planning.tiling import TileGrid
 from vae_service.serving.decode_service import DecodeService
-from vae_service.serving.tile_peers import RemoteStream
+from vae_service.serving.scheduling.tile_peers import RemoteStream
 
 _END = object()
 
@@ -116,7 +116,7 @@ class Stream:
 
 class Deployment:
     """The engine's TilePeers over `replicas`: each offer goes to the replica with the fewest
-    requests in it (Serve's router), through serving/tile_peers.py's RemoteStream."""
+    requests in it (Serve's router), through serving/scheduling/tile_peers.py's RemoteStream."""
 
     def __init__(self, replicas: list[Replica], retry_after_s: float = 1.0):
         self.replicas, self.retry_after_s = replicas, retry_after_s

@@ -225,7 +225,7 @@ def banner(name: str, health: dict, url: str, grpc_port: int, token: bool) -> st
 def _warn_about_exposure(config: ServiceConfig, host: str) -> bool:
     """Whether a token is configured; one line on stderr when HTTP is reachable from elsewhere
     without one (gRPC's exposure is in the banner)."""
-    from vae_service.serving.admission import load_token
+    from vae_service.serving.scheduling.admission import load_token
 
     try:
         token = load_token(config.auth_token_file)
@@ -308,9 +308,9 @@ def cmd_serve(args: argparse.Namespace) -> None:
     from ray import serve
     from ray.serve.config import gRPCOptions
 
-    from vae_service.serving.admission import Admission
     from vae_service.serving.app import GRPC_SERVICER, decoder_app
-    from vae_service.serving.proxy_guard import proxy_guard_env
+    from vae_service.serving.scheduling.admission import Admission
+    from vae_service.serving.wire.proxy_guard import proxy_guard_env
 
     # a local Ray started below inherits it: Serve's proxy then installs the guard, admitting
     # requests by this config (token, body size and deadline) before a replica holds them, on
@@ -587,7 +587,7 @@ def cmd_guard_env(args: argparse.Namespace) -> None:
     from pydantic import ValidationError
 
     from vae_service.config import ServiceConfig
-    from vae_service.serving.proxy_guard import proxy_guard_env
+    from vae_service.serving.wire.proxy_guard import proxy_guard_env
 
     try:
         raw = yaml.safe_load(Path(args.yaml).read_text())

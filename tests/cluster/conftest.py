@@ -35,7 +35,7 @@ import yaml
 
 from tests.ports import free_port
 from vae_service.config import ServiceConfig
-from vae_service.serving.proxy_guard import proxy_guard_env
+from vae_service.serving.wire.proxy_guard import proxy_guard_env
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"

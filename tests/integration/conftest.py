@@ -9,7 +9,7 @@ from tests.ports import free_port
 from tests.s3 import S3_ENV
 from vae_service.config import ServiceConfig
 from vae_service.serving.app import GRPC_SERVICER
-from vae_service.serving.proxy_guard import proxy_guard_env
+from vae_service.serving.wire.proxy_guard import proxy_guard_env
 
 pytestmark = pytest.mark.integration
 PORTS: dict[str, int] = {}

@@ -13,8 +13,8 @@ from websockets.sync.client import connect
 
 from tests.integration.conftest import TEST_DEPLOYMENT
 from tests.session_wire import receive, send, ws_url
-from vae_service.serving.admission import TOKEN_ENV
 from vae_service.serving.app import decoder_app, multi_model_app
+from vae_service.serving.scheduling.admission import TOKEN_ENV
 from vae_service_client import Unauthenticated, VaeClient, VaeGrpcClient
 from vae_service_client.grpc_gen import decode_pb2_grpc
 from vae_service_client.messages import MSGPACK, pack, request_map, request_proto

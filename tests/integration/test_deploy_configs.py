@@ -10,9 +10,9 @@ from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
 from ray.serve.schema import ServeDeploySchema
 
 from vae_service.config import ServiceConfig
-from vae_service.serving.admission import ADMISSION_ENV, admission_settings
 from vae_service.serving.app import GRPC_SERVICER, build_multi_app, router_options
-from vae_service.serving.proxy_guard import proxy_guard_env
+from vae_service.serving.scheduling.admission import ADMISSION_ENV, admission_settings
+from vae_service.serving.wire.proxy_guard import proxy_guard_env
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 

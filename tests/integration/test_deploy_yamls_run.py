@@ -26,8 +26,8 @@ import pytest
 import yaml
 
 from tests.integration.conftest import free_port
-from vae_service.serving.admission import ADMISSION_ENV
-from vae_service.serving.proxy_guard import CALLBACK_ENV
+from vae_service.serving.scheduling.admission import ADMISSION_ENV
+from vae_service.serving.wire.proxy_guard import CALLBACK_ENV
 from vae_service_client import VaeClient
 
 pytestmark = pytest.mark.integration

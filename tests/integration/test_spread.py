@@ -1,4 +1,5 @@
-"""One request across replicas (engine/execution/tile_executor.py, serving/tile_peers.py) on a real local Serve:
+"""One request across replicas (engine/execution/tile_executor.py, serving/scheduling/tile_peers.py)
+on a real local Serve:
 a tiled `high` image or Wan clip whose tiles went to both replicas of its deployment is
 bit-identical to the same plan decoded by one engine (the clip also streamed, its tiles' chunks in
 lockstep), says so in `timing.replicas`, and `lossless` above the bound answers diffusers' own tiled

@@ -19,8 +19,8 @@ import torch
 from ray import serve
 
 from tests.integration.conftest import TEST_DEPLOYMENT
-from vae_service.serving.admission import TOKEN_ENV
 from vae_service.serving.app import decoder_app
+from vae_service.serving.scheduling.admission import TOKEN_ENV
 from vae_service_client import PayloadTooLarge, Unauthenticated, VaeClient, VaeGrpcClient
 from vae_service_client.frames import assemble
 from vae_service_client.grpc_client import carries_something

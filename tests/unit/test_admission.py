@@ -1,4 +1,4 @@
-"""Admission (serving/admission.py) and the proxy guard that applies it in Serve's HTTP proxy, as
+"""Admission (serving/scheduling/admission.py) and the proxy guard that applies it in Serve's HTTP proxy, as
 pure ASGI: no Ray. The guard is driven with a receive that counts its calls and a send that
 collects the answer; the app behind it is a small echo app, or a fake only where a fault is
 injected (a bug, a replica that went away)."""
@@ -15,9 +15,15 @@ from starlette.requests import Request
 from vae_service.config import ServiceConfig
 from vae_service.engine import LimitExceeded
 from vae_service.protocol.errors import ANSWERABLE, BodyTimeout, Unauthenticated, Unavailable, wire_error
-from vae_service.serving.admission import ADMISSION_ENV, BODY_ADMITTED_HEADER, TOKEN_ENV, Admission, admission_settings
-from vae_service.serving.http_routes import error_answer
-from vae_service.serving.proxy_guard import CALLBACK_ENV, ProxyGuard, middlewares, proxy_guard_env
+from vae_service.serving.scheduling.admission import (
+    ADMISSION_ENV,
+    BODY_ADMITTED_HEADER,
+    TOKEN_ENV,
+    Admission,
+    admission_settings,
+)
+from vae_service.serving.wire.http_routes import error_answer
+from vae_service.serving.wire.proxy_guard import CALLBACK_ENV, ProxyGuard, middlewares, proxy_guard_env
 
 TOKEN = "s3cret-token"
 
@@ -208,7 +214,8 @@ def test_config_to_environment_to_the_proxys_admission_round_trips(token_file, m
     )
     env = proxy_guard_env(config)
     assert (
-        set(env) == {CALLBACK_ENV, ADMISSION_ENV} and env[CALLBACK_ENV] == "vae_service.serving.proxy_guard:middlewares"
+        set(env) == {CALLBACK_ENV, ADMISSION_ENV}
+        and env[CALLBACK_ENV] == "vae_service.serving.wire.proxy_guard:middlewares"
     )
     for name, value in env.items():
         monkeypatch.setenv(name, value)
@@ -253,7 +260,7 @@ def test_several_models_share_one_admission_with_the_largest_limits_and_one_toke
 def test_the_proxy_loads_neither_torch_nor_the_engine():
     """Serve's proxy imports the guard on every node: it stays light."""
     code = (
-        "import sys, vae_service.serving.proxy_guard as g; g.middlewares(); "
+        "import sys, vae_service.serving.wire.proxy_guard as g; g.middlewares(); "
         "print(sorted(m for m in ('torch', 'vae_service.engine', 'vae_service.config') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from vae_service.config import ServiceConfig
-from vae_service.serving import video_stream
 from vae_service.serving.decode_service import DecodeService
-from vae_service.serving.http_routes import decode_events
+from vae_service.serving.outputs import video_stream
+from vae_service.serving.wire.http_routes import decode_events
 from vae_service_client import AsyncVaeClient, VaeClient, VaeServiceError
 from vae_service_client.messages import MSGPACK, pack, request_map
 from vae_service_client.mp4 import BoxReader

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from vae_service.serving.batcher import BatcherLimits, DeadlineExceeded, KeyedBatcher, QueueFull
+from vae_service.serving.scheduling.batcher import BatcherLimits, DeadlineExceeded, KeyedBatcher, QueueFull
 
 
 @dataclass(frozen=True)

@@ -21,9 +21,9 @@ from vae_service.config import Limits
 from vae_service.protocol.errors import ANSWERABLE, error_type
 from vae_service.protocol.msgpack_body import _refused, _why, peek_routing, unpack_options
 from vae_service.protocol.requests import parse_decode_body
-from vae_service.serving.admission import TOKEN_ENV
-from vae_service.serving.http_routes import HttpAnswer
 from vae_service.serving.router import VaeRouter
+from vae_service.serving.scheduling.admission import TOKEN_ENV
+from vae_service.serving.wire.http_routes import HttpAnswer
 from vae_service_client.messages import MSGPACK, REQUEST_KEYS, pack
 from vae_service_client.tensors import encode_tensor
 

@@ -18,7 +18,7 @@ from tests.ports import free_port
 from vae_service.cli import _config_from, main
 from vae_service.config import ServiceConfig
 from vae_service.models.presets import PRESETS
-from vae_service.serving.proxy_guard import proxy_guard_env
+from vae_service.serving.wire.proxy_guard import proxy_guard_env
 
 
 def args(**kw):

@@ -51,9 +51,9 @@ from vae_service.engine.request.context import WAIT_SLICE_S, RequestContext
 from vae_service.engine.request.errors import DecodeAbandoned, DecodeTimeout
 from vae_service.engine.request.result import DecodeResult
 from vae_service.engine.runtime import wan_walk
-from vae_service.serving.encoders import EncoderPool
-from vae_service.serving.frame_stream import FrameStream
-from vae_service.serving.video_stream import VideoStream
+from vae_service.serving.outputs.encoders import EncoderPool
+from vae_service.serving.outputs.frame_stream import FrameStream
+from vae_service.serving.outputs.video_stream import VideoStream
 from vae_service_client.mp4 import Mp4Fragment
 
 RUN_TIMEOUT_S = 120.0  # a request's deadline where the run is not about deadlines (a hang fails, late)

@@ -16,8 +16,8 @@ from vae_service.engine import DecodeRequest, DecodeTimeout, LimitExceeded
 from vae_service.engine.media.encoding import encode_item
 from vae_service.engine.request.errors import DecodeAbandoned
 from vae_service.serving.decode_service import DecodeService
-from vae_service.serving.http_routes import decode_answer
 from vae_service.serving.replica import parse_live
+from vae_service.serving.wire.http_routes import decode_answer
 from vae_service_client.messages import MSGPACK, DecodeResponse, pack, request_map
 
 

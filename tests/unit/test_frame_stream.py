@@ -17,8 +17,8 @@ from vae_service.engine.execution.video import FrameChunk
 from vae_service.engine.request.errors import DecodeAbandoned
 from vae_service.engine.request.result import DecodeResult
 from vae_service.serving.decode_service import DecodeService
-from vae_service.serving.frame_stream import FrameStream
-from vae_service.serving.http_routes import decode_events
+from vae_service.serving.outputs.frame_stream import FrameStream
+from vae_service.serving.wire.http_routes import decode_events
 from vae_service_client.errors import Unavailable
 from vae_service_client.frames import STREAM_MEDIA_TYPE, MessageReader, assemble
 from vae_service_client.frames import FrameStream as ClientStream

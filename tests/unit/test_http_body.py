@@ -8,7 +8,7 @@ from starlette.requests import Request
 
 from vae_service.engine import LimitExceeded
 from vae_service.protocol.errors import BodyTimeout
-from vae_service.serving.admission import TOKEN_ENV, Admission
+from vae_service.serving.scheduling.admission import TOKEN_ENV, Admission
 
 
 @pytest.fixture(autouse=True)

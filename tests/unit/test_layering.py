@@ -177,7 +177,7 @@ def test_the_proxy_side_of_admission_loads_no_model_code():
     """Serve's HTTP proxy (on every node) imports the proxy guard and admission: no torch, no engine,
     no config (which imports the fast path's rewrite table and torch), no protocol at import time."""
     heavy = ("torch", "vae_service.engine", "vae_service.fastpath", "vae_service.config", "vae_service.protocol")
-    for file in ("vae_service/serving/admission.py", "vae_service/serving/proxy_guard.py"):
+    for file in ("vae_service/serving/scheduling/admission.py", "vae_service/serving/wire/proxy_guard.py"):
         assert [n for n in imports_of(file, top_level_only=True) if n.startswith(heavy)] == [], file
 
 
@@ -307,3 +307,63 @@ def test_the_cycle_finder_finds_a_circle(monkeypatch):
     fake = {"vae_service/a.py": {"vae_service.b"}, "vae_service/b.py": {"vae_service.a"}, "vae_service/c.py": set()}
     monkeypatch.setattr(sys.modules[__name__], "imported_modules", lambda _dir, *a: fake)
     assert import_cycles(ROOT / "vae_service") == [["vae_service.a", "vae_service.b", "vae_service.a"]]
+
+
+# the serving layer's rooms, bottom to top (docs/architecture.md): outputs (encoders, streams, sinks),
+# the device's scheduling (admission, pricing a request, the scheduler, tile peers, the session
+# router), sessions, then the service core (decode_service.py), the wire surfaces over it, and the
+# replica, its deployment, the routing ingress and metrics at the top
+SERVING_ROOMS = ("outputs", "scheduling", "sessions")
+SERVING = ROOT / "vae_service/serving"
+SERVING_ORDER = (*SERVING_ROOMS, "service", "wire", "serving")
+
+
+def serving_room_of(module: str) -> str | None:
+    parts = module.split(".")
+    if parts[:2] != ["vae_service", "serving"] or len(parts) < 3:
+        return None
+    if len(parts) > 3 and parts[2] in (*SERVING_ROOMS, "wire"):
+        return parts[2]
+    return "service" if parts[2] == "decode_service" else "serving"
+
+
+def serving_offenders() -> list[str]:
+    order = {room: i for i, room in enumerate(SERVING_ORDER)}
+    found = []
+    for file, names in imported_modules(SERVING).items():
+        room = serving_room_of(file.removesuffix(".py").replace("/", "."))
+        for name in sorted(names):
+            target = serving_room_of(name)
+            if target is not None and target != room and order[target] > order[room]:
+                found.append(f"{file} ({room}) imports {name} ({target})")
+    return found
+
+
+def test_serving_is_rooms_that_import_downwards():
+    assert serving_offenders() == []
+
+
+def test_only_the_replica_and_its_service_sit_at_the_serving_top():
+    loose = sorted(p.name for p in SERVING.glob("*.py"))
+    assert loose == [
+        "__init__.py",
+        "app.py",
+        "decode_service.py",
+        "deployment.py",
+        "metrics.py",
+        "replica.py",
+        "router.py",
+    ]
+    rooms = sorted(p.name for p in SERVING.iterdir() if p.is_dir() and p.name != "__pycache__")
+    assert rooms == sorted((*SERVING_ROOMS, "wire"))
+
+
+def test_the_serving_checker_sees_an_upward_import(monkeypatch):
+    assert serving_room_of("vae_service.serving.scheduling.admission") == "scheduling"
+    assert serving_room_of("vae_service.serving.decode_service") == "service"
+    assert serving_room_of("vae_service.serving.replica") == "serving"
+    fake = {"vae_service/serving/outputs/x.py": {"vae_service.serving.sessions.registry"}}
+    monkeypatch.setattr(sys.modules[__name__], "imported_modules", lambda _dir, *a: fake)
+    assert serving_offenders() == [
+        "vae_service/serving/outputs/x.py (outputs) imports vae_service.serving.sessions.registry (sessions)"
+    ]

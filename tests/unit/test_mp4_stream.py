@@ -19,10 +19,10 @@ from vae_service.config import ServiceConfig
 from vae_service.engine import DecodeRequest, InvalidInput
 from vae_service.engine.request.result import DecodeResult
 from vae_service.protocol.responses import video_stream_bytes
-from vae_service.serving import video_stream
 from vae_service.serving.decode_service import DecodeService
-from vae_service.serving.frame_stream import CHUNKS_AHEAD
-from vae_service.serving.http_routes import decode_events
+from vae_service.serving.outputs import video_stream
+from vae_service.serving.outputs.frame_stream import CHUNKS_AHEAD
+from vae_service.serving.wire.http_routes import decode_events
 from vae_service_client import VaeServiceError
 from vae_service_client.messages import MSGPACK, pack, request_map
 from vae_service_client.mp4 import BoxReader, Mp4Fragment, write_chunks

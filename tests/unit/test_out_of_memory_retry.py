@@ -11,7 +11,7 @@ import torch
 from vae_service.config import Limits, LiveConfig, ServiceConfig
 from vae_service.engine import DecodeEngine, DecodeRequest
 from vae_service.serving.decode_service import DecodeService
-from vae_service.serving.http_routes import decode_events
+from vae_service.serving.wire.http_routes import decode_events
 from vae_service_client.frames import STREAM_MEDIA_TYPE, MessageReader, assemble, frame_message_proto, message_of_proto
 from vae_service_client.frames import FrameStream as ClientStream
 from vae_service_client.messages import MSGPACK, DecodeResponse, pack, request_map

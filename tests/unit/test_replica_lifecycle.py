@@ -7,8 +7,8 @@ import logging
 import pytest
 
 from vae_service.models import ModelLoadError
-from vae_service.serving.proxy_guard import CALLBACK_ENV
 from vae_service.serving.replica import DecoderReplica
+from vae_service.serving.wire.proxy_guard import CALLBACK_ENV
 
 
 async def test_a_replica_whose_constructor_raised_is_destroyed_quietly():
@@ -21,7 +21,7 @@ async def test_a_replica_whose_constructor_raised_is_destroyed_quietly():
 @pytest.mark.parametrize("guarded", [True, False])
 async def test_start_up_logs_one_short_line_and_warns_without_the_guard(monkeypatch, caplog, guarded):
     if guarded:
-        monkeypatch.setenv(CALLBACK_ENV, "vae_service.serving.proxy_guard:middlewares")
+        monkeypatch.setenv(CALLBACK_ENV, "vae_service.serving.wire.proxy_guard:middlewares")
     else:
         monkeypatch.delenv(CALLBACK_ENV, raising=False)
     with caplog.at_level(logging.INFO, logger="ray.serve"):

@@ -195,7 +195,7 @@ def test_waits_check_the_request_between_slices():
 
 
 async def test_prices_waiting_for_the_pricing_thread_are_bounded_then_429_with_retry_after(kl_dir):
-    from vae_service.serving.request_pricing import PRICING_QUEUE
+    from vae_service.serving.scheduling.request_pricing import PRICING_QUEUE
 
     config = ServiceConfig(model=str(kl_dir), device="cpu", cpu_threads=1, serving={"retry_after_s": 3})
     service = DecodeService(config)
@@ -224,7 +224,7 @@ async def test_a_price_its_caller_gave_up_on_holds_its_place_in_the_queue_until_
     """The pricing queue counts running work: a caller that timed out frees nothing while the
     thread still runs its price, so later requests are refused (429), not queued behind it; a
     price cancelled before it began frees its place at once."""
-    from vae_service.serving.request_pricing import PRICING_QUEUE
+    from vae_service.serving.scheduling.request_pricing import PRICING_QUEUE
 
     config = ServiceConfig(model=str(kl_dir), device="cpu", cpu_threads=1, batching={"request_timeout_s": 0.3})
     service = DecodeService(config)

@@ -190,7 +190,7 @@ def test_an_endpoint_from_the_environment_with_a_secret_never_reaches_an_answer_
     from vae_service.engine.request.context import RequestContext
     from vae_service.engine.request.errors import DecodeError
     from vae_service.engine.request.result import Timing
-    from vae_service.serving.sinks import Sinks
+    from vae_service.serving.outputs.sinks import Sinks
     from vae_service.storage import StoreUnavailable
 
     monkeypatch.setenv("AWS_ENDPOINT_URL_S3", f"http://127.0.0.1:{free_port()}/?X-Amz-Credential={SECRET}")

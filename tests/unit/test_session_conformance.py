@@ -408,7 +408,7 @@ def test_a_chunk_whose_encode_fails_is_not_taken_and_the_file_goes_on_whole(fold
     """The `failing`-th fragment's encode fails (an injected fault) in a chunk of two latent frames:
     the chunk is answered with the error and the session is where it was (frames, latent frames); the
     same chunk sent again goes on, and the fragments answered, joined, are the whole answer's file."""
-    from vae_service.serving import sessions as registry
+    from vae_service.serving.sessions import registry
 
     made, real_writer = [], registry.video_writer
 

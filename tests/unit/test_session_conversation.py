@@ -1,4 +1,4 @@
-"""A decode session's conversation (serving/session_socket.py), framework-free: the messages a
+"""A decode session's conversation (serving/wire/session_socket.py), framework-free: the messages a
 WebSocket or a DecodeSession call carries, fed from a queue, against the replica's service on the
 tiny causal Wan decoder. What the transports cannot show deterministically is checked here:
 
@@ -23,7 +23,7 @@ from vae_service.config import ServiceConfig
 from vae_service.engine import DecodeRequest, InvalidInput
 from vae_service.engine.request.session import SessionOpen
 from vae_service.serving.decode_service import DecodeService
-from vae_service.serving.session_socket import conversation
+from vae_service.serving.wire.session_socket import conversation
 from vae_service_client.messages import latents_map
 
 H, W = 4, 6

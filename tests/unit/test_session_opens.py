@@ -40,8 +40,8 @@ from vae_service.engine.request.session import (
 from vae_service.models.presets import PRESETS
 from vae_service.protocol.errors import Unauthenticated, wire_error
 from vae_service.protocol.sessions import chunk_of, chunk_request, parse_message, session_open
-from vae_service.serving.admission import Admission
-from vae_service.serving.proxy_guard import ProxyGuard, sized_uvicorn, websocket_message_limit
+from vae_service.serving.scheduling.admission import Admission
+from vae_service.serving.wire.proxy_guard import ProxyGuard, sized_uvicorn, websocket_message_limit
 from vae_service_client import InvalidRequest
 from vae_service_client.grpc_gen import decode_pb2
 from vae_service_client.messages import pack

@@ -398,7 +398,7 @@ def test_low_precision_sessions_are_diffusers_decode_at_that_precision(served, p
 
 @pytest.mark.parametrize("output", ["mp4", "webm"])
 def test_video_sessions_answer_the_uint8_frames(served, output):
-    """A session answering one mp4/webm gets the chunk's uint8 frames (serving/sessions.py encodes them)."""
+    """A session answering one mp4/webm gets the chunk's uint8 frames (serving/sessions/registry.py encodes them)."""
     m = served("tiny-wan")
     z = clip(m, 3, 3, 5, seed=6)
     _, frames = decode_in_session(m, z, [1, 2])

@@ -595,7 +595,7 @@ def test_the_out_of_memory_retry_shares_its_tiles_through_the_same_executor(mode
 
 # ---- bounded streams ------------------------------------------------------------------------------
 def test_a_taken_video_tile_decodes_only_a_few_chunks_ahead_of_what_was_sent(models, monkeypatch):
-    from vae_service.serving.tile_surface import TILE_CHUNKS_AHEAD
+    from vae_service.serving.scheduling.tile_surface import TILE_CHUNKS_AHEAD
 
     here, (replica, _) = models["wan"]
     frames, calls, engine = 6, [], replica.service.engine
@@ -631,7 +631,7 @@ def test_a_taken_video_tile_decodes_only_a_few_chunks_ahead_of_what_was_sent(mod
 async def test_a_frame_stream_holds_a_few_chunks_its_reader_has_not_taken():
     from vae_service.engine.execution.video import FrameChunk
     from vae_service.engine.request.context import RequestContext
-    from vae_service.serving.frame_stream import CHUNKS_AHEAD, FrameStream
+    from vae_service.serving.outputs.frame_stream import CHUNKS_AHEAD, FrameStream
 
     context = RequestContext.admit(60, Limits())
     stream = FrameStream(1, context)

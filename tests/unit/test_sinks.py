@@ -1,4 +1,4 @@
-"""Object-storage sinks (vae_service/storage, serving/sinks.py): keys that cannot leave their
+"""Object-storage sinks (vae_service/storage, serving/outputs/sinks.py): keys that cannot leave their
 prefix, whole writes to a local folder and to a real S3-compatible store (moto's server, through
 pyarrow's S3FileSystem), a write that fails mid-way or a store that stops mid-request leaving
 nothing under the final name, and the typed errors a request gets."""
@@ -20,7 +20,7 @@ from vae_service.engine import DecodeRequest, DecodeResult
 from vae_service.engine.request.context import RequestContext
 from vae_service.engine.request.errors import DecodeTimeout, InvalidInput, Unavailable
 from vae_service.engine.request.result import Timing
-from vae_service.serving.sinks import Sinks
+from vae_service.serving.outputs.sinks import Sinks
 from vae_service.storage import InvalidKey, StoreUnavailable, check_key, object_names, open_location
 from vae_service.storage import locations as storage_locations
 

@@ -16,7 +16,7 @@ from vae_service.engine.request.context import RequestContext
 from vae_service.engine.request.errors import InvalidInput, StoreRefused
 from vae_service.engine.request.result import Timing
 from vae_service.protocol.errors import wire_error
-from vae_service.serving.sinks import Sinks
+from vae_service.serving.outputs.sinks import Sinks
 from vae_service.storage import InvalidKey, StoreUnavailable, open_location
 
 

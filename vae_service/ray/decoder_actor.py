@@ -21,8 +21,8 @@ import ray
 
 from vae_service.config import ServiceConfig
 from vae_service.serving.decode_service import DecodeService
-from vae_service.serving.handle_api import handle_decode
-from vae_service.serving.session_socket import SessionCalls
+from vae_service.serving.wire.handle_api import handle_decode
+from vae_service.serving.wire.session_socket import SessionCalls
 
 # under Ray's own logger, which Ray workers write to their log files (a bare logger's INFO is dropped)
 log = logging.getLogger("ray.vae_service")
@@ -57,7 +57,7 @@ class Decoder:
         device = self.service.engine.device  # latents a compiled graph put on our GPU stay there
         return self._run(handle_decode(self.service, latents, device, quality=quality, output=output, **options))
 
-    # ---- decode sessions: this actor is the affinity (serving/session_socket.py's SessionCalls) ----
+    # ---- decode sessions: this actor is the affinity (serving/wire/session_socket.py's SessionCalls) ----
     def open_session(self, **settings) -> dict:
         """A decode session (`height`, `width`, `quality`, `output`, `dtype`, factors): its summary."""
         return self._run(self._sessions.open(**settings))

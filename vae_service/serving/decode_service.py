@@ -27,14 +27,14 @@ from vae_service.engine.request.decode_request import VIDEO_OUTPUTS
 from vae_service.engine.request.errors import DecodeTimeout, InvalidInput, OutOfMemory, Overloaded
 from vae_service.engine.request.result import PendingResult
 from vae_service.engine.runtime.tile_jobs import TileJob
-from vae_service.serving.batcher import BatcherLimits, BatchStats, DeadlineExceeded, KeyedBatcher, QueueFull
-from vae_service.serving.encoders import EncoderPool
-from vae_service.serving.frame_stream import FrameStream
-from vae_service.serving.request_pricing import RequestPricing
-from vae_service.serving.sessions import SessionRegistry
-from vae_service.serving.sinks import Sinks
-from vae_service.serving.tile_surface import TileSurface
-from vae_service.serving.video_stream import VideoStream
+from vae_service.serving.outputs.encoders import EncoderPool
+from vae_service.serving.outputs.frame_stream import FrameStream
+from vae_service.serving.outputs.sinks import Sinks
+from vae_service.serving.outputs.video_stream import VideoStream
+from vae_service.serving.scheduling.batcher import BatcherLimits, BatchStats, DeadlineExceeded, KeyedBatcher, QueueFull
+from vae_service.serving.scheduling.request_pricing import RequestPricing
+from vae_service.serving.scheduling.tile_surface import TileSurface
+from vae_service.serving.sessions.registry import SessionRegistry
 
 
 def batcher_limits(config: ServiceConfig) -> BatcherLimits:
@@ -54,10 +54,10 @@ class DecodeService:
         peers: TilePeers | None = None,
         owner: Callable[[], str] = lambda: "local",
     ):
-        """`owner`: this replica's id, the prefix of its sessions' ids (serving/session_router.py)."""
+        """`owner`: this replica's id, the prefix of its sessions' ids (serving/scheduling/session_router.py)."""
         self.config = config
         self.engine = engine or DecodeEngine(config)
-        self.peers = peers  # tiled requests share their tiles with these (serving/tile_peers.py)
+        self.peers = peers  # tiled requests share their tiles with these (serving/scheduling/tile_peers.py)
         # one thread feeds the device, set up once like the engine wants (torch's CPU thread count)
         self.device_thread = ThreadPoolExecutor(1, thread_name_prefix="vae-device", initializer=self.engine.bind_thread)
         serving = config.serving
@@ -188,7 +188,7 @@ class DecodeService:
 
     # ---- a tile of another replica's request -------------------------------------------------
     def tile(self, job: TileJob, fingerprint: str, remaining_s: float, replica: str) -> AsyncIterator:
-        """A tile another replica offers (serving/tile_surface.py)."""
+        """A tile another replica offers (serving/scheduling/tile_surface.py)."""
         return self.tiles.tile(job, fingerprint, remaining_s, replica)
 
     def _device_busy(self) -> bool:

@@ -15,10 +15,10 @@ from fastapi.responses import Response
 from ray import serve
 
 from vae_service.protocol.errors import Unauthenticated
-from vae_service.serving import openapi
-from vae_service.serving.http_routes import api_docs, decode_http, error_answer, health_fields, remote_decode_http
 from vae_service.serving.replica import DecoderReplica
-from vae_service.serving.session_socket import serve_session
+from vae_service.serving.wire import openapi
+from vae_service.serving.wire.http_routes import api_docs, decode_http, error_answer, health_fields, remote_decode_http
+from vae_service.serving.wire.session_socket import serve_session
 from vae_service_client.errors import error_json
 
 log = logging.getLogger("ray.serve")

@@ -12,7 +12,7 @@ from ray.serve.metrics import Counter, Gauge, Histogram
 from vae_service.engine.execution.session import SessionBatchKey
 from vae_service.engine.request.decode_request import QUALITIES
 from vae_service.protocol.errors import error_type
-from vae_service.serving.batcher import BatchStats, KeyedBatcher
+from vae_service.serving.scheduling.batcher import BatchStats, KeyedBatcher
 
 _BATCH_BOUNDARIES = [1, 2, 4, 8, 16, 32, 64]
 _LATENCY_MS_BOUNDARIES = [5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000]

@@ -18,9 +18,10 @@ from ray import serve
 from vae_service.config import LIVE_FIELDS, SHUTDOWN_MARGIN_S, LiveConfig, ServiceConfig
 from vae_service.protocol.errors import Unauthenticated, wire_error
 from vae_service.serving import metrics
-from vae_service.serving.admission import Admission
 from vae_service.serving.decode_service import DecodeService
-from vae_service.serving.grpc_servicer import (
+from vae_service.serving.scheduling.admission import Admission
+from vae_service.serving.scheduling.tile_peers import ReplicaPeers
+from vae_service.serving.wire.grpc_servicer import (
     GrpcAnswer,
     failed,
     frame_events,
@@ -30,11 +31,10 @@ from vae_service.serving.grpc_servicer import (
     status_message,
     stream_to,
 )
-from vae_service.serving.handle_api import handle_decode, handle_decode_frames
-from vae_service.serving.http_routes import HttpAnswer, decode_answer, decode_events, remote_decode_answer
-from vae_service.serving.proxy_guard import missing_guard_warning
-from vae_service.serving.session_socket import SessionCalls
-from vae_service.serving.tile_peers import ReplicaPeers
+from vae_service.serving.wire.handle_api import handle_decode, handle_decode_frames
+from vae_service.serving.wire.http_routes import HttpAnswer, decode_answer, decode_events, remote_decode_answer
+from vae_service.serving.wire.proxy_guard import missing_guard_warning
+from vae_service.serving.wire.session_socket import SessionCalls
 
 log = logging.getLogger("ray.serve")  # Serve writes it to the replica's own log file
 
@@ -244,7 +244,7 @@ class DecoderReplica:
         async for message in handle_decode_frames(self.service, latents, quality=quality, output=output, **options):
             yield message
 
-    # ---- decode sessions (pinned to this replica by serving/session_router.py) -----------------
+    # ---- decode sessions (pinned to this replica by serving/scheduling/session_router.py) -----------------
     async def open_session(self, **settings) -> dict:
         """A decode session on this replica: `height`, `width` (the latents'), and `quality`,
         `output`, `dtype`, the factors, `request_id` as the WebSocket's open message. Returns the

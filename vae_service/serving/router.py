@@ -21,11 +21,11 @@ from ray.serve.handle import DeploymentHandle
 from vae_service.engine.request.errors import InvalidInput, Overloaded
 from vae_service.protocol.errors import ANSWERABLE, Unavailable, wire_error
 from vae_service.protocol.msgpack_body import peek_routing
-from vae_service.serving import openapi
-from vae_service.serving.admission import Admission
 from vae_service.serving.deployment import internal_error
-from vae_service.serving.grpc_servicer import failed, status_message, stream_to
-from vae_service.serving.http_routes import error_answer, health_fields, query_lists, respond
+from vae_service.serving.scheduling.admission import Admission
+from vae_service.serving.wire import openapi
+from vae_service.serving.wire.grpc_servicer import failed, status_message, stream_to
+from vae_service.serving.wire.http_routes import error_answer, health_fields, query_lists, respond
 
 router_app = FastAPI(title="vae-service", summary="VAE decoding for diffusion serving (several models)")
 router_app.add_exception_handler(Exception, internal_error)

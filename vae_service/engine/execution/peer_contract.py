@@ -1,6 +1,6 @@
 """The contract between a request's tiles and the deployment's other replicas: what a replica is
-told of the call (TileCall), what it answers about a tile it was offered (serving/tile_surface.py
-answers, serving/tile_peers.py carries), and the transport's shape (TilePeers, RemoteTile). The
+told of the call (TileCall), what it answers about a tile it was offered (serving/scheduling/tile_surface.py
+answers, serving/scheduling/tile_peers.py carries), and the transport's shape (TilePeers, RemoteTile). The
 executors (tile_executor.py) and the call's state (call.py) both read it; it reads neither."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ class TileCall:
     replicas: set = field(default_factory=set)
 
 
-# ---- what a replica answers about a tile it was offered (serving/tile_peers.py) ---------------
+# ---- what a replica answers about a tile it was offered (serving/scheduling/tile_peers.py) ---------------
 @dataclass(frozen=True)
 class Accepted:
     replica: str

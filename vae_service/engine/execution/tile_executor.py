@@ -4,10 +4,10 @@ their outputs in the order the blend reads them, for images and video alike. Two
 - `LocalTiles`: on this device, lazily: a job runs when the blend first reads it, so images and
   video tile after tile hold one tile's working set at a time (video in lockstep holds every
   tile's causal history);
-- `SharedTiles`: the deployment's replicas (a `TilePeers`: serving/tile_peers.py's; the engine never
+- `SharedTiles`: the deployment's replicas (a `TilePeers`: serving/scheduling/tile_peers.py's; the engine never
   imports Ray) and this device together. A tile goes to a replica only through its free slot: a
   replica takes a tile only while its device is idle, one at a time, planned for its own bound
-  (serving/tile_peers.py), and otherwise refuses it at once; this device decodes every tile no
+  (serving/scheduling/tile_peers.py), and otherwise refuses it at once; this device decodes every tile no
   replica took, and meanwhile the tiles ahead of the blend, so a saturated deployment decodes as
   if nothing were shared. Every replica with the request's fingerprint decodes a job to the same
   bits, so the answer is the one `LocalTiles` gives.

@@ -7,7 +7,7 @@ take back. An item whose frames are not finite (fp16/bf16 overflow) stops there;
 fallback on (engine/execution/fallback.py) it is decoded again in fp32 from its first frame (the
 causal cache needs them all) once its run ends. A whole answer is overwritten with all of it (a
 `float` one becomes fp32); a stream is handed only the fp32 frames from the first one this answer
-had not handed over, marked `fallback` (serving/frame_stream.py passes on those not sent yet and
+had not handed over, marked `fallback` (serving/outputs/frame_stream.py passes on those not sent yet and
 says in `done` from which frame each item's frames are fp32: the frames sent stay the answer)."""
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ before decoding (engine/pricing/encode_cost.py, `max_encode_seconds`).
 A video is fragmented, MP4 (engine/media/fmp4.py) and WebM (engine/media/webm.py, a fragment is a
 Cluster) alike: an init segment, then one fragment per latent frame's worth of frames, each starting
 with a keyframe (`fragment_frames`). A streamed answer writes the same fragments as its frames
-decode (serving/video_stream.py), so a whole answer and a stream of the same frames are the same
+decode (serving/outputs/video_stream.py), so a whole answer and a stream of the same frames are the same
 bytes."""
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ one by one, keeps them, then joins them. Beside all of it, the latents the decod
 counts none: its input is made before it counts): the decoder input at the decode dtype, for
 `high` and `preview` also the batch joined into one tensor (or a tile's input), and where the fp32
 fallback runs its fp32 copy. A streamed request's answer is nothing, but the chunks handed over and
-not yet read (at most `STREAM_CHUNKS_HELD`, serving/frame_stream.py) are held while the decode goes
+not yet read (at most `STREAM_CHUNKS_HELD`, serving/outputs/frame_stream.py) are held while the decode goes
 on, in its memory where the device is not CUDA (on CUDA they are on the host).
 """
 
@@ -57,7 +57,7 @@ from vae_service.models.probe_store import INTEGER
 from vae_service.models.spec import dropped_parts, jsonable_config, meta_twin
 
 # a stream's chunks handed over and not yet passed on by its reader: the stream's queue holds at
-# most STREAM_CHUNKS_AHEAD (serving/frame_stream.py waits for room), and its reader one more
+# most STREAM_CHUNKS_AHEAD (serving/outputs/frame_stream.py waits for room), and its reader one more
 STREAM_CHUNKS_AHEAD = 4
 STREAM_CHUNKS_HELD = STREAM_CHUNKS_AHEAD + 1
 JOINED_TIERS = ("high", "preview")  # tiers whose batch decodes as one tensor (its latents joined)

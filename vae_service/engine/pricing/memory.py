@@ -19,7 +19,7 @@ Two kinds of tier, decided at start-up by three probes:
   cache-sized chunks, so its scratch stops growing past a few hundred pixels per side (SD at 1024 px
   holds 35% of what a rate from 128 px predicts). Priced per shape on the twin (0.1-1 s for SD,
   once per shape, `PRICED_SHAPES` kept): such a price is work that grows with the request, so it
-  runs off the event loop (serving/request_pricing.py) under the request's context: a run on the
+  runs off the event loop (serving/scheduling/request_pricing.py) under the request's context: a run on the
   twin calls the check its caller set (RequestContext.bounding, models/probe_cache.py's
   `checked_by`) before each op it counts, and stops within one op of the request's end (start-up
   probes run unchecked).

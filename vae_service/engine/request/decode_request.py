@@ -43,7 +43,7 @@ class DecodeRequest:
     stream: bool = False  # video: frames handed over chunk by chunk as they are decoded
     decode_timestep: float | None = None  # timestep-conditioned decoders (LTX); None: the pipeline's default
     tiling: str = "auto"  # TILINGS; honoured by engine/planning/planner.py's plan_request
-    # object storage (the serving layer's: serving/sinks.py): a configured sink's name and the key its
+    # object storage (the serving layer's: serving/outputs/sinks.py): a configured sink's name and the key its
     # files go under; the engine decodes and encodes as without them
     sink: str | None = None
     key: str | None = None

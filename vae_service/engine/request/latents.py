@@ -102,7 +102,7 @@ def _timestep(request: DecodeRequest, spec: ModelSpec) -> float | None:
 # writes up to 65536, but libavif's decoders refuse a side over 32768 by default (Pillow cannot
 # open one), so no wider AVIF is answered.
 MAX_IMAGE_SIDE = {"jpeg": 65_500, "webp": 16_383, "avif": 32_768}
-STREAMED_OUTPUTS = ("uint8", "float", *VIDEO_OUTPUTS)  # a video: one fragmented file (serving/video_stream.py)
+STREAMED_OUTPUTS = ("uint8", "float", *VIDEO_OUTPUTS)  # a video: one fragmented file (serving/outputs/video_stream.py)
 
 
 def check_output(request: DecodeRequest, spec: ModelSpec, frames: int, z: torch.Tensor) -> None:

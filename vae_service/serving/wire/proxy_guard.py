@@ -20,7 +20,7 @@ service's `Admission` (admission.py) before a replica holds a request:
 
 Ray Serve 2.60 installs proxy middlewares only from the environment of the cluster it runs in
 (`http_options.middlewares` was removed): RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH naming
-`vae_service.serving.proxy_guard:middlewares`, and the Admission's settings, derived from the
+`vae_service.serving.wire.proxy_guard:middlewares`, and the Admission's settings, derived from the
 ServiceConfig, in VAE_SERVICE_ADMISSION. `proxy_guard_env(config)` gives both; the CLI sets them
 before it starts a local Ray; for `serve run`/`serve deploy` on a cluster of your own, or KubeRay,
 set them in the nodes' environment (deploy/rayservice.yaml does). One proxy serves every
@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING
 from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 
-from vae_service.serving.admission import (
+from vae_service.serving.scheduling.admission import (
     ADMISSION_ENV,
     BODY_ADMITTED_HEADER,
     Admission,

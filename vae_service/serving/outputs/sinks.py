@@ -29,7 +29,7 @@ from vae_service.config import Sink
 from vae_service.engine import DecodeRequest, DecodeResult
 from vae_service.engine.request.context import RequestContext
 from vae_service.engine.request.errors import DecodeTimeout, InvalidInput, StoreRefused, Unavailable
-from vae_service.serving.sink_writes import SinkWrites
+from vae_service.serving.outputs.sink_writes import SinkWrites
 from vae_service.storage import (
     InvalidKey,
     Location,

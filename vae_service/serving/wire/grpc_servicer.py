@@ -20,7 +20,7 @@ from vae_service.protocol.errors import ANSWERABLE, WireErrorInfo, internal_erro
 from vae_service.protocol.requests import request_from_proto
 from vae_service.protocol.responses import grpc_frame_message, grpc_item_responses, grpc_response
 from vae_service.serving.decode_service import DecodeService
-from vae_service.serving.session_socket import conversation
+from vae_service.serving.wire.session_socket import conversation
 from vae_service_client.grpc_gen import decode_pb2
 from vae_service_client.session_proto import reply_proto, request_map
 

@@ -2,7 +2,7 @@
 holds its causal cache; every other request is routed as Serve routes it by default (power of two
 choices, locality, multiplexing).
 
-A session's id begins with its replica's unique id (serving/sessions.py), and its calls carry it in
+A session's id begins with its replica's unique id (serving/sessions/registry.py), and its calls carry it in
 Serve's own `session_id` handle option (`handle.options(session_id=sid)`, "session stickiness" in
 Serve's API, which the default router does not act on) or as the `session` keyword. The router picks
 exactly that replica while it is running; when it is gone, any replica answers, and that one knows
@@ -16,7 +16,7 @@ from __future__ import annotations
 from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
 from ray.serve.request_router import PendingRequest, RunningReplica
 
-ROUTER_PATH = "vae_service.serving.session_router.SessionAffinityRouter"
+ROUTER_PATH = "vae_service.serving.scheduling.session_router.SessionAffinityRouter"
 
 
 def session_owner(pending: PendingRequest | None) -> str | None:

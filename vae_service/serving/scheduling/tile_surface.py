@@ -1,5 +1,5 @@
 """Where a replica takes tiles of other replicas' requests (engine/execution/tile_executor.py's
-SharedTiles offers them; serving/tile_peers.py carries them): `OfferRefused` at once unless this
+SharedTiles offers them; serving/scheduling/tile_peers.py carries them): `OfferRefused` at once unless this
 replica is free for the tile, else `Accepted`, the job's output chunk by chunk, `End`.
 
 Free: the same fingerprint (else it would decode other bits), time left, no tile of any request

@@ -35,7 +35,7 @@ from vae_service.engine.request.context import RequestContext
 from vae_service.engine.request.decode_request import VIDEO_OUTPUTS, DecodeRequest
 from vae_service.engine.request.errors import DecodeTimeout, InvalidInput, LimitExceeded, Overloaded
 from vae_service.engine.request.session import SessionExpired, SessionLost, SessionOpen
-from vae_service.serving.encoders import EncoderPool, failed_encode
+from vae_service.serving.outputs.encoders import EncoderPool, failed_encode
 from vae_service_client.mp4 import Mp4Fragment
 
 log = logging.getLogger("ray.serve")

@@ -31,8 +31,8 @@ from vae_service.engine.media.encoding import video_writer
 from vae_service.engine.request.context import RequestContext
 from vae_service.engine.request.errors import DecodeTimeout
 from vae_service.engine.request.result import DecodeResult
-from vae_service.serving.encoders import EncoderPool, failed_encode
-from vae_service.serving.frame_stream import FrameStream
+from vae_service.serving.outputs.encoders import EncoderPool, failed_encode
+from vae_service.serving.outputs.frame_stream import FrameStream
 from vae_service_client.mp4 import MP4_MEDIA_TYPE, Mp4Fragment
 from vae_service_client.webm import WEBM_MEDIA_TYPE
 

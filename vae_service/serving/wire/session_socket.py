@@ -8,7 +8,7 @@ same causal cache); gRPC's DecodeSession speaks it too (grpc_servicer.py). Messa
 the connection). A disconnect frees the session at once.
 
 Also the handle surface (`SessionCalls`): the same session through Serve handles and the Ray actor,
-pinned to its replica by serving/session_router.py.
+pinned to its replica by serving/scheduling/session_router.py.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ from vae_service.protocol.sessions import (
     parse_message,
     session_open,
 )
-from vae_service.serving.admission import Admission
 from vae_service.serving.decode_service import DecodeService
+from vae_service.serving.scheduling.admission import Admission
 from vae_service_client.errors import make_error
 from vae_service_client.messages import pack
 

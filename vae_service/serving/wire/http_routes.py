@@ -24,10 +24,10 @@ from vae_service.protocol.responses import (
     video_error_bytes,
     video_stream_bytes,
 )
-from vae_service.serving.admission import Admission
 from vae_service.serving.decode_service import DecodeService
-from vae_service.serving.frame_stream import FrameStream
-from vae_service.serving.video_stream import VideoStream
+from vae_service.serving.outputs.frame_stream import FrameStream
+from vae_service.serving.outputs.video_stream import VideoStream
+from vae_service.serving.scheduling.admission import Admission
 from vae_service_client.frames import STREAM_MEDIA_TYPE
 
 STREAM_HEADER = "x-vae-stream"  # on a streamed answer: what it streams ("frames", "mp4" or "webm")
