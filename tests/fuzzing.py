@@ -17,6 +17,7 @@ OUTPUTS = ["uint8", "float", "png", "jpeg", "webp", "avif", "mp4", "webm", "gif"
 QUALITIES = ["lossless", "high", "best", "", None, 1]
 DTYPES = ["float32", "float16", "bfloat16", "uint8", "float64", "int8", "", None]
 EDGE_FLOATS = [0.0, -0.0, 1e-45, 65504.0, 65520.0, 3.4e38, float("inf"), float("-inf"), float("nan")]
+PRIORITY_VALUES = ["realtime", "interactive", "bulk", "urgent", "", "BULK", None]
 BF16_EDGES = [0x7F80, 0xFF80, 0x7FC0, 0x0001, 0x7F7F, 0x8000]  # inf, -inf, nan, subnormal, max, -0
 
 scalars = st.one_of(
@@ -131,6 +132,7 @@ def field_value(key: str):
         "request_id": st.one_of(st.none(), st.text(max_size=300), st.integers(-(2**63), 2**64 - 1)),
         "model": st.one_of(st.none(), st.text(max_size=8), st.sampled_from(["kl", "flux", "wan"]), st.binary()),
         "stream": st.one_of(st.booleans(), scalars),
+        "priority": st.one_of(st.sampled_from(PRIORITY_VALUES), scalars),
     }.get(key, scalars)
 
 
@@ -152,6 +154,7 @@ def remote_decode_queries(draw) -> tuple[list[tuple[str, str]], bytes, str]:
         "width",
         "quality",
         "model",
+        "priority",
         "other",
     ]
     values = [
@@ -177,6 +180,8 @@ def remote_decode_queries(draw) -> tuple[list[tuple[str, str]], bytes, str]:
         "high",
         "lossless",
         "kl",
+        "bulk",
+        "realtime",
         "",
     ]
     for _ in range(draw(st.integers(0, 6))):
@@ -217,6 +222,7 @@ def session_open_value(key: str):
         "model": st.one_of(st.sampled_from(["tiny-wan", "wan", ""]), st.text(max_size=300)),
         "request_id": st.one_of(st.text(max_size=300), st.just("r" * 256), st.just("r" * 257), st.just("x" * 5000)),
         "clip_latent_frames": st.one_of(st.integers(-4, 2**21), st.sampled_from([1, 2**20, 2**20 + 1])),
+        "priority": st.sampled_from(PRIORITY_VALUES),
     }[key]
     return st.one_of(own, own, hostile_scalars)
 

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
-from vae_service.names import IMAGE_OUTPUTS, PRESET_NAMES, VIDEO_OUTPUTS, unknown_source
+from vae_service.names import IMAGE_OUTPUTS, PRESET_NAMES, PRIORITIES, VIDEO_OUTPUTS, unknown_source
 
 if TYPE_CHECKING:
     from pydantic import ValidationError
@@ -426,15 +426,16 @@ def cmd_decode(args: argparse.Namespace) -> None:
     start = time.perf_counter()
     with VaeClient(args.url, token=os.environ.get("VAE_SERVICE_AUTH_TOKEN")) as client:
         try:
+            asked = {"priority": args.priority} if args.priority else {}  # not given: the service's default
             if args.chunks is not None:
-                return _decode_session(client, latents, args.chunks, args.quality, fmt, out, stem, start)
+                return _decode_session(client, latents, args.chunks, args.quality, fmt, out, stem, start, **asked)
             if args.stream and fmt in VIDEO_OUTPUTS:
-                return _write_streamed_video(client, latents, args.quality, out / f"{stem}.{fmt}", start)
+                return _write_streamed_video(client, latents, args.quality, out / f"{stem}.{fmt}", start, **asked)
             if args.stream:
-                stream = client.decode_frames(latents, args.quality)
+                stream = client.decode_frames(latents, args.quality, **asked)
                 items = latents.shape[0] if latents.ndim else 1  # a 0-d file: the service refuses it
                 return _write_streamed_frames(stream, out, _item_stems(stem, items), start)
-            resp = client.decode(latents, args.quality, fmt, height=args.height, width=args.width)
+            resp = client.decode(latents, args.quality, fmt, height=args.height, width=args.width, **asked)
         except VaeServiceError as exc:  # the service's refusals and the transport's failures, one line each
             refuse(str(exc), 1)
     for name, blob in zip(object_names(stem, fmt, len(resp.output)), resp.output, strict=True):
@@ -453,10 +454,10 @@ def _item_stems(stem: str, items: int) -> list[str]:
     return [name.removesuffix(".png") for name in object_names(stem, "png", items)]
 
 
-def _write_streamed_video(client, latents, quality: str, path: Path, start: float) -> None:
+def _write_streamed_video(client, latents, quality: str, path: Path, start: float, **asked) -> None:
     """A fragmented MP4 or WebM (its suffix) written to `path` as it decodes (a player can open it
-    meanwhile)."""
-    summary = client.decode_video(latents, path, quality, output=path.suffix[1:])
+    meanwhile). `asked`: `priority` where the caller gave one."""
+    summary = client.decode_video(latents, path, quality, output=path.suffix[1:], **asked)
     print(
         f"wrote {path} as it decoded, in {time.perf_counter() - start:.2f} s "
         f"(model {summary.model}, {summary.quality}, {summary.precision}, timing {summary.timing})"
@@ -495,10 +496,13 @@ def _write_frame_pngs(frames, out: Path, item_stem: str, first: int) -> int:
     return len(frames)
 
 
-def _decode_session(client, latents, chunks: int, quality: str, fmt: str, out: Path, stem: str, start: float) -> None:
+def _decode_session(
+    client, latents, chunks: int, quality: str, fmt: str, out: Path, stem: str, start: float, **asked
+) -> None:
     """`--chunks N`: a video latent [1, C, T, H, W] sent as chunks of N latent frames through a decode
     session, as a denoiser sends its chunks; each chunk's frames written as PNGs as it is answered (as
-    --stream names them), or the mp4/webm file appended to, and a line per chunk."""
+    --stream names them), or the mp4/webm file appended to, and a line per chunk. `asked`: `priority`
+    where the caller gave one (the session's open carries it)."""
     from vae_service_client.sessions import chunks_of
 
     parts = list(chunks_of(latents, chunks))  # views; refused here (nothing sent) unless [1, C, T, H, W]
@@ -507,7 +511,7 @@ def _decode_session(client, latents, chunks: int, quality: str, fmt: str, out: P
     item_stem = _item_stems(stem, 1)[0]
     dtype = str(latents.dtype).removeprefix("torch.")
     written, part = 0, None
-    with client.session(latents.shape[3], latents.shape[4], quality, output, dtype, path=path) as session:
+    with client.session(latents.shape[3], latents.shape[4], quality, output, dtype, path=path, **asked) as session:
         for chunk in parts:
             sent = time.perf_counter()
             part = session.decode(chunk)
@@ -564,6 +568,7 @@ def cmd_batch_decode(args: argparse.Namespace) -> None:
             config,
             quality=args.quality,
             output=args.output,
+            priority=args.priority,
             concurrency=concurrency,
             num_gpus=num_gpus,
             progress=sys.stderr,
@@ -713,6 +718,12 @@ def main(argv: list[str] | None = None) -> None:
         "session (WebSocket /sessions), as a denoiser sends them, writing each chunk's frames as PNGs as it is "
         "answered (with --video or --format mp4/webm: one video file, growing by each chunk); a line per chunk",
     )
+    dec.add_argument(
+        "--priority",
+        choices=PRIORITIES,
+        help="the scheduler's class to ask for (default: the service's own: interactive for a request, realtime "
+        "for a --chunks session); a class above what the deployment lets callers claim is refused",
+    )
     dec.add_argument("--height", type=int, help="pixel height, for packed latents")
     dec.add_argument("--width", type=int, help="pixel width, for packed latents")
     dec.add_argument("--out", default="out")
@@ -739,6 +750,12 @@ def main(argv: list[str] | None = None) -> None:
         "--output",
         choices=[*IMAGE_OUTPUTS, *VIDEO_OUTPUTS, "npy"],
         help="default: png for images, mp4 for video models",
+    )
+    batch_p.add_argument(
+        "--priority",
+        choices=PRIORITIES,
+        default="bulk",
+        help="the scheduler's class every item's request carries (default: bulk)",
     )
     batch_p.add_argument(
         "--concurrency", type=int, help="decode engines (actors); default: one per GPU, or 1 without GPUs"

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from vae_service.names import RETIRED_REWRITES, REWRITE_NAMES
 
 Precision = Literal["auto", "fp32", "fp16", "bf16"]
+Priority = Literal["realtime", "interactive", "bulk"]  # names.PRIORITIES, most urgent first
 SHUTDOWN_MARGIN_S = 5.0  # past the request timeout: the drain's own bookkeeping
 
 
@@ -99,6 +100,49 @@ class Sessions(BaseModel):
         gt=0,
         description="a connection that sends no `open` within this long is closed (408 naming `open`); an expired "
         "session's connection waits this long past the idle timeout for a message to answer session_expired",
+    )
+
+
+class Scheduling(BaseModel):
+    """How one replica's device chooses its next step (serving/scheduling/scheduler.py); fixed per replica."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    preemption: bool = Field(
+        True,
+        description="between two steps of a decode (an image batch, a latent frame of a video walk, a tile) the "
+        "device runs the next step of the most urgent work, suspending the rest; false: first come, to completion",
+    )
+    requests_highest_class: Priority = Field(
+        "interactive",
+        description="the most urgent class a request (/decode, gRPC Decode, handles, the actor, batch-decode) may "
+        "claim in `priority`; a claim above it is refused 400 naming `priority`. Unclaimed: `interactive` (or this "
+        "class, if lower); batch-decode's items: `bulk`",
+    )
+    sessions_highest_class: Priority = Field(
+        "realtime",
+        description="the most urgent class a session may claim at open; unclaimed, its chunks are `realtime` (or "
+        "this class, if lower)",
+    )
+    queued_items: dict[Priority, Annotated[int, Field(gt=0)]] = Field(
+        {},
+        description="latent items waiting per class before that class is refused 429 naming it; a class not "
+        "named: batching.max_queued_items",
+    )
+    promote_after_s: float = Field(
+        15.0,
+        gt=0,
+        description="a `bulk` or `interactive` decode waiting (queued or suspended) this long is scheduled one "
+        "class higher, and one more for each further interval: nothing waits forever",
+    )
+    max_suspended: int = Field(
+        2, ge=0, description="decodes suspended between steps at once (each holds its priced state on the device)"
+    )
+    suspended_bytes: int | None = Field(
+        None,
+        gt=0,
+        description="device memory suspended decodes may hold between steps (their priced state); unset: a quarter "
+        "of the decode bound. A decode that would need more waits instead of preempting",
     )
 
 
@@ -324,6 +368,7 @@ class ServiceConfig(BaseModel):
     batching: Batching = Batching()
     serving: Serving = Serving()
     sessions: Sessions = Sessions()
+    scheduling: Scheduling = Scheduling()
     parallel: Parallel = Parallel()
     sinks: dict[Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")], Sink] = Field(
         {},

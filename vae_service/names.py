@@ -19,6 +19,10 @@ PRESET_NAMES = (
 IMAGE_OUTPUTS = ("png", "jpeg", "webp", "avif")  # a file of one image each
 VIDEO_OUTPUTS = ("mp4", "webm")  # fragmented videos (video models)
 
+# the scheduler's priority classes, most urgent first (serving/scheduling/scheduler.py): a session's
+# chunks are `realtime` by default, a request `interactive`, a batch-decode job's items `bulk`
+PRIORITIES = ("realtime", "interactive", "bulk")
+
 # fastpath/rewrites.py's REWRITE_NAMES and RETIRED_REWRITES (`fast_path.disable` in the config)
 REWRITE_NAMES = (
     "channels_last", "group_norm_silu", "upsample_fold", "attention_fold", "winograd", "channels_last_weights",

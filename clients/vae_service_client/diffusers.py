@@ -29,8 +29,9 @@ _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 class RemoteVae:
     """`model`: which model when one application serves several (routing by `model`);
-    `quality`: `lossless` (default, bit-identical), `high` or `preview`; `token`, `timeout`,
-    `retries`: as VaeClient's."""
+    `quality`: `lossless` (default, bit-identical), `high` or `preview`; `priority`: the scheduler's
+    class each decode asks for (realtime | interactive | bulk; None: the deployment's default, sent
+    only when given); `token`, `timeout`, `retries`: as VaeClient's."""
 
     def __init__(
         self,
@@ -40,6 +41,7 @@ class RemoteVae:
         quality: str = "lossless",
         timeout: float = 300.0,
         retries: int = 3,
+        priority: str | None = None,
     ):
         self._client = VaeClient(url, timeout=timeout, retries=retries, token=token)
         health = self._client.health()
@@ -49,7 +51,7 @@ class RemoteVae:
             if model not in health["models"]:
                 raise ValueError(f"model: {model!r} is not served at {url}; served: {sorted(health['models'])}")
             health = health["models"][model]
-        self.model, self.quality = model, quality
+        self.model, self.quality, self.priority = model, quality, priority
         self.use_tiling = False  # diffusers' attribute: enable_tiling() / disable_tiling()
         self.served_model = health["model"]
         self.config = FrozenDict(health["config"])
@@ -93,6 +95,8 @@ class RemoteVae:
         """`z`: the latents `vae.decode` would take (already normalised). `temb`: the decode
         timestep of timestep-conditioned decoders (one value per item)."""
         options = {"model": self.model} if self.model else {}
+        if self.priority is not None:
+            options["priority"] = self.priority
         if temb is not None and self._timestep_conditioned:
             values = temb.flatten().tolist()
             if len(set(values)) > 1:  # one timestep per request: items with their own go alone

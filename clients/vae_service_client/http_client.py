@@ -119,7 +119,9 @@ class _Base(SessionOpener):
 class VaeClient(_Base):
     def decode(self, latents, quality: str = "lossless", output: str = "uint8", **options) -> DecodeResponse:
         """latents: numpy array or torch tensor. options: scaling_factor, shift_factor (None = already
-        scaled), height, width (packed latents), request_id, model, decode_timestep (LTX)."""
+        scaled), height, width (packed latents), request_id, model, decode_timestep (LTX), tiling,
+        sink and key, priority (the scheduler's class: realtime | interactive | bulk; None: the
+        deployment's default). Every decode and stream call takes the same options."""
         body = pack(request_map(latents, quality, output, **options))
 
         def attempt() -> DecodeResponse:

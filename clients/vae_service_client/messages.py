@@ -33,7 +33,12 @@ REQUEST_KEYS = (
     "tiling",
     "sink",
     "key",
+    "priority",
 )
+# `priority`: the scheduler's class the request asks for (PRIORITIES, most urgent first); absent: the
+# deployment's default (`interactive`). Which classes a caller may claim is the server's to say (400
+# naming `priority` past its `scheduling.requests_highest_class`); a less urgent one is always allowed
+PRIORITIES = ("realtime", "interactive", "bulk")
 # `sink`, `key` (HTTP and handles): the encoded files go to the server's sink of that name, under that
 # key, and `output` answers [{uri, size, sha256}] per item instead of the bytes
 # `tiling`: "auto" (the server tiles above its memory bound), "model" (`lossless` through the
@@ -41,7 +46,9 @@ REQUEST_KEYS = (
 TILINGS = ("auto", "model", "none")
 # the keyword arguments request_map (and every client's decode) takes beside latents, quality, output
 OPTIONS = tuple(k for k in REQUEST_KEYS if k not in ("latents", "quality", "output"))
-TIMING_KEYS = ("queue_ms", "decode_ms", "encode_ms", "batch_size", "replicas")
+TIMING_KEYS = ("queue_ms", "decode_ms", "encode_ms", "batch_size", "replicas", "preempted_ms")
+# what a server that predates a timing field meant: one replica decoded it, never suspended
+TIMING_DEFAULTS = {"replicas": 1, "preempted_ms": 0.0}
 
 
 class _Unset:
@@ -105,9 +112,9 @@ def request_map(latents, quality: str = "lossless", output: str = "uint8", **opt
     absent) = the model's own, None (nil) for either = the latents are already scaled (only a factor
     given as a number applies); `height`/`width` for packed latents; `request_id`; `model` (routing);
     `stream`: video frames as they are decoded (vae_service_client.frames); `decode_timestep`:
-    timestep-conditioned decoders (LTX; None: the pipeline's default); `tiling` (TILINGS).
-    An unknown option or a latents dtype the wire does not carry raises InvalidRequest (via
-    "client") naming it."""
+    timestep-conditioned decoders (LTX; None: the pipeline's default); `tiling` (TILINGS); `priority`
+    (PRIORITIES; None: the server's default). An unknown option or a latents dtype the wire does not
+    carry raises InvalidRequest (via "client") naming it."""
     check_options(options)
     body = {"latents": latents_map(latents), "quality": quality, "output": output}
     if options.get("stream"):
@@ -115,7 +122,7 @@ def request_map(latents, quality: str = "lossless", output: str = "uint8", **opt
     for key in ("scaling_factor", "shift_factor"):
         if options.get(key, UNSET) is not UNSET:
             body[key] = options[key]
-    for key in ("height", "width", "request_id", "model", "decode_timestep", "tiling", "sink", "key"):
+    for key in ("height", "width", "request_id", "model", "decode_timestep", "tiling", "sink", "key", "priority"):
         if options.get(key) is not None:
             body[key] = options[key]
     return body
@@ -168,7 +175,7 @@ def request_fields_from_proto(msg) -> dict:
     for key in ("scaling_factor", "shift_factor", "decode_timestep"):
         if msg.HasField(key):
             fields[key] = getattr(msg, key)
-    for key in ("quality", "output", "height", "width", "request_id", "model", "tiling"):
+    for key in ("quality", "output", "height", "width", "request_id", "model", "tiling", "priority"):
         if getattr(msg, key):
             fields[key] = getattr(msg, key)
     return fields
@@ -178,7 +185,7 @@ def request_fields_from_proto(msg) -> dict:
 def timing_proto(timing: dict):
     from vae_service_client.grpc_gen import decode_pb2
 
-    return decode_pb2.Timing(**{k: timing.get(k, 1) if k == "replicas" else timing[k] for k in TIMING_KEYS})
+    return decode_pb2.Timing(**{**TIMING_DEFAULTS, **{k: timing[k] for k in TIMING_KEYS if k in timing}})
 
 
 def timing_of_proto(msg) -> dict:
@@ -211,7 +218,7 @@ class DecodeResponse:
             "quality": self.quality,
             "precision": self.precision,
             "request_id": self.request_id,
-            "timing": {k: self.timing.get(k, 1) if k == "replicas" else self.timing[k] for k in TIMING_KEYS},
+            "timing": {**TIMING_DEFAULTS, **{k: self.timing[k] for k in TIMING_KEYS if k in self.timing}},
             "tiled": self.tiled,
             "fallback": list(self.fallback),
         }
@@ -234,7 +241,7 @@ class DecodeResponse:
             obj["quality"],
             obj["precision"],
             obj.get("request_id"),
-            {"replicas": 1, **obj["timing"]},  # servers before timing.replicas: one replica
+            {**TIMING_DEFAULTS, **obj["timing"]},
             tiled=bool(obj.get("tiled", False)),
             retried_from_frame=obj.get("retried_from_frame"),
             fallback=list(obj.get("fallback", [])),  # servers before the fp32 fallback: none
@@ -302,6 +309,7 @@ __all__ = [
     "MSGPACK",
     "MSGPACK_TYPES",
     "OPTIONS",
+    "PRIORITIES",
     "REQUEST_KEYS",
     "TILINGS",
     "TIMING_KEYS",

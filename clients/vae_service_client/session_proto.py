@@ -11,7 +11,7 @@ from vae_service_client.grpc_gen import decode_pb2
 from vae_service_client.messages import tensor_map_of_proto, tensor_proto, timing_of_proto, timing_proto
 
 FACTORS = ("scaling_factor", "shift_factor")
-OPEN_TEXT = ("quality", "output", "dtype", "model", "request_id")
+OPEN_TEXT = ("quality", "output", "dtype", "model", "request_id", "priority")
 OPENED_KEYS = (
     "session",
     "model",
@@ -137,7 +137,7 @@ def reply_map(msg) -> dict | None:
         done = msg.chunk_done
         fields = {k: getattr(done, k) for k in ("latent_frame", "latent_frames", "frames", "precision")}
         timing = timing_of_proto(done.timing)
-        fields["timing"] = {k: timing[k] for k in ("queue_ms", "decode_ms", "encode_ms", "batch_size")}
+        fields["timing"] = {k: timing[k] for k in ("queue_ms", "decode_ms", "encode_ms", "batch_size", "preempted_ms")}
         if done.HasField("fallback_from_frame"):
             fields["fallback_from_frame"] = done.fallback_from_frame
         return {"chunk_done": fields}

@@ -52,7 +52,7 @@ from vae_service_client.tensors import LATENT_DTYPES, decode_tensor
 
 SESSION_OUTPUTS = ("uint8", "float", "mp4", "webm")
 VIDEO_OUTPUTS = ("mp4", "webm")  # one fragmented file across the session's chunks
-SESSION_OPTIONS = ("scaling_factor", "shift_factor", "model", "request_id", "clip_latent_frames")
+SESSION_OPTIONS = ("scaling_factor", "shift_factor", "model", "request_id", "clip_latent_frames", "priority")
 CLOSE = pack({"close": {}})
 MESSAGE_TOO_BIG = 1009  # the WebSocket close code of a message over the receiver's limit (RFC 6455)
 
@@ -76,7 +76,8 @@ def open_fields(
     """The `open` message's map. `height`/`width` are the latents' (every chunk's); `dtype` the chunks'
     (the server refuses another). `options`: scaling_factor, shift_factor (UNSET: the model's own,
     None: the latents are already scaled, as /decode takes them), model, request_id,
-    clip_latent_frames (the clip's length where known: exact bits for long clips on CPU). What the client
+    clip_latent_frames (the clip's length where known: exact bits for long clips on CPU), priority (the
+    scheduler's class for the chunks, messages.PRIORITIES; None: the server's default, `realtime`). What the client
     itself depends on (sizes, output, dtype, option names) is refused here, before any I/O."""
     for name in options:
         if name not in SESSION_OPTIONS:
@@ -97,7 +98,7 @@ def open_fields(
     for key in ("scaling_factor", "shift_factor"):
         if options.get(key, UNSET) is not UNSET:
             fields[key] = options[key]
-    for key in ("model", "request_id", "clip_latent_frames"):
+    for key in ("model", "request_id", "clip_latent_frames", "priority"):
         if options.get(key) is not None:
             fields[key] = options[key]
     return fields
@@ -796,7 +797,8 @@ class SessionOpener:
         latents' (every chunk's); `dtype`: the chunks' (float32, float16, bfloat16); `output`: uint8 or
         float frames, or mp4/webm fragments of one file (`path`: appended to that file as they
         arrive); options: scaling_factor, shift_factor (None = already scaled), model, request_id,
-        clip_latent_frames. `resume=True`: a lost or expired session is replayed in a new one from
+        clip_latent_frames, priority (the chunks' scheduler class; None: the server's default).
+        `resume=True`: a lost or expired session is replayed in a new one from
         latents the client keeps (DecodeSession says what that costs). Settings the client depends on
         are refused here, before any I/O."""
         book = SessionBook(open_fields(height, width, quality, output, dtype, **options), resume, path)

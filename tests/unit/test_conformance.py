@@ -37,6 +37,7 @@ import pytest
 import torch
 
 from tests.conformance_rows import ROWS, VIDEOS, Row
+from tests.interloping import Interloping
 from tests.models import OVERFLOW_LATENTS, at_precision, load_reference, overflowing_vae, save_vae, torch_threads
 from tests.peers import Deployment, Replica, here_only
 from vae_service.config import Limits, ServiceConfig
@@ -265,18 +266,22 @@ def fresh(prepared, setup: Setup):
     return replace(prepared, context=context)
 
 
-def _on_device(setup: Setup, prepared, peers, measure: bool) -> Ran:
+def _on_device(setup: Setup, prepared, peers, measure: bool, steps: Interloping | None = None) -> Ran:
     began = time.perf_counter()
     CALLS.begin_run()
     live = LiveBytes() if measure else None
+    if steps is not None:
+        steps.turn.take()
     try:
         with live if live is not None else nullcontext():
-            (result,) = setup.engine.decode([prepared], peers=peers)
+            (result,) = setup.engine.decode([prepared], peers=peers, steps=steps)
     except Exception as exc:  # the answer under test
         result = exc
     finally:
         freed = time.perf_counter()
         CALLS.end_run()
+        if steps is not None:
+            steps.turn.release()
     return Ran(result, began, freed, live.peak if live else None, CALLS.durations, CALLS.kinds, CALLS.stopped_at)
 
 
@@ -288,13 +293,13 @@ def _kept(event):
     return event
 
 
-async def _streamed(setup: Setup, prepared, peers, measure: bool) -> Ran:
+async def _streamed(setup: Setup, prepared, peers, measure: bool, steps: Interloping | None = None) -> Ran:
     """The request streamed as serving/decode_service.py streams it, without its batcher: the decode
     on the device thread handing chunks to a FrameStream (a VideoStream over it for mp4), a reader
     taking every event; a reader that leaves abandons the request."""
     context = prepared.context
     frames = FrameStream(prepared.items, context)
-    on_device = setup.device.submit(_on_device, setup, replace(prepared, sink=frames.sink), peers, measure)
+    on_device = setup.device.submit(_on_device, setup, replace(prepared, sink=frames.sink), peers, measure, steps)
 
     async def decoded() -> DecodeResult:
         try:
@@ -325,10 +330,11 @@ async def _streamed(setup: Setup, prepared, peers, measure: bool) -> Ran:
     return ran
 
 
-def run(setup: Setup, prepared, peers=None, measure: bool = False) -> Ran:
+def run(setup: Setup, prepared, peers=None, measure: bool = False, steps: Interloping | None = None) -> Ran:
+    """One decode of a prepared row on the device thread (`steps`: suspended at its step boundaries)."""
     if prepared.request.stream:
-        return asyncio.run(_streamed(setup, prepared, peers, measure))
-    return setup.device.submit(_on_device, setup, prepared, peers, measure).result(RUN_TIMEOUT_S)
+        return asyncio.run(_streamed(setup, prepared, peers, measure, steps))
+    return setup.device.submit(_on_device, setup, prepared, peers, measure, steps).result(RUN_TIMEOUT_S)
 
 
 def latents_of(row: Row) -> torch.Tensor:
@@ -712,3 +718,27 @@ def test_the_answer_says_what_happened(row, outcomes):
         assert answer.output is None
     else:
         assert answer.fallback_from_frame is None and answer.retried_from_frame is None
+
+
+# ---- preempted and resumed ----------------------------------------------------------------------------
+@pytest.mark.parametrize("row", ROWS, ids=ids)
+def test_a_preempted_and_resumed_decode_is_the_same_bits(row, outcomes):
+    """Suspended at its step boundaries while other decodes of the same engine run to their end, the
+    row answers the bits of its unpreempted decode (a stream: the same chunks, a video: the same
+    bytes), and each interloper the bits of its own decode alone."""
+    outcome = outcomes[row]
+    setup, first = outcome.setup, outcome.ran
+    with Interloping(setup.engine) as gate:
+        ran = run(setup, fresh(outcome.prepared, setup), outcome.peers(), steps=gate)
+    gate.check_interlopers(setup.device)
+    if row.streamed:
+        assert isinstance(ran.done, DecodeResult), said(ran.done)
+        if row.output in VIDEOS:
+            assert b"".join(c.data for c in ran.chunks) == b"".join(c.data for c in first.chunks)
+        else:
+            assert torch.equal(joined(ran.chunks, row.items), joined(first.chunks, row.items))
+        assert ran.done.fallback == first.done.fallback
+    else:
+        assert isinstance(ran.result, DecodeResult), said(ran.result)
+        assert torch.equal(ran.result.output, first.result.output), "the preempted answer differs"
+        assert (ran.result.fallback, ran.result.tiled) == (first.result.fallback, first.result.tiled)

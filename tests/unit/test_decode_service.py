@@ -42,7 +42,7 @@ async def test_live_settings_apply_in_place(kl_dir):
     service = DecodeService(ServiceConfig(model=str(kl_dir), model_name="kl", device="cpu"))
     engine = service.engine
     service.apply(LiveConfig(limits=Limits(max_batch_items=1), batching=Batching(max_batch_size=3)))
-    assert service.engine is engine and service.batcher.limits.max_batch_size == 3
+    assert service.engine is engine and service.scheduler.limits.max_batch_size == 3
     with pytest.raises(LimitExceeded, match="max_batch_items"):
         await service.decode(DecodeRequest(torch.zeros(2, 4, 2, 2)))
     assert (await service.decode(DecodeRequest(torch.zeros(1, 4, 2, 2)))).output.shape == (1, 16, 16, 3)
@@ -128,11 +128,11 @@ async def test_batches_run_on_one_device_thread_with_the_engines_thread_count(kl
         seen = []
         decode = service.engine.decode
 
-        def recording(batch, abandoned=None):
+        def recording(batch, abandoned=None, turn=None):
             seen.append((threading.current_thread().name, torch.get_num_threads()))
             return decode(batch, abandoned)
 
-        service.batcher.run_batch = recording
+        service.scheduler.run_batch = recording
         z = torch.randn(1, 4, 3, 3, generator=torch.Generator().manual_seed(2))
         outs = [await service.decode(DecodeRequest(z, latents_scaled=True, output="float")) for _ in range(3)]
     finally:
@@ -171,13 +171,14 @@ async def test_out_of_memory_retries_the_batch_item_by_item_then_answers_503_wit
     service = kl_service(kl_dir, batching={"batch_wait_ms": 50}, serving={"retry_after_s": 3})
     calls, decode = [], service.engine.decode
 
-    def short_of_memory(batch, abandoned=None):  # injected: the device fits one item, and never the marked one
+    # injected: the device fits one item, and never the marked one
+    def short_of_memory(batch, abandoned=None, turn=None):
         calls.append([r.request.request_id for r in batch])
         if len(batch) > 1 or batch[0].request.request_id == "huge":
             raise torch.OutOfMemoryError("injected: CUDA out of memory")
         return decode(batch)
 
-    service.batcher.run_batch = short_of_memory
+    service.scheduler.run_batch = short_of_memory
     z = torch.randn(3, 4, 3, 3, generator=torch.Generator().manual_seed(4))
     bodies = [
         pack(request_map(z[i : i + 1], output="float", scaling_factor=None, request_id=rid))
@@ -220,11 +221,11 @@ async def test_one_batch_on_the_device_at_a_time(kl_dir):
     loop takes many turns, in which a batcher that started batches side by side would enter the
     runner again."""
     service = kl_service(kl_dir, batching={"max_batch_size": 2})
-    run, lock = service.batcher.run_batch, threading.Lock()
+    run, lock = service.scheduler.run_batch, threading.Lock()
     inside, widest, qualities, sizes = [0], [0], [], []
     first_in, release = threading.Event(), threading.Event()
 
-    def counted(batch, abandoned=None):
+    def counted(batch, abandoned=None, turn=None):
         with lock:
             inside[0] += 1
             widest[0] = max(widest[0], inside[0])
@@ -233,12 +234,12 @@ async def test_one_batch_on_the_device_at_a_time(kl_dir):
         first_in.set()
         try:
             assert release.wait(30), "the test never released the first batch"
-            return run(batch, abandoned)
+            return run(batch, abandoned, turn)
         finally:
             with lock:
                 inside[0] -= 1
 
-    service.batcher.run_batch = counted
+    service.scheduler.run_batch = counted
     gen = torch.Generator().manual_seed(9)
     requests = [
         DecodeRequest(torch.randn(1, 4, 4, 4, generator=gen), quality=("high", "lossless")[i % 2]) for i in range(12)
@@ -260,9 +261,9 @@ def jumpable_clocks(monkeypatch, service: DecodeService):
     """The event loop's clock (it times request deadlines) and the batcher's run on as usual, plus
     jumps the test makes: a deadline passes exactly when the test says, not after a real wait."""
     loop, jump = asyncio.get_running_loop(), [0.0]
-    loop_time, batcher_clock = loop.time, service.batcher.clock
+    loop_time, batcher_clock = loop.time, service.scheduler.clock
     monkeypatch.setattr(loop, "time", lambda: loop_time() + jump[0])
-    monkeypatch.setattr(service.batcher, "clock", lambda: batcher_clock() + jump[0])
+    monkeypatch.setattr(service.scheduler, "clock", lambda: batcher_clock() + jump[0])
 
     def advance(seconds: float) -> None:
         jump[0] += seconds
@@ -278,12 +279,12 @@ def hold_in_frame(service: DecodeService, frame: int):
     raised) and `finished` (set once the runner returned)."""
     calls, reached = [], threading.Event()
     watch = types.SimpleNamespace(abandoned=[], saw_abandoned=[], outcome=[], finished=threading.Event())
-    run = service.batcher.run_batch
+    run = service.scheduler.run_batch
 
-    def watched(batch, abandoned=None):
+    def watched(batch, abandoned=None, turn=None):
         watch.abandoned.append(abandoned)
         try:
-            watch.outcome.append(run(batch, abandoned))
+            watch.outcome.append(run(batch, abandoned, turn))
         except Exception as exc:
             watch.outcome.append(exc)
             raise
@@ -297,7 +298,7 @@ def hold_in_frame(service: DecodeService, frame: int):
             reached.set()
             watch.saw_abandoned.append(watch.abandoned[-1].wait(30))
 
-    service.batcher.run_batch = watched
+    service.scheduler.run_batch = watched
     service.engine.vae.decoder.mid_block.attentions[0].register_forward_pre_hook(count)
     return calls, reached, watch
 
@@ -340,7 +341,7 @@ async def test_slow_encoding_never_holds_the_device(kl_dir):
     decoded, encoding, widest = [0], [0], [0]
     pool_full, eight_decoded, release = threading.Event(), threading.Event(), threading.Event()
 
-    def counted_decode(batch, abandoned=None):
+    def counted_decode(batch, abandoned=None, turn=None):
         out = decode(batch, abandoned)
         with lock:
             decoded[0] += 1
@@ -359,7 +360,7 @@ async def test_slow_encoding_never_holds_the_device(kl_dir):
             encoding[0] -= 1
         return encode_item(item, fmt, settings, fragments)
 
-    service.batcher.run_batch, service.encoders.encode_item = counted_decode, held_encode
+    service.scheduler.run_batch, service.encoders.encode_item = counted_decode, held_encode
     gen = torch.Generator().manual_seed(14)
     requests = asyncio.gather(
         *(service.decode(DecodeRequest(torch.randn(1, 4, 2, 2, generator=gen), output="png")) for _ in range(16))
@@ -378,7 +379,7 @@ async def test_a_failed_encode_fails_only_its_request_and_nothing_is_decoded_aga
     broken = DecodeRequest(torch.zeros(1, 4, 2, 2), output="png")  # its pixels are recognisable
     bad_pixels = service.engine.decode([service.engine.prepare(broken)])[0].output[0].numpy()
 
-    def counting(batch, abandoned=None):
+    def counting(batch, abandoned=None, turn=None):
         calls.append(len(batch))
         return decode(batch, abandoned)
 
@@ -387,7 +388,7 @@ async def test_a_failed_encode_fails_only_its_request_and_nothing_is_decoded_aga
             raise OSError("injected: the encoder broke")
         return encode_item(item, fmt, settings, fragments)
 
-    service.batcher.run_batch, service.encoders.encode_item = counting, encode_or_break
+    service.scheduler.run_batch, service.encoders.encode_item = counting, encode_or_break
     gen = torch.Generator().manual_seed(15)
     bodies = [
         pack(request_map(torch.randn(1, 4, 2, 2, generator=gen), output="png")),

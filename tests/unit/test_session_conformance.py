@@ -31,6 +31,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.interloping import Interloping
 from tests.models import OVERFLOW_LATENTS, load_reference, overflowing_vae, save_vae
 from vae_service.config import ServiceConfig
 from vae_service.engine import DecodeEngine, DecodeRequest
@@ -113,8 +114,9 @@ class Walked:
     prices: list[int]
 
 
-def walk(row: SessionRow, engine: DecodeEngine, device, measure: bool = False) -> Walked:
-    """Every session of the row, chunk after chunk, their chunks of one step decoded in one call."""
+def walk(row: SessionRow, engine: DecodeEngine, device, measure: bool = False, steps=None) -> Walked:
+    """Every session of the row, chunk after chunk, their chunks of one step decoded in one call
+    (`steps`: an Interloping that suspends each call at its first step boundaries)."""
     zs = [latents_of(row, engine, i) for i in range(row.sessions)]
     sessions = [engine.open_session(f"s{i}", settings_of(row)) for i in range(row.sessions)]
     answers, peaks, prices, start = [], [], [], 0
@@ -126,8 +128,14 @@ def walk(row: SessionRow, engine: DecodeEngine, device, measure: bool = False) -
         live = LiveBytes()
 
         def decode(chunks=chunks, live=live):
-            with live if measure else _Nothing():
-                return engine.decode_session_chunks(chunks)
+            if steps is None:
+                with live if measure else _Nothing():
+                    return engine.decode_session_chunks(chunks)
+            steps.turn.take()
+            try:
+                return engine.decode_session_chunks(chunks, steps=steps)
+            finally:
+                steps.turn.release()
 
         step_answers = device.submit(decode).result(120)
         for session, answer in zip(sessions, step_answers, strict=True):
@@ -491,3 +499,17 @@ def test_a_chunk_sent_while_the_sessions_previous_one_decodes_is_refused_naming_
     refused, answer, whole = asyncio.run(run())
     assert refused.field == "session" and "one at a time" in str(refused)
     assert torch.equal(answer.frames.pixels, whole)
+
+
+@pytest.mark.parametrize("row", ROWS, ids=ids)
+def test_preempted_chunks_answer_the_same_bits(row, engines, walked, device):
+    """Every chunk of the row suspended at its first latent frames' boundaries while other decodes
+    of the same engine run: the same frames (and precision, fallback frame) as unpreempted."""
+    engine = engines[row.precision]
+    with Interloping(engine, interlopers=2 * len(row.chunking)) as gate:
+        ran = walk(row, engine, device, steps=gate)
+    gate.check_interlopers(device)
+    for preempted, alone in zip(ran.answers, walked(row).answers, strict=True):
+        for mine, want in zip(preempted, alone, strict=True):
+            assert torch.equal(mine.pixels, want.pixels)
+            assert (mine.precision, mine.fallback_from_frame) == (want.precision, want.fallback_from_frame)

@@ -209,7 +209,7 @@ def test_a_caller_gone_mid_chunk_stops_it_at_its_next_latent_frame_and_frees_the
         replies = await talk
         freed = (service.sessions.chunks, len(service.sessions.open_sessions), service.sessions.connections)
         gate.remove()
-        await service.batcher.drain(30)
+        await service.scheduler.drain(30)
         return replies, gate.calls, freed, service.sessions.chunks
 
     replies, steps, freed, chunks = asyncio.run(run())

@@ -38,6 +38,7 @@ from vae_service.engine.request.session import (
     SessionOpen,
 )
 from vae_service.models.presets import PRESETS
+from vae_service.names import PRIORITIES
 from vae_service.protocol.errors import Unauthenticated, wire_error
 from vae_service.protocol.sessions import chunk_of, chunk_request, parse_message, session_open
 from vae_service.serving.scheduling.admission import Admission
@@ -84,6 +85,7 @@ def assert_within_bounds(engine: DecodeEngine, s: SessionOpen) -> None:
     assert s.clip_latent_frames is None or (
         type(s.clip_latent_frames) is int and 1 <= s.clip_latent_frames <= MAX_CLIP_LATENT_FRAMES
     )
+    assert s.priority is None or s.priority in PRIORITIES
 
 
 @settings(max_examples=400, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))

@@ -451,13 +451,13 @@ async def test_the_batcher_does_not_run_a_request_again_for_a_tile_failure(model
 
     service = DecodeService(config, here, peers=Deployment(replicas))
     runs = []
-    decode_batch = service.batcher.run_batch
+    decode_batch = service.scheduler.run_batch
 
-    def counted(batch, abandoned):
+    def counted(batch, abandoned, turn):
         runs.append(len(batch))
-        return decode_batch(batch, abandoned)
+        return decode_batch(batch, abandoned, turn)
 
-    service.batcher.run_batch = counted
+    service.scheduler.run_batch = counted
     try:
         prepared = []
         for seed in (7, 8):  # two requests of one batch key
@@ -467,7 +467,7 @@ async def test_the_batcher_does_not_run_a_request_again_for_a_tile_failure(model
     finally:
         for replica in replicas:
             replica.fault = None
-        await service.batcher.close()
+        await service.scheduler.close()
     assert all(isinstance(a, Unavailable) for a in answers)  # each lost a tile twice: 503, each alone
     assert runs == [2]  # one run of their batch; never again request by request
 

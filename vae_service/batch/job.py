@@ -19,9 +19,10 @@ from typing import TextIO
 
 from vae_service.batch.latent_files import LATENT_SUFFIXES, LatentFileError, latents_shape
 from vae_service.batch.outputs import BATCH_OUTPUTS, OutputFolder
-from vae_service.batch.stage import STOP_AFTER_STORE_FAILURES, DecodeStage
+from vae_service.batch.stage import BATCH_PRIORITY, STOP_AFTER_STORE_FAILURES, DecodeStage
 from vae_service.config import ServiceConfig
 from vae_service.engine import QUALITIES
+from vae_service.names import PRIORITIES
 from vae_service.storage import Location, LocationError, StoreUnavailable, open_location, scrub
 
 PARQUET_COLUMNS = ("name", "latents")
@@ -180,6 +181,7 @@ def decode_dataset(
     *,
     quality: str = "lossless",
     output: str | None = None,
+    priority: str = BATCH_PRIORITY,
     concurrency: int = 1,
     num_gpus: float = 0,
     num_cpus: float = 1,
@@ -192,7 +194,9 @@ def decode_dataset(
     into files under `output_dir` (a local folder, or a store's URI: s3://bucket/prefix, ...).
     Returns the lazy Dataset of per-input results (name, status: decoded | skipped | failed, files,
     items, error, decode_ms); consuming it runs the job.
-    `options` are further /decode keys (scaling_factor, height, width, decode_timestep, ...).
+    `options` are further /decode keys (scaling_factor, height, width, decode_timestep, ...);
+    `priority` the scheduler's class every item's request carries (bulk: offline work yields to
+    live requests and sessions).
     `stop_after_store_failures`: store failures in a row after which an engine tries no more
     inputs (they become `stopped` rows at once).
 
@@ -205,6 +209,8 @@ def decode_dataset(
         raise ValueError(f"quality {quality!r}: one of {list(QUALITIES)}")
     if output is not None and output not in BATCH_OUTPUTS:
         raise ValueError(f"output {output!r}: one of {list(BATCH_OUTPUTS)}")
+    if priority not in PRIORITIES:
+        raise ValueError(f"priority {priority!r}: one of {list(PRIORITIES)}")
     # checked here (LocationError is a ValueError), before any engine starts; a local path made absolute
     output_dir = (output_dir if isinstance(output_dir, Location) else open_location(str(output_dir))).spec
     from ray.data import ActorPoolStrategy
@@ -222,6 +228,7 @@ def decode_dataset(
                 "quality": quality,
                 "options": options,
                 "stop_after_store_failures": stop_after_store_failures,
+                "priority": priority,
             },
             batch_size=batch_size,
             batch_format="numpy",

@@ -18,13 +18,16 @@ import numpy as np
 from vae_service.batch.latent_files import load_latents
 from vae_service.batch.outputs import OutputFolder
 from vae_service.config import ServiceConfig
-from vae_service.engine import DecodeEngine, DecodeError
+from vae_service.engine import DecodeEngine, DecodeError, DecodeRequest
 from vae_service.protocol.requests import request_from_call
 from vae_service.storage import StoreUnavailable, scrub
 
 log = logging.getLogger(__name__)
 
 RESULT_COLUMNS = ("name", "status", "files", "items", "error", "decode_ms")
+# the scheduler's class a batch job's items carry unless the job names another (names.PRIORITIES):
+# offline work yields to live requests and sessions
+BATCH_PRIORITY = "bulk"
 # store failures in a row after which an engine stops: a store that is down fails every input, and
 # each would wait for its connect and request timeouts
 STOP_AFTER_STORE_FAILURES = 3
@@ -49,14 +52,16 @@ class DecodeStage:
         quality: str = "lossless",
         options=None,
         stop_after_store_failures: int = STOP_AFTER_STORE_FAILURES,
+        priority: str = BATCH_PRIORITY,
     ):
-        """`output_dir`: a local folder or a store's URI (s3://bucket/prefix?endpoint_override=...)."""
+        """`output_dir`: a local folder or a store's URI (s3://bucket/prefix?endpoint_override=...);
+        `priority`: the scheduler's class every item's request carries."""
         self.engine = DecodeEngine(ServiceConfig.model_validate(config))
         self.engine.bind_thread()
         # unset: what a service client asks for by default, PNGs of images and MP4s of videos
         self.folder = OutputFolder(output_dir, output or ("mp4" if self.engine.video else "png"))
         self.folder.folder.make_dirs()  # a local folder; a store needs none
-        self.quality, self.options = quality, dict(options or {})
+        self.quality, self.options, self.priority = quality, dict(options or {}), priority
         self.stop_after_store_failures = stop_after_store_failures
         self.store_failures = 0  # in a row
         self.stopped_by = ""  # the store failure that stopped this engine
@@ -86,15 +91,21 @@ class DecodeStage:
             log.error("decoding %s failed: %s", name, scrub("".join(traceback.format_exception(exc))))
             return ItemResult(name, "failed", error=scrub(f"internal error ({type(exc).__name__}): {exc}"))
 
-    def decode_item(self, name: str, latents) -> ItemResult:
-        request = request_from_call(
+    def request(self, latents) -> DecodeRequest:
+        """An input's latents as the request the engine decodes: the job's options, quality, output
+        and priority."""
+        return request_from_call(
             latents,
             **{
                 **self.options,
                 "quality": self.quality,
                 "output": "uint8" if self.folder.output == "npy" else self.folder.output,
+                "priority": self.priority,
             },
         )
+
+    def decode_item(self, name: str, latents) -> ItemResult:
+        request = self.request(latents)
         paths = self.folder.paths(name, request.items)
         if self.folder.finished(paths):
             return ItemResult(name, "skipped", files=len(paths), items=request.items)

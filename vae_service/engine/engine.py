@@ -33,7 +33,7 @@ from dataclasses import replace
 import torch
 
 from vae_service.config import Limits, ServiceConfig
-from vae_service.engine.execution.call import DecodeCall, checkpoint_hook
+from vae_service.engine.execution.call import DecodeCall, StepGate, decoder_hook
 from vae_service.engine.execution.executor import Executor
 from vae_service.engine.execution.fallback import FALLBACK_PRECISION, Fp32Fallback
 from vae_service.engine.execution.peer_contract import TilePeers
@@ -72,9 +72,10 @@ class DecodeEngine:
         self.preview = build_preview(config, runtime.spec, runtime.scaling, runtime.device, runtime.whole_batch)
         self.cost.price_preview(preview_price(self.preview, self.cost.facts))  # priced like a decode
         self.executor = Executor(runtime, self.preview, self.fallback)
-        # every decoder forward checks the running call (the walk, which calls the decoder's
-        # modules one by one, checks before each latent frame in engine/execution/video.py)
-        getattr(runtime.vae, "decoder", runtime.vae).register_forward_pre_hook(checkpoint_hook)
+        # every decoder forward checks the running call, and is a step boundary of an image decoder
+        # (the walk, which calls the decoder's modules one by one, steps before each latent frame
+        # in engine/execution/video.py)
+        getattr(runtime.vae, "decoder", runtime.vae).register_forward_pre_hook(decoder_hook(runtime.chunked))
 
     # ---- what it is --------------------------------------------------------------------------
     @property
@@ -199,12 +200,40 @@ class DecodeEngine:
             return self.cost.peak(prepared)
         return self.cost.class_tiled_peak(prepared)
 
+    def step_price(self, batch: list[PreparedRequest | SessionChunk]) -> tuple[int, int]:
+        """(peak, held) of one batch (one batch key) for the scheduler's memory plan: its estimated
+        peak, and what it holds between two of its steps while suspended: a video its frames so far,
+        the chunk handed over, its latents and its walk's cache; a tiled image the blend's
+        accumulator and its answer; images what a finished run holds until the batch ends; a
+        session's chunk its answer, latents and the walk's working copy of the session's cache (the
+        cache itself is held in the session budget)."""
+        cost, runtime = self.cost, self.runtime
+        if isinstance(batch[0], SessionChunk):
+            h, w = batch[0].prepared.latent_hw
+            resident = cost.tiers[batch[0].session.quality].resident(1, h, w)
+            held = sum(cost.answer_bytes(c.prepared) + cost.latents_held(c.prepared) + resident for c in batch)
+            return self.session_chunk_peak(batch), held
+        held = 0
+        for prepared in batch:
+            if runtime.chunked:
+                walk = 0
+                if runtime.walks is not None and prepared.request.quality != "preview":
+                    tier = cost.tiers[runtime.tier(prepared.request.quality)]
+                    walk = tier.resident(prepared.items, *prepared.latent_hw)
+                held += cost.held_beside_the_decode(prepared) + cost.latents_held(prepared) + walk
+            elif prepared.tiling is not None:
+                held += cost.held_while_tiled(prepared)
+            else:
+                held += cost.held_after_decode(prepared)
+        return sum(self.peak_bytes(p) for p in batch), held
+
     def decode(
         self,
         batch: list[PreparedRequest],
         abandoned: threading.Event | None = None,
         defer_host_copy: bool = False,
         peers: TilePeers | None = None,
+        steps: StepGate | None = None,
     ) -> list[DecodeResult | DecodeFailed | PendingResult | Exception]:
         """Decode requests that share one batch key; results come back in order. A request whose
         output is not finite gets a DecodeFailed in its place, one nobody waits for any more its
@@ -213,10 +242,11 @@ class DecodeEngine:
         outputs whose copy to the host is still running come back as PendingResults. `peers`: the
         deployment's replicas, which take tiles of tiled requests while they are free
         (engine/execution/tile_executor.py), blended here as if decoded here. Safe to call from several
-        threads at once."""
+        threads at once; `steps`: the scheduler's turns, asked at every step boundary (several calls
+        then take turns on the device, each suspended between its steps while another runs)."""
         runtime, cost = self.runtime, self.cost
         contexts = [r.context or self.context() for r in batch]
-        call = DecodeCall(contexts, self.fingerprint, abandoned, [] if defer_host_copy else None, peers)
+        call = DecodeCall(contexts, self.fingerprint, abandoned, [] if defer_host_copy else None, peers, steps=steps)
         quality = batch[0].request.quality
         start = time.perf_counter()
         scaling = self.preview.scaling if quality == "preview" else runtime.scaling
@@ -412,10 +442,12 @@ class DecodeEngine:
             price = max(price, fp32 + sum(cost.answer_bytes(c.prepared) for c in chunks))
         return price
 
-    def decode_session_chunks(self, chunks: list[SessionChunk], abandoned: threading.Event | None = None) -> list:
-        """One batch of session chunks (one batch key), on the device thread: a ChunkFrames per chunk,
+    def decode_session_chunks(
+        self, chunks: list[SessionChunk], abandoned: threading.Event | None = None, steps: StepGate | None = None
+    ) -> list:
+        """One batch of session chunks (one batch key), on a device thread: a ChunkFrames per chunk,
         or its error (DecodeFailed, the timeout of one nobody waits for) in its place."""
-        call = DecodeCall([c.context for c in chunks], self.fingerprint, abandoned)
+        call = DecodeCall([c.context for c in chunks], self.fingerprint, abandoned, steps=steps)
         with torch.inference_mode(), self.runtime.gate(chunks[0].session.quality), call.running():
             return decode_session_chunks(self.runtime, chunks, call, self.fallback)
 

@@ -3,7 +3,8 @@
 parameters in the query string (`shape` repeated, `dtype`, `output_type`, `image_format`,
 `partial_postprocess`, `scaling_factor`/`shift_factor` or `do_scaling`, `height`/`width`), and an
 answer chosen by output type: one image (`Accept: image/jpeg|png`), a raw tensor with `shape` and
-`dtype` headers, or an mp4. `quality` (lossless|high) and `model` are our extra parameters.
+`dtype` headers, or an mp4. `quality` (lossless|high), `model` and `priority` (the scheduler's class:
+realtime|interactive|bulk; absent: the deployment's default) are our extra parameters.
 """
 
 from __future__ import annotations
@@ -112,6 +113,7 @@ def parse_remote_decode(body: bytes, content_type: str | None, accept: str | Non
         height=_number(query, "height", int) if latents.dim() == 3 else None,
         width=_number(query, "width", int) if latents.dim() == 3 else None,
         model=_get(query, "model"),
+        priority=_get(query, "priority"),
     )
     return RemoteDecodePlan(request, reply)
 

@@ -28,6 +28,7 @@ def response_of(result: DecodeResult, output=None, item_index: int = 0) -> Decod
         "encode_ms": round(t.encode_ms, 3),
         "batch_size": t.batch_size,
         "replicas": t.replicas,
+        "preempted_ms": round(t.preempted_ms, 3),
     }
     return DecodeResponse(
         result.output if output is None else output,

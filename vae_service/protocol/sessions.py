@@ -31,6 +31,7 @@ OPEN_KEYS = (
     "model",
     "request_id",
     "clip_latent_frames",
+    "priority",  # the scheduler's class for the session's chunks (names.PRIORITIES); absent: the deployment's default
 )
 CHUNK_KEYS = ("latents", "latent_frame")
 MESSAGES = ("open", "chunk", "close")

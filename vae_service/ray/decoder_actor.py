@@ -52,14 +52,15 @@ class Decoder:
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
 
     def decode(self, latents, quality: str = "lossless", output: str = "uint8", **options) -> dict:
-        """`latents` a torch tensor (CPU or GPU) or numpy array; options are the /decode keys.
+        """`latents` a torch tensor (CPU or GPU) or numpy array; options are the /decode keys
+        (`priority`: the scheduler's class, realtime | interactive | bulk; absent: the default).
         Returns the /decode response fields with `output` a numpy array or a list of bytes."""
         device = self.service.engine.device  # latents a compiled graph put on our GPU stay there
         return self._run(handle_decode(self.service, latents, device, quality=quality, output=output, **options))
 
     # ---- decode sessions: this actor is the affinity (serving/wire/session_socket.py's SessionCalls) ----
     def open_session(self, **settings) -> dict:
-        """A decode session (`height`, `width`, `quality`, `output`, `dtype`, factors): its summary."""
+        """A decode session (`height`, `width`, `quality`, `output`, `dtype`, factors, `priority`): its summary."""
         return self._run(self._sessions.open(**settings))
 
     def decode_chunk(self, session: str, latents, latent_frame: int | None = None) -> dict:

@@ -21,25 +21,60 @@ import torch
 from vae_service.config import LiveConfig, ServiceConfig
 from vae_service.engine import DecodeEngine, DecodeRequest, DecodeResult, PreparedRequest
 from vae_service.engine.execution.peer_contract import TilePeers
-from vae_service.engine.execution.session import SessionChunk
+from vae_service.engine.execution.session import ChunkFrames, SessionChunk
 from vae_service.engine.request.context import RequestContext
 from vae_service.engine.request.decode_request import VIDEO_OUTPUTS
 from vae_service.engine.request.errors import DecodeTimeout, InvalidInput, OutOfMemory, Overloaded
 from vae_service.engine.request.result import PendingResult
 from vae_service.engine.runtime.tile_jobs import TileJob
+from vae_service.names import PRIORITIES
 from vae_service.serving.outputs.encoders import EncoderPool
 from vae_service.serving.outputs.frame_stream import FrameStream
 from vae_service.serving.outputs.sinks import Sinks
 from vae_service.serving.outputs.video_stream import VideoStream
-from vae_service.serving.scheduling.batcher import BatcherLimits, BatchStats, DeadlineExceeded, KeyedBatcher, QueueFull
+from vae_service.serving.scheduling.classes import request_class
+from vae_service.serving.scheduling.device_turns import StepPrice, Turn
 from vae_service.serving.scheduling.request_pricing import RequestPricing
+from vae_service.serving.scheduling.scheduler import (
+    BatchStats,
+    DeadlineExceeded,
+    QueueFull,
+    SchedulerLimits,
+    StepScheduler,
+)
 from vae_service.serving.scheduling.tile_surface import TileSurface
 from vae_service.serving.sessions.registry import SessionRegistry
 
 
-def batcher_limits(config: ServiceConfig) -> BatcherLimits:
-    b = config.batching
-    return BatcherLimits(b.max_batch_size, b.batch_wait_ms, b.max_queued_items, config.serving.retry_after_s)
+def scheduler_limits(config: ServiceConfig, engine: DecodeEngine) -> SchedulerLimits:
+    b, s = config.batching, config.scheduling
+    return SchedulerLimits(
+        b.max_batch_size,
+        b.batch_wait_ms,
+        b.max_queued_items,
+        config.serving.retry_after_s,
+        dict(s.queued_items),
+        s.preemption,
+        s.promote_after_s,
+        s.max_suspended,
+        engine.cost.bound(config.limits),
+        s.suspended_bytes,
+    )
+
+
+def with_preempted_time(result, preempted_ms: float):
+    """A result whose decode was suspended for `preempted_ms`: its timing says so, and its
+    decode_ms is the device time its own steps took."""
+    if isinstance(result, PendingResult):
+        return PendingResult(with_preempted_time(result.result, preempted_ms), result.copied)
+    if isinstance(result, DecodeResult):
+        t = result.timing
+        return replace(
+            result, timing=replace(t, decode_ms=max(0.0, t.decode_ms - preempted_ms), preempted_ms=preempted_ms)
+        )
+    if isinstance(result, ChunkFrames):
+        return replace(result, decode_ms=max(0.0, result.decode_ms - preempted_ms), preempted_ms=preempted_ms)
+    return result
 
 
 class DecodeService:
@@ -58,27 +93,39 @@ class DecodeService:
         self.config = config
         self.engine = engine or DecodeEngine(config)
         self.peers = peers  # tiled requests share their tiles with these (serving/scheduling/tile_peers.py)
-        # one thread feeds the device, set up once like the engine wants (torch's CPU thread count)
-        self.device_thread = ThreadPoolExecutor(1, thread_name_prefix="vae-device", initializer=self.engine.bind_thread)
+        # a device thread per started batch (the one running a step and those suspended) and one for
+        # another replica's tile, each set up once like the engine wants (torch's CPU thread count);
+        # the scheduler's turns let one step run at a time
+        self.device_threads = ThreadPoolExecutor(
+            config.scheduling.max_suspended + 2, thread_name_prefix="vae-device", initializer=self.engine.bind_thread
+        )
         serving = config.serving
         self.pricing = RequestPricing(self.engine, serving.retry_after_s, serving.fit_prices_at_start)
-        self.batcher: KeyedBatcher[PreparedRequest] = KeyedBatcher(
-            self._decode_batch, batcher_limits(config), self._observe, executor=self.device_thread
+        self.scheduler: StepScheduler[PreparedRequest | SessionChunk] = StepScheduler(
+            self._decode_batch,
+            scheduler_limits(config, self.engine),
+            self._observe,
+            executor=self.device_threads,
+            price=lambda batch: StepPrice(*self.engine.step_price(batch)),
         )
         self.encoders = EncoderPool(self.engine.encode_settings, config.encoding.threads)
         self.sinks = Sinks(config.sinks, serving.retry_after_s)  # object storage a request may name
         self.on_batch, self.on_rejected = on_batch, on_rejected
         self.on_decoded, self.on_first_frames = on_decoded, on_first_frames  # (quality, ms)
         self.decoded_items = 0  # latent items that reached the device (requests given up on never do)
-        self.tiles = TileSurface(self.engine, self.device_thread, self._device_busy, lambda: self.config.limits)
+        self.tiles = TileSurface(self.engine, self.scheduler, self._device_busy, lambda: self.config.limits)
         self.sessions = SessionRegistry(self, owner)
 
-    def _decode_batch(self, batch: list[PreparedRequest | SessionChunk], abandoned) -> list:
+    def _decode_batch(self, batch: list[PreparedRequest | SessionChunk], abandoned, turn: Turn) -> list:
         if isinstance(batch[0], SessionChunk):  # a batch key never mixes sessions' chunks with requests
-            return self.engine.decode_session_chunks(batch, abandoned)
-        # the device thread takes its next batch while this one's output is still copied to the
-        # host (CUDA); the wait happens in _decode_prepared, off the device thread
-        return self.engine.decode(batch, abandoned, defer_host_copy=True, peers=self.peers)
+            results = self.engine.decode_session_chunks(batch, abandoned, steps=turn)
+        else:
+            # the device takes its next step while this batch's output is still copied to the host
+            # (CUDA); the wait happens in _decode_prepared, off the device threads
+            results = self.engine.decode(batch, abandoned, defer_host_copy=True, peers=self.peers, steps=turn)
+        if turn.suspended_s:
+            results = [with_preempted_time(r, turn.suspended_s * 1e3) for r in results]
+        return results
 
     def _observe(self, stats: BatchStats) -> None:
         self.decoded_items += stats.items
@@ -100,7 +147,7 @@ class DecodeService:
         Requests already admitted keep the settings they were admitted under."""
         self.config = self.config.with_live(live)
         self.engine.limits = live.limits
-        self.batcher.update(batcher_limits(self.config))
+        self.scheduler.update(scheduler_limits(self.config, self.engine))
 
     def admit(self) -> RequestContext:
         """A request arriving now: its deadline and limits from the live settings of this moment."""
@@ -137,8 +184,10 @@ class DecodeService:
         return stream
 
     async def _prepare(self, parse: Callable[[], DecodeRequest], size: int) -> PreparedRequest:
-        def parse_checked() -> DecodeRequest:  # its sink and key too, before anything is decoded
-            return self.sinks.check(parse())
+        def parse_checked() -> DecodeRequest:  # its sink, key and class too, before anything is decoded
+            request = self.sinks.check(parse())
+            request_class(request.priority, self.config.scheduling)
+            return request
 
         return await self.pricing.prepare(parse_checked, size, self.admit(), self.config.batching.max_queued_items)
 
@@ -146,7 +195,8 @@ class DecodeService:
         arrived, context = time.perf_counter(), prepared.context
         if self.peers is not None and getattr(self.peers, "loop", False) is None:
             self.peers.loop = asyncio.get_running_loop()  # where its tiles' answers are read
-        result = await self.submit_prepared(prepared, context)
+        priority = request_class(prepared.request.priority, self.config.scheduling)
+        result = await self.submit_prepared(prepared, context, priority)
         if isinstance(result, PendingResult):
             await asyncio.to_thread(context.wait_until, result.copied, "the copy to the host")
             result = result.result
@@ -164,15 +214,17 @@ class DecodeService:
             result = await self.sinks.store(result, prepared.request, context)
         return result
 
-    async def submit_prepared(self, item: PreparedRequest | SessionChunk, context: RequestContext):
-        """Queue a checked request (or a session's chunk) for its batch; its answer, or the error
-        it is answered with (an Exception the batch put in its place is raised)."""
+    async def submit_prepared(self, item: PreparedRequest | SessionChunk, context: RequestContext, priority: str):
+        """Queue a checked request (or a session's chunk) for its batch in its class; its answer, or
+        the error it is answered with (an Exception the batch put in its place is raised)."""
         finished = False
         try:
-            result = await self.batcher.submit(item, timeout_s=context.remaining())
+            result = await self.scheduler.submit(item, context.remaining(), priority)
             finished = True
         except QueueFull as exc:
-            raise Overloaded("body", f"decode queue is full ({exc}); retry later", exc.retry_after_s) from None
+            raise Overloaded(
+                "priority", f"the {exc.priority} decode queue is full ({exc}); retry later", exc.retry_after_s
+            ) from None
         except DeadlineExceeded as exc:
             raise DecodeTimeout("body", f"not decoded within request_timeout_s: {exc}") from None
         except torch.OutOfMemoryError:
@@ -192,18 +244,33 @@ class DecodeService:
         return self.tiles.tile(job, fingerprint, remaining_s, replica)
 
     def _device_busy(self) -> bool:
-        return bool(self.batcher.running or self.batcher.queued_items())
+        return bool(self.scheduler.running or self.scheduler.queued_items())
 
     def describe(self) -> dict:
         return {
             **self.engine.describe(),
             "batching": self.config.batching.model_dump(),
-            "queued_items": self.batcher.queued_items(),
-            "running_batches": self.batcher.running,
+            "queued_items": self.scheduler.queued_items(),
+            "running_batches": self.scheduler.running,
+            "scheduling": self.describe_scheduling(),
             "decoded_items": self.decoded_items,
             "sinks": self.sinks.names,
             "sink_writes": self.sinks.describe(),
             "sessions": self.sessions.describe(),
+        }
+
+    def describe_scheduling(self) -> dict:
+        scheduler, limits = self.scheduler, self.scheduler.limits
+        return {
+            "preemption": limits.preemption,
+            "queued_items": {c: scheduler.queued_items(c) for c in PRIORITIES},
+            "queued_items_limit": {c: limits.class_bound(c) for c in PRIORITIES},
+            "started_batches": scheduler.running,
+            "suspended_bytes": scheduler.suspended_bytes(),
+            "suspended_bytes_limit": limits.suspended_room,
+            "max_suspended": limits.max_suspended,
+            "promote_after_s": limits.promote_after_s,
+            "classes": scheduler.stats.describe(),
         }
 
     def release_folded(self) -> int:
@@ -211,9 +278,9 @@ class DecodeService:
 
     async def drain(self, timeout_s: float) -> bool:
         """Let queued and running batches finish (shutdown); False if they did not in time."""
-        drained = await self.batcher.drain(timeout_s)
+        drained = await self.scheduler.drain(timeout_s)
         self.sessions.close_all()
-        self.device_thread.shutdown(wait=False)
+        self.device_threads.shutdown(wait=False)
         self.pricing.shutdown()
         self.encoders.shutdown()
         self.sinks.shutdown()

@@ -11,8 +11,9 @@ from ray.serve.metrics import Counter, Gauge, Histogram
 
 from vae_service.engine.execution.session import SessionBatchKey
 from vae_service.engine.request.decode_request import QUALITIES
+from vae_service.names import PRIORITIES
 from vae_service.protocol.errors import error_type
-from vae_service.serving.scheduling.batcher import BatchStats, KeyedBatcher
+from vae_service.serving.scheduling.scheduler import BatchStats, StepScheduler
 
 _BATCH_BOUNDARIES = [1, 2, 4, 8, 16, 32, 64]
 _LATENCY_MS_BOUNDARIES = [5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000]
@@ -82,6 +83,33 @@ def _metrics() -> dict:
             description="files a sink failed to write, or refused busy",
             tag_keys=("model", "sink", "why"),
         ),
+        "class_wait": Histogram(
+            "vae_queue_wait_ms",
+            description="time a request waited in its class's queue before its batch started, per class",
+            boundaries=_LATENCY_MS_BOUNDARIES,
+            tag_keys=("model", "priority"),
+        ),
+        "class_queue": Gauge(
+            "vae_class_queue_depth", description="latent items waiting, per class", tag_keys=("model", "priority")
+        ),
+        "steps": Counter(
+            "vae_steps",
+            description="device steps run (a batch's decoder calls, latent frames, tiles), per class",
+            tag_keys=("model", "priority"),
+        ),
+        "preemptions": Counter(
+            "vae_preemptions",
+            description="times a decode was suspended between two steps for more urgent work, per class",
+            tag_keys=("model", "priority"),
+        ),
+        "promotions": Counter(
+            "vae_promotions",
+            description="classes decodes rose for waiting past scheduling.promote_after_s, per original class",
+            tag_keys=("model", "priority"),
+        ),
+        "suspended": Gauge(
+            "vae_suspended_bytes", description="device memory suspended decodes hold (priced)", tag_keys=("model",)
+        ),
         "first_frames": Histogram(
             "vae_stream_first_frames_ms",
             description="streamed requests: arrival to the first frames handed over, per tier",
@@ -98,6 +126,14 @@ def report_batch(model: str, stats: BatchStats) -> None:
     m["chunk" if isinstance(stats.key, SessionBatchKey) else "latency"].observe(
         stats.run_s * 1e3, tags={"model": model, "tier": tier}
     )
+    tags = {"model": model, "priority": stats.priority}
+    for wait_s in stats.queue_s:
+        m["class_wait"].observe(wait_s * 1e3, tags=tags)
+    m["steps"].inc(stats.steps, tags=tags)
+    if stats.preemptions:
+        m["preemptions"].inc(stats.preemptions, tags=tags)
+    if stats.promotions:
+        m["promotions"].inc(stats.promotions, tags=tags)
 
 
 def report_sessions(model: str, sessions, expired_before: int) -> None:
@@ -128,10 +164,14 @@ def report_sinks(model: str, sinks) -> None:
                 _sink_counts[key] = state[why]
 
 
-def report_queue(model: str, batcher: KeyedBatcher) -> None:
+def report_queue(model: str, scheduler: StepScheduler) -> None:
+    m = _metrics()
     for tier in QUALITIES:
-        depth = batcher.queued_items(functools.partial(_of_tier, tier))
-        _metrics()["queue"].set(depth, tags={"model": model, "tier": tier})
+        depth = scheduler.queued_items(key_filter=functools.partial(_of_tier, tier))
+        m["queue"].set(depth, tags={"model": model, "tier": tier})
+    for priority in PRIORITIES:
+        m["class_queue"].set(scheduler.queued_items(priority), tags={"model": model, "priority": priority})
+    m["suspended"].set(scheduler.suspended_bytes(), tags={"model": model})
 
 
 def _of_tier(tier: str, key) -> bool:

@@ -146,7 +146,7 @@ class DecoderReplica:
         metrics.report_batch(self.model, stats)
         self._report_sessions()
         metrics.report_folded_bytes(self.service.engine)
-        metrics.report_queue(self.model, self.service.batcher)
+        metrics.report_queue(self.model, self.service.scheduler)
 
     def _report_sessions(self) -> None:
         sessions = self.service.sessions
@@ -234,7 +234,7 @@ class DecoderReplica:
     # ---- composition -----------------------------------------------------------------------
     async def decode(self, latents, quality: str = "lossless", output: str = "uint8", **options) -> dict:
         """`latents` a torch tensor or numpy array; options are the /decode keys (scaling_factor,
-        shift_factor, height, width, request_id, model). Returns the /decode response fields with
+        shift_factor, height, width, request_id, model, priority, ...). Returns the /decode response fields with
         `output` as a numpy array (bf16 as float32) or a list of bytes."""
         return await handle_decode(self.service, latents, quality=quality, output=output, **options)
 
@@ -247,7 +247,7 @@ class DecoderReplica:
     # ---- decode sessions (pinned to this replica by serving/scheduling/session_router.py) -----------------
     async def open_session(self, **settings) -> dict:
         """A decode session on this replica: `height`, `width` (the latents'), and `quality`,
-        `output`, `dtype`, the factors, `request_id` as the WebSocket's open message. Returns the
+        `output`, `dtype`, the factors, `request_id`, `priority` as the WebSocket's open message. Returns the
         `opened` summary; its `session` id goes with every later call, as
         `handle.options(session_id=sid)` (which keeps the calls on this replica)."""
         return await self.session_calls.open(**settings)

@@ -9,10 +9,19 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from vae_service.engine.execution.peer_contract import TileCall, TilePeers
 from vae_service.engine.request.context import RequestContext
 from vae_service.engine.request.errors import DecodeAbandoned, DecodeTimeout
+
+
+class StepGate(Protocol):
+    """The device's scheduler, seen from a decode (the serving layer's DeviceTurns): at a step
+    boundary it may run more urgent work's steps first, this decode suspended meanwhile; `check`
+    runs while it waits (a decode nobody waits for stops there)."""
+
+    def between_steps(self, check: Callable[[], None]) -> None: ...
 
 
 @dataclass
@@ -28,6 +37,7 @@ class DecodeCall:
     fell_back: dict = field(
         default_factory=dict
     )  # request -> its items decoded again in fp32 (engine/execution/fallback.py)
+    steps: StepGate | None = None  # the scheduler's turns (None: this call has the device to itself)
 
     @property
     def replicas(self) -> int:
@@ -50,9 +60,16 @@ class DecodeCall:
         return DecodeAbandoned("body", "every caller of this decode timed out or went away")
 
     def checkpoint(self) -> None:
-        """Runs before every decoder call (an item, a tile, a latent frame, and each call a
-        decoder's own `decode` makes: temporal tiles, frame batches): stops the run once every
-        request in it timed out or went away."""
+        """A step boundary (a run or item of images, a tile, a latent frame; every decoder call of an
+        image decoder): stops the run once every request in it timed out or went away, else lets
+        the scheduler run more urgent work first, this call's state kept as it is."""
+        self.check()
+        if self.steps is not None:
+            self.steps.between_steps(self.check)
+
+    def check(self) -> None:
+        """Runs before every decoder call (and each call a decoder's own `decode` makes: temporal
+        tiles, frame batches): stops the run once every request in it timed out or went away."""
         if self.all_gone:
             raise DecodeAbandoned("body", "every caller of this decode timed out or went away")
         members = self.running_members
@@ -76,8 +93,15 @@ _RUNNING: ContextVar[DecodeCall | None] = ContextVar("vae_service_decode_call", 
 
 
 def check_running_call() -> None:
-    """The checkpoint of the call running on this thread (none: a decode the engine runs for
-    itself, on the meta twin or at start-up)."""
+    """The check of the call running on this thread (none: a decode the engine runs for itself, on
+    the meta twin or at start-up)."""
+    call = _RUNNING.get()
+    if call is not None:
+        call.check()
+
+
+def step_running_call() -> None:
+    """The checkpoint (a step boundary) of the call running on this thread."""
     call = _RUNNING.get()
     if call is not None:
         call.checkpoint()
@@ -95,6 +119,18 @@ def checked_chunks(chunks: Iterator, checkpoint: Callable[[], None] = check_runn
 
 
 def checkpoint_hook(module, args) -> None:
-    """A forward pre-hook for a decoder: the running call's checkpoint before each of its forwards,
-    wherever the model's own `decode` calls it from."""
+    """A forward pre-hook for a video-latent decoder: the running call's check before each of its
+    forwards, wherever the model's own `decode` calls it from. Never a step boundary: such a
+    decoder's own loops may keep state on the module between forwards (a causal cache), which
+    another decode's steps would overwrite; its steps are the engine's chunks (latent frames)."""
     check_running_call()
+
+
+def step_hook(module, args) -> None:
+    """A forward pre-hook for an image decoder: each forward is a step (a batch, an item, a tile of
+    the class's tiled decode); nothing lives on the module between two."""
+    step_running_call()
+
+
+def decoder_hook(video_latents: bool) -> Callable:
+    return checkpoint_hook if video_latents else step_hook

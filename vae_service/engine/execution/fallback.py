@@ -29,7 +29,7 @@ from collections.abc import Iterator
 import torch
 
 from vae_service.config import ServiceConfig
-from vae_service.engine.execution.call import DecodeCall, checked_chunks, checkpoint_hook
+from vae_service.engine.execution.call import DecodeCall, checked_chunks, decoder_hook
 from vae_service.engine.request.latents import LatentScaling, PreparedRequest
 from vae_service.engine.runtime.runtime import Runtime
 from vae_service.engine.runtime.wan_walk import Walk
@@ -59,7 +59,7 @@ class Fp32Fallback:
             if self._fp32 is None:
                 fp32 = Runtime(self.config.model_copy(update={"decode_precision": FALLBACK_PRECISION}))
                 # the checkpoint of the call running on this thread, as for the engine's own decoder
-                getattr(fp32.vae, "decoder", fp32.vae).register_forward_pre_hook(checkpoint_hook)
+                getattr(fp32.vae, "decoder", fp32.vae).register_forward_pre_hook(decoder_hook(fp32.chunked))
                 self._scaling, self._fp32 = fp32.scaling, fp32
             return self._fp32
 

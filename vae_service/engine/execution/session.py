@@ -143,6 +143,7 @@ class ChunkFrames:
     batch_size: int
     fallback_from_frame: int | None = None  # the session's first fp32 frame, once it fell back
     step: SessionStep | None = field(default=None, repr=False, compare=False)
+    preempted_ms: float = 0.0  # its decode suspended between steps while more urgent work ran
 
     @property
     def frames(self) -> int:

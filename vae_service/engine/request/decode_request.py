@@ -11,7 +11,7 @@ from difflib import get_close_matches
 import torch
 
 from vae_service.engine.request.errors import InvalidInput
-from vae_service.names import IMAGE_OUTPUTS, VIDEO_OUTPUTS
+from vae_service.names import IMAGE_OUTPUTS, PRIORITIES, VIDEO_OUTPUTS
 
 QUALITIES = ("lossless", "high", "preview")
 OUTPUTS = ("uint8", "float", *IMAGE_OUTPUTS, *VIDEO_OUTPUTS)
@@ -47,12 +47,17 @@ class DecodeRequest:
     # files go under; the engine decodes and encodes as without them
     sink: str | None = None
     key: str | None = None
+    # the scheduler's class (PRIORITIES); None: the surface's default. Which classes a caller may
+    # claim is the deployment's to say (serving/scheduling/classes.py); the engine decodes alike
+    priority: str | None = None
 
     def __post_init__(self) -> None:
         _check_latents(self.latents)
         _check_choice("quality", self.quality, QUALITIES)
         _check_choice("output", self.output, OUTPUTS)
         _check_choice("tiling", self.tiling, TILINGS)
+        if self.priority is not None:
+            _check_choice("priority", self.priority, PRIORITIES)
         if self.tiling == "model" and self.quality != "lossless":
             raise InvalidInput(
                 "tiling",

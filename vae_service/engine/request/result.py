@@ -17,6 +17,7 @@ class Timing:
     batch_size: int  # latent items decoded in that call
     encode_ms: float = 0.0  # PNG/JPEG/MP4 encoding of its items, after the decode
     replicas: int = 1  # replicas whose decoders worked on it (this one and those that took its tiles)
+    preempted_ms: float = 0.0  # its decode suspended between steps while more urgent work ran
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ import torch
 
 from vae_service.engine.request.decode_request import MAX_ID_CHARS, QUALITIES, VIDEO_OUTPUTS
 from vae_service.engine.request.errors import DecodeError, InvalidInput, LimitExceeded
+from vae_service.names import PRIORITIES
 
 SESSION_OUTPUTS = ("uint8", "float", *VIDEO_OUTPUTS)  # frames, or one fragmented file across all chunks
 SESSION_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -48,6 +49,7 @@ class SessionOpen:
     model: str | None = None
     request_id: str | None = None
     clip_latent_frames: int | None = None
+    priority: str | None = None  # the scheduler's class for its chunks (names.PRIORITIES); None: realtime
 
     def __post_init__(self) -> None:
         """Every setting's type and bounds, naming the field: 400 invalid_request, or 413
@@ -68,6 +70,8 @@ class SessionOpen:
         _check_choice("quality", self.quality, QUALITIES, "a session decodes")
         _check_choice("output", self.output, SESSION_OUTPUTS, "a session answers")
         _check_choice("dtype", self.dtype, tuple(SESSION_DTYPES), "the chunks' dtype is one of")
+        if self.priority is not None:
+            _check_choice("priority", self.priority, PRIORITIES, "a session's chunks are scheduled as")
         if type(self.latents_scaled) is not bool:
             raise InvalidInput("latents_scaled", f"must be true or false, got {_shown(self.latents_scaled)}")
         for key in ("scaling_factor", "shift_factor"):

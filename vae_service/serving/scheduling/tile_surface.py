@@ -4,8 +4,9 @@ replica is free for the tile, else `Accepted`, the job's output chunk by chunk, 
 
 Free: the same fingerprint (else it would decode other bits), time left, no tile of any request
 here already, the device idle (no batch running or queued: a tile never runs beside one), and the
-tile's price within this replica's own bound. A taken tile runs on the device thread, queued there
-before anything else can be (a batch arriving meanwhile waits for one tile), at most
+tile's price within this replica's own bound. A taken tile runs as an `interactive` decode of the
+scheduler's own (serving/scheduling/scheduler.py): a more urgent batch arriving meanwhile runs its
+steps between the tile's chunks, anything else waits for the tile; at most
 TILE_CHUNKS_AHEAD chunks ahead of what was sent; the request's deadline, or the stream's
 cancellation (the requester left or finished), stops it at its next decoder call.
 """
@@ -16,7 +17,6 @@ import asyncio
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing
 
 import torch
@@ -28,6 +28,9 @@ from vae_service.engine.execution.peer_contract import Accepted, Chunk, End, Los
 from vae_service.engine.request.context import WAIT_SLICE_S, RequestContext
 from vae_service.engine.request.errors import DecodeTimeout
 from vae_service.engine.runtime.tile_jobs import TileJob
+from vae_service.serving.scheduling.classes import INTERACTIVE
+from vae_service.serving.scheduling.device_turns import StepPrice, Turn
+from vae_service.serving.scheduling.scheduler import StepScheduler
 
 TILE_CHUNKS_AHEAD = 2  # a taken tile's chunks decoded and not yet sent: the decode waits for the send
 
@@ -36,11 +39,11 @@ class TileSurface:
     def __init__(
         self,
         engine: DecodeEngine,
-        device_thread: ThreadPoolExecutor,
+        scheduler: StepScheduler,
         device_busy: Callable[[], bool],
         limits: Callable[[], Limits],
     ):
-        self.engine, self.device_thread = engine, device_thread
+        self.engine, self.scheduler = engine, scheduler
         self.device_busy, self.limits = device_busy, limits  # the replica's batches; its live limits
         self.taken = False  # this replica decodes a tile of another's request now
 
@@ -54,8 +57,8 @@ class TileSurface:
         loop, sent, stop = asyncio.get_running_loop(), asyncio.Queue(), threading.Event()
         room = threading.Semaphore(TILE_CHUNKS_AHEAD)
 
-        def decode() -> None:
-            call = DecodeCall([context], fingerprint, batch_gone=stop, running_members=(0,))
+        def decode(turn: Turn) -> None:
+            call = DecodeCall([context], fingerprint, batch_gone=stop, running_members=(0,), steps=turn)
             try:
                 # closed here however it ends: its inference mode and gate are this thread's to restore
                 with call.running(), closing(self.engine.run_tile(job, fingerprint)) as chunks:
@@ -67,7 +70,8 @@ class TileSurface:
             finally:
                 loop.call_soon_threadsafe(sent.put_nowait, None)
 
-        decoding = loop.run_in_executor(self.device_thread, decode)  # before any await: first in line
+        price = StepPrice(self.engine.cost.job_peak(job) or 0, 0)
+        decoding = asyncio.ensure_future(self.scheduler.run_alone(decode, INTERACTIVE, context.deadline, price))
         count = 0
         try:
             yield Accepted(replica)

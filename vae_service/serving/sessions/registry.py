@@ -25,7 +25,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -36,6 +36,7 @@ from vae_service.engine.request.decode_request import VIDEO_OUTPUTS, DecodeReque
 from vae_service.engine.request.errors import DecodeTimeout, InvalidInput, LimitExceeded, Overloaded
 from vae_service.engine.request.session import SessionExpired, SessionLost, SessionOpen
 from vae_service.serving.outputs.encoders import EncoderPool, failed_encode
+from vae_service.serving.scheduling.classes import session_class
 from vae_service_client.mp4 import Mp4Fragment
 
 log = logging.getLogger("ray.serve")
@@ -65,6 +66,7 @@ class ChunkAnswer:
                 "decode_ms": round(f.decode_ms, 3),
                 "encode_ms": round(self.encode_ms, 3),
                 "batch_size": f.batch_size,
+                "preempted_ms": round(f.preempted_ms, 3),
             },
         }
 
@@ -197,8 +199,9 @@ class SessionRegistry:
         limits, retry_after = self.service.config.limits, self.service.config.serving.retry_after_s
         if limits.max_sessions == 0:
             raise LimitExceeded("session", "this deployment opens no decode sessions (limits.max_sessions is 0)")
+        priority = session_class(settings.priority, self.service.config.scheduling)  # its chunks' class
         session_id = f"{self.owner()}.{uuid.uuid4().hex}"  # the owner: the session router's affinity key
-        session = self.engine.open_session(session_id, settings, limits)
+        session = self.engine.open_session(session_id, replace(settings, priority=priority), limits)
         budget, held = self.budget(), self.held_bytes
         if session.held_price > budget:
             raise LimitExceeded(
@@ -229,6 +232,7 @@ class SessionRegistry:
             "quality": session.quality,
             "precision": session.precision,
             "output": session.settings.output,
+            "priority": session.settings.priority,
             "held_bytes": session.held_price,
             "idle_timeout_s": self.idle_timeout_s,
             "max_chunk_latent_frames": self.service.config.limits.max_session_chunk_frames,
@@ -261,7 +265,7 @@ class SessionRegistry:
 
     async def chunk(self, session_id: str, request: DecodeRequest, latent_frame: int | None = None) -> ChunkAnswer:
         """Decode the session's next chunk: checked (InvalidInput naming the field: the session is
-        untouched), queued in the batcher under its own deadline, encoded where the output is a video;
+        untouched), queued in its class (the session's) under its own deadline, encoded where the output is a video;
         the session takes the chunk only once its answer is ready (any failure before: untouched)."""
         session = self.session(session_id)
         if session.busy:
@@ -276,7 +280,7 @@ class SessionRegistry:
         try:
             context = self.service.admit()
             chunk = await asyncio.to_thread(self.engine.check_chunk, session, request, context)
-            frames = await self.service.submit_prepared(chunk, context)
+            frames = await self.service.submit_prepared(chunk, context, session.settings.priority)
             queue_ms = max(0.0, (time.perf_counter() - arrived) * 1e3 - frames.decode_ms)
             fragments, encode_ms = [], 0.0
             video = self._videos.get(session_id)

@@ -1,5 +1,6 @@
 """Serve composition: `decode(latents, quality=..., output=..., **options)` through a handle, and
-`decode_frames(...)` through a streaming handle (video frames as they are decoded).
+`decode_frames(...)` through a streaming handle (video frames as they are decoded). The options are
+the /decode keys, `priority` among them (the scheduler's class; absent: the deployment's default).
 Bad input raises the typed error a client would raise for the same HTTP answer
 (vae_service_client.InvalidRequest etc., with `status`, `type` and `field`)."""
 

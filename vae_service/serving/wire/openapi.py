@@ -5,6 +5,7 @@ tests) see the real inputs."""
 from __future__ import annotations
 
 from vae_service.engine.request.decode_request import QUALITIES
+from vae_service.names import PRIORITIES
 from vae_service_client.frames import STREAM_MEDIA_TYPE
 from vae_service_client.messages import REQUEST_KEYS
 from vae_service_client.mp4 import MP4_MEDIA_TYPE
@@ -63,6 +64,7 @@ _QUERY = [
     ("width", {"type": "integer"}, False),
     ("quality", {"type": "string", "enum": list(QUALITIES)}, False),
     ("model", {"type": "string"}, False),
+    ("priority", {"type": "string", "enum": list(PRIORITIES)}, False),
 ]
 
 REMOTE_DECODE = {

@@ -1,4 +1,5 @@
-"""KeyedBatcher without Ray: property-based arrival sequences plus targeted cases."""
+"""The scheduler's batching rules (within one class) without Ray: property-based arrival sequences
+plus targeted cases."""
 
 import asyncio
 import threading
@@ -9,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from vae_service.serving.scheduling.batcher import BatcherLimits, DeadlineExceeded, KeyedBatcher, QueueFull
+from vae_service.serving.scheduling.scheduler import DeadlineExceeded, QueueFull, SchedulerLimits, StepScheduler
 
 
 @dataclass(frozen=True)
@@ -35,7 +36,7 @@ class Recorder:
     def __init__(self, run_s: float = 0.0):
         self.calls, self.run_s, self.lock = [], run_s, threading.Lock()
 
-    def __call__(self, batch, abandoned=None):
+    def __call__(self, batch, abandoned=None, turn=None):
         with self.lock:
             self.calls.append((time.monotonic(), [r.seq for r in batch], {r.key for r in batch}))
         if self.run_s:
@@ -64,9 +65,9 @@ def test_random_arrivals(arrivals, max_batch, wait_ms):
     outcomes, cancelled_at, batches = {}, {}, []
 
     async def scenario():
-        batcher = KeyedBatcher(
+        batcher = StepScheduler(
             recorder,
-            BatcherLimits(max_batch_size=max_batch, batch_wait_ms=wait_ms),
+            SchedulerLimits(max_batch_size=max_batch, batch_wait_ms=wait_ms),
             on_batch=batches.append,
             clock=time.monotonic,
         )
@@ -129,9 +130,12 @@ def test_random_arrivals(arrivals, max_batch, wait_ms):
         if failed_whole:
             assert calls[1] == [seq]
 
-    # fairness: a batch always starts with the oldest request still waiting, so nothing enqueued
-    # before a batch's head (and still wanted) starts later than that batch
+    # fairness: a batch always starts with the most urgent request still waiting (the earliest
+    # deadline: the 2 ms ones, then the oldest), so among requests without a deadline nothing
+    # enqueued before a batch's head (and still wanted) starts later than that batch
     for stats in batches:
+        if any(behaviour[r.seq] == "timeout" for r in stats.requests):
+            continue
         head = min(r.seq for r in stats.requests)
         for seq in range(head):
             if seq in started and behaviour[seq] not in ("cancel", "timeout"):
@@ -140,7 +144,7 @@ def test_random_arrivals(arrivals, max_batch, wait_ms):
 
 async def test_waits_for_a_batch_to_fill_then_runs_it_once():
     recorder = Recorder()
-    batcher = KeyedBatcher(recorder, BatcherLimits(max_batch_size=4, batch_wait_ms=200))
+    batcher = StepScheduler(recorder, SchedulerLimits(max_batch_size=4, batch_wait_ms=200))
     results = await asyncio.gather(*(batcher.submit(Req(i, "k")) for i in range(4)))
     assert results == [("ok", i) for i in range(4)]
     assert [m for _, m, _ in recorder.calls] == [[0, 1, 2, 3]]
@@ -150,8 +154,8 @@ async def test_a_lone_request_on_an_idle_batcher_is_decoded_at_once():
     """With the default batch_wait_ms of 0 nothing waits for company: under a clock that never
     moves, a lone request still completes (any wait for a deadline would never end)."""
     recorder = Recorder()
-    batcher = KeyedBatcher(recorder, BatcherLimits(max_batch_size=8), clock=lambda: 100.0)
-    assert BatcherLimits().batch_wait_ms == 0
+    batcher = StepScheduler(recorder, SchedulerLimits(max_batch_size=8), clock=lambda: 100.0)
+    assert SchedulerLimits().batch_wait_ms == 0
     assert await asyncio.wait_for(batcher.submit(Req(0, "k")), 5.0) == ("ok", 0)
     assert [m for _, m, _ in recorder.calls] == [[0]]
 
@@ -159,7 +163,7 @@ async def test_a_lone_request_on_an_idle_batcher_is_decoded_at_once():
 async def test_a_lone_request_waits_for_company_until_batch_wait_passes_on_the_batchers_clock():
     now = [0.0]
     recorder = Recorder()
-    batcher = KeyedBatcher(recorder, BatcherLimits(max_batch_size=8, batch_wait_ms=30), clock=lambda: now[0])
+    batcher = StepScheduler(recorder, SchedulerLimits(max_batch_size=8, batch_wait_ms=30), clock=lambda: now[0])
     task = asyncio.create_task(batcher.submit(Req(0, "k")))
     await asyncio.sleep(0.1)  # real time passes, the batcher's clock does not: still waiting
     assert not task.done() and recorder.calls == []
@@ -172,9 +176,9 @@ async def test_a_steady_stream_of_one_key_does_not_starve_another():
     """The hot key arrives faster than it is served; the cold request still goes as soon as
     everything that arrived before it has gone: no batch started in between holds only newer work."""
     batches = []
-    batcher = KeyedBatcher(
+    batcher = StepScheduler(
         Recorder(run_s=0.002),
-        BatcherLimits(max_batch_size=2, batch_wait_ms=0),
+        SchedulerLimits(max_batch_size=2, batch_wait_ms=0),
         on_batch=batches.append,
         clock=time.monotonic,
     )
@@ -203,7 +207,9 @@ async def test_a_steady_stream_of_one_key_does_not_starve_another():
 
 
 async def test_queue_limit_rejects_with_retry_after():
-    batcher = KeyedBatcher(Recorder(run_s=0.05), BatcherLimits(max_batch_size=1, batch_wait_ms=0, max_queued_items=2))
+    batcher = StepScheduler(
+        Recorder(run_s=0.05), SchedulerLimits(max_batch_size=1, batch_wait_ms=0, max_queued_items=2)
+    )
     first = [asyncio.create_task(batcher.submit(Req(i, "k"))) for i in range(2)]
     while batcher.queued_items() != 1:  # until 0 is running and 1 is queued
         await asyncio.sleep(0.001)
@@ -218,16 +224,16 @@ async def test_queue_limit_rejects_with_retry_after():
 
 async def test_live_limit_update_changes_batch_size():
     recorder = Recorder()
-    batcher = KeyedBatcher(recorder, BatcherLimits(max_batch_size=1, batch_wait_ms=50))
+    batcher = StepScheduler(recorder, SchedulerLimits(max_batch_size=1, batch_wait_ms=50))
     await asyncio.gather(*(batcher.submit(Req(i, "k")) for i in range(2)))
-    batcher.update(BatcherLimits(max_batch_size=3, batch_wait_ms=50))
+    batcher.update(SchedulerLimits(max_batch_size=3, batch_wait_ms=50))
     await asyncio.gather(*(batcher.submit(Req(i, "k")) for i in range(10, 13)))
     assert [len(m) for _, m, _ in recorder.calls] == [1, 1, 3]
 
 
 async def test_drain_waits_for_running_work():
     recorder = Recorder(run_s=0.05)
-    batcher = KeyedBatcher(recorder, BatcherLimits(max_batch_size=1, batch_wait_ms=0))
+    batcher = StepScheduler(recorder, SchedulerLimits(max_batch_size=1, batch_wait_ms=0))
     task = asyncio.create_task(batcher.submit(Req(0, "k")))
     await asyncio.sleep(0.005)
     assert await batcher.drain(2.0)
@@ -240,7 +246,7 @@ async def test_drain_waits_for_running_work():
 
 async def test_an_expired_request_is_dropped_before_decode():
     recorder = Recorder(run_s=0.1)
-    batcher = KeyedBatcher(recorder, BatcherLimits(max_batch_size=1, batch_wait_ms=0))
+    batcher = StepScheduler(recorder, SchedulerLimits(max_batch_size=1, batch_wait_ms=0))
     busy = asyncio.create_task(batcher.submit(Req(0, "k")))
     await asyncio.sleep(0.01)  # Req 0 is decoding for 100 ms
     with pytest.raises(DeadlineExceeded):
@@ -251,10 +257,10 @@ async def test_an_expired_request_is_dropped_before_decode():
 
 
 async def test_a_runner_answering_the_wrong_number_of_results_fails_its_callers_instead_of_hanging():
-    def short_by_one(batch, abandoned=None):
+    def short_by_one(batch, abandoned=None, turn=None):
         return [("ok", r.seq) for r in batch][:-1]
 
-    batcher = KeyedBatcher(short_by_one, BatcherLimits(max_batch_size=2, batch_wait_ms=10_000))
+    batcher = StepScheduler(short_by_one, SchedulerLimits(max_batch_size=2, batch_wait_ms=10_000))
     calls = [asyncio.ensure_future(batcher.submit(Req(i, "a"))) for i in range(2)]
     results = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 30)
     # the batch failed as a whole, then each request alone: a runner answering nothing for one

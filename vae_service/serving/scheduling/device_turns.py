@@ -1,0 +1,131 @@
+"""Whose step the device runs next: a started batch holds its `Turn` while it runs a step and, at
+each step boundary (the engine's `between_steps`), gives the device to a more urgent started batch
+if one waits, then waits for its own next turn, suspended there with its state on its own thread.
+One turn runs at a time, so a suspended decode's tensors are never touched while another runs:
+every decode runs the same operations in the same order as alone (bit-identical answers)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from vae_service.engine.request.context import WAIT_SLICE_S
+
+
+@dataclass(frozen=True)
+class StepPrice:
+    """A started batch's memory plan: the peak of its running step, and what it holds between two
+    steps (counted while it is suspended)."""
+
+    peak: int
+    held: int
+
+
+class Abandoned(Exception):
+    """Every caller of a batch left before its first turn: nothing of it ran."""
+
+
+class Turn:
+    def __init__(self, turns: DeviceTurns, job):
+        self.turns, self.job = turns, job
+        self.steps = self.preemptions = 0
+        self.suspended_s = 0.0  # waiting for the device after its first step
+        self.waiting_since: float | None = None
+        self.ran = False  # it ran a step: waiting after that is being suspended
+        self._abandoned: threading.Event | None = None
+
+    def watch(self, abandoned: threading.Event) -> None:
+        """Its callers' signal: a batch all of whose callers left stops waiting for its first turn."""
+        self._abandoned = abandoned
+
+    def take(self) -> None:
+        self.turns.take(self, self._check_first)
+
+    def between_steps(self, check: Callable[[], None]) -> None:
+        """A step boundary: run on, or give the device to more urgent work and wait (`check` runs
+        every WAIT_SLICE_S meanwhile: a decode nobody waits for stops while suspended)."""
+        self.steps += 1
+        self.turns.between_steps(self, check)
+
+    def release(self) -> None:
+        self.turns.release(self)
+
+    def waited_s(self, now: float) -> float:
+        """Time spent waiting for the device since it started, the current wait included."""
+        return self.suspended_s + (0.0 if self.waiting_since is None else now - self.waiting_since)
+
+    def _check_first(self) -> None:
+        if self._abandoned is not None and self._abandoned.is_set():
+            raise Abandoned("every caller of the batch left before it reached the device")
+
+
+class DeviceTurns:
+    def __init__(self, urgency: Callable[[object], tuple], clock: Callable[[], float]):
+        """`urgency(job)`: smaller runs first."""
+        self.urgency, self.clock = urgency, clock
+        self.holder: Turn | None = None
+        self._waiting: list[Turn] = []
+        self._cond = threading.Condition()
+
+    def turn(self, job) -> Turn:
+        return Turn(self, job)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    def take(self, turn: Turn, check: Callable[[], None]) -> None:
+        with self._cond:
+            turn.waiting_since = self.clock()
+            self._waiting.append(turn)
+            self._grant()
+            try:
+                while self.holder is not turn:
+                    self._cond.wait(WAIT_SLICE_S)
+                    if self.holder is not turn:
+                        check()
+            except BaseException:
+                if turn in self._waiting:
+                    self._waiting.remove(turn)
+                elif self.holder is turn:
+                    self.holder = None
+                    self._grant()
+                self._stop_waiting(turn)
+                raise
+            self._stop_waiting(turn)
+            turn.ran = True
+
+    def between_steps(self, turn: Turn, check: Callable[[], None]) -> None:
+        with self._cond:
+            if self.holder is not turn or not self._waiting:
+                return
+            if self.urgency(self._next().job) >= self.urgency(turn.job):
+                return
+            turn.preemptions += 1
+            self.holder = None
+            self._grant()
+        self.take(turn, check)
+
+    def release(self, turn: Turn) -> None:
+        with self._cond:
+            if self.holder is turn:
+                self.holder = None
+                self._grant()
+            elif turn in self._waiting:
+                self._waiting.remove(turn)
+
+    def _next(self) -> Turn:
+        return min(self._waiting, key=lambda t: self.urgency(t.job))
+
+    def _grant(self) -> None:
+        if self.holder is None and self._waiting:
+            best = self._next()
+            self._waiting.remove(best)
+            self.holder = best
+            self._cond.notify_all()
+
+    def _stop_waiting(self, turn: Turn) -> None:
+        if turn.waiting_since is not None and turn.ran:
+            turn.suspended_s += self.clock() - turn.waiting_since
+        turn.waiting_since = None

@@ -1,0 +1,74 @@
+"""What the scheduler did, per class, for /health: queue waits (p50/p99 of the recent ones), batches
+and steps run, preemptions, promotions, refusals of a full class queue, and starts that waited
+because suspended work left no room."""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+
+from vae_service.names import PRIORITIES
+
+RECENT_WAITS = 1024
+
+
+@dataclass
+class _Class:
+    waits_s: collections.deque = field(default_factory=lambda: collections.deque(maxlen=RECENT_WAITS))
+    batches: int = 0
+    steps: int = 0
+    preemptions: int = 0
+    promotions: int = 0
+    refused: int = 0
+    waited_for_room: int = 0
+    preempted_s: float = 0.0
+
+    def describe(self) -> dict:
+        waits = sorted(self.waits_s)
+        return {
+            "queue_wait_ms_p50": _ms(_quantile(waits, 0.5)),
+            "queue_wait_ms_p99": _ms(_quantile(waits, 0.99)),
+            "batches": self.batches,
+            "steps": self.steps,
+            "preemptions": self.preemptions,
+            "promotions": self.promotions,
+            "refused": self.refused,
+            "waited_for_room": self.waited_for_room,
+            "preempted_ms": round(self.preempted_s * 1e3, 3),
+        }
+
+
+class ClassStats:
+    def __init__(self) -> None:
+        self.classes = {name: _Class() for name in PRIORITIES}
+
+    def refused(self, priority: str) -> None:
+        self.classes[priority].refused += 1
+
+    def waited_for_room(self, priority: str) -> None:
+        self.classes[priority].waited_for_room += 1
+
+    def started(self, priority: str, waits_s: list[float]) -> None:
+        c = self.classes[priority]
+        c.batches += 1
+        c.waits_s.extend(waits_s)
+
+    def finished(self, priority: str, turn, promotions: int) -> None:
+        c = self.classes[priority]
+        c.steps += turn.steps + 1 if turn.ran else 0  # the boundaries seen, and the step after the last
+        c.preemptions += turn.preemptions
+        c.preempted_s += turn.suspended_s
+        c.promotions += promotions
+
+    def describe(self) -> dict:
+        return {name: c.describe() for name, c in self.classes.items()}
+
+
+def _quantile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1e3, 3)
