@@ -19,6 +19,8 @@ INTERLOPER_TIMEOUT_S = 120.0
 class Interloping:
     def __init__(self, engine: DecodeEngine, interlopers: int = 3):
         self.engine, self.interlopers, self.answers = engine, interlopers, []
+        # made here, before any decode: what the decode under test measures is its own
+        self.requests = [self.request(k) for k in range(interlopers)]
         self.turns = DeviceTurns(lambda urgency: urgency, time.monotonic)
         self.turn = self.turns.turn((1,))  # the decode under test: less urgent than every interloper
         self.device = ThreadPoolExecutor(1, thread_name_prefix="interloper", initializer=engine.bind_thread)
@@ -32,7 +34,7 @@ class Interloping:
     def between_steps(self, check) -> None:
         if len(self.answers) >= self.interlopers:
             return self.turn.between_steps(check)
-        request = self.request(len(self.answers))
+        request = self.requests[len(self.answers)]
         done = self.device.submit(self._interlope, request)
         while not self.turns.waiting and not done.done():  # until the interloper waits for the device
             time.sleep(0.001)

@@ -563,3 +563,33 @@ def test_the_async_grpc_client_streams_a_sessions_mp4_as_the_websocket_does(sess
     assert [p.frame for p in parts] == [0, 1] and parts[0].fragment.startswith(over_ws[:8])
     assert b"".join(p.fragment for p in parts) == over_ws
     assert closed["frames"] == 9 and closed["trailer"][:8] == ws_trailer[:8]
+
+
+def test_a_sessions_chunks_go_between_the_steps_of_a_bulk_video_on_their_replica(expiring_sessions_app):
+    """One replica: a bulk /decode of a 40-latent-frame clip runs; a session opened meanwhile sends
+    three chunks, each answered before the clip (each waits at most one of its latent frames). The
+    clip, suspended between its frames, says for how long and is the bits of its decode alone."""
+    url, clip = expiring_sessions_app, latents(40, seed=11)
+    client = VaeClient(url)
+    with ThreadPoolExecutor(1) as pool:
+        bulk = pool.submit(client.decode, clip, output="float", priority="bulk")
+        wait_until(lambda: started_batches(url) > 0 or bulk.done(), 60, "the clip on the device")
+        with connect(ws_url(url)) as ws:
+            send(ws, "open", {"height": H, "width": W})
+            assert "opened" in receive(ws)
+            z = latents(3, seed=12)
+            for t in range(3):
+                _, done = chunk_answer(ws, z[:, :, t : t + 1], t)
+                assert "chunk_done" in done, done
+                assert not bulk.done(), f"the clip finished before chunk {t} was answered"
+        answer = bulk.result(120)
+    assert answer.timing["preempted_ms"] > 0
+    assert np.array_equal(answer.output, client.decode(clip, output="float", priority="bulk").output)
+    (health,) = replica_health(url, 1).values()
+    classes = health["scheduling"]["classes"]
+    assert classes["bulk"]["preemptions"] >= 3 and classes["realtime"]["batches"] >= 3
+
+
+def started_batches(url: str) -> int:
+    (health,) = replica_health(url, 1).values()
+    return health["scheduling"]["started_batches"]

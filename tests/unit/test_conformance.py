@@ -725,12 +725,14 @@ def test_the_answer_says_what_happened(row, outcomes):
 def test_a_preempted_and_resumed_decode_is_the_same_bits(row, outcomes):
     """Suspended at its step boundaries while other decodes of the same engine run to their end, the
     row answers the bits of its unpreempted decode (a stream: the same chunks, a video: the same
-    bytes), and each interloper the bits of its own decode alone."""
+    bytes), each interloper the bits of its own decode alone, and its own live bytes stay within
+    its price (a decode that takes turns may run its class's tiled decode as jobs, one per tile)."""
     outcome = outcomes[row]
     setup, first = outcome.setup, outcome.ran
     with Interloping(setup.engine) as gate:
-        ran = run(setup, fresh(outcome.prepared, setup), outcome.peers(), steps=gate)
+        ran = run(setup, fresh(outcome.prepared, setup), outcome.peers(), measure=True, steps=gate)
     gate.check_interlopers(setup.device)
+    assert ran.peak <= price_of(outcome), f"peak {ran.peak} > price {price_of(outcome)}"
     if row.streamed:
         assert isinstance(ran.done, DecodeResult), said(ran.done)
         if row.output in VIDEOS:

@@ -127,7 +127,14 @@ SUMMARY = {
     "quality": "high",
     "precision": "fp32",
     "request_id": "r",
-    "timing": {"queue_ms": 1.0, "decode_ms": 2.0, "encode_ms": 0.5, "batch_size": 3, "replicas": 1, "preempted_ms": 0.0},
+    "timing": {
+        "queue_ms": 1.0,
+        "decode_ms": 2.0,
+        "encode_ms": 0.5,
+        "batch_size": 3,
+        "replicas": 1,
+        "preempted_ms": 0.0,
+    },
     "tiled": True,
     "fallback": [0, 2],
 }

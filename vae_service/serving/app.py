@@ -20,7 +20,7 @@ from vae_service.config import ServiceConfig
 from vae_service.serving.deployment import VaeDecoder, VaeDecoderHttp
 from vae_service.serving.router import VaeRouter
 from vae_service.serving.scheduling.admission import admission_settings
-from vae_service.serving.scheduling.session_router import ROUTER_PATH
+from vae_service.serving.scheduling.class_router import ROUTER_PATH, ROUTING_STATS_PERIOD_S
 
 # what Serve's gRPC proxy needs in `grpc_servicer_functions` (serve.start, YAML grpc_options)
 GRPC_SERVICER = "vae_service_client.grpc_gen.decode_pb2_grpc.add_VaeDecoderServicer_to_server"
@@ -29,8 +29,14 @@ GRPC_SERVICER = "vae_service_client.grpc_gen.decode_pb2_grpc.add_VaeDecoderServi
 def _decoder(config: ServiceConfig, deployment=VaeDecoder, **deployment_options) -> Application:
     """`deployment_options` (num_replicas, autoscaling_config, ray_actor_options, ...) override
     the options derived from the config (max_ongoing_requests, max_queued_requests, backpressure)."""
-    # a decode session's calls reach the replica that holds it (serving/scheduling/session_router.py)
-    routing = {"request_router_config": {"request_router_class": ROUTER_PATH}}
+    # a decode session's calls reach the replica that holds it, other calls the replica with the least
+    # work their class waits behind (serving/scheduling/class_router.py)
+    routing = {
+        "request_router_config": {
+            "request_router_class": ROUTER_PATH,
+            "request_routing_stats_period_s": ROUTING_STATS_PERIOD_S,
+        }
+    }
     options = {**config.deployment_options(), **routing, **deployment_options}
     # the replica checks live changes against what Serve enforces, and drains within it
     enforced = {k: options[k] for k in ("max_ongoing_requests", "graceful_shutdown_timeout_s") if k in options}

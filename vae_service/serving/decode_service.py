@@ -259,6 +259,12 @@ class DecodeService:
             "sessions": self.sessions.describe(),
         }
 
+    def routing_stats(self) -> dict:
+        """What the deployment's request router ranks replicas by (serving/scheduling/class_router.py):
+        latent items queued or started here, per class."""
+        scheduler = self.scheduler
+        return {"items": {c: scheduler.queued_items(c) + scheduler.started_items(c) for c in PRIORITIES}}
+
     def describe_scheduling(self) -> dict:
         scheduler, limits = self.scheduler, self.scheduler.limits
         return {

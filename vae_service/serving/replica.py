@@ -165,6 +165,11 @@ class DecoderReplica:
     def _observe_first_frames(self, quality: str, ms: float) -> None:
         metrics.report_first_frames(self.model, quality, ms)
 
+    async def record_routing_stats(self) -> dict:
+        """Serve polls it for the request router (serving/scheduling/class_router.py); on the replica's
+        loop, where the scheduler's queues change."""
+        return self.service.routing_stats()
+
     def check_health(self) -> None:
         self.service.engine.check_device()
 

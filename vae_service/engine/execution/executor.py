@@ -128,12 +128,15 @@ class Executor:
         return list(runtime.image(torch.cat(latents)).split(sizes))
 
     def _class_tiled(self, z: torch.Tensor, timestep: float | None, run: Run, call: DecodeCall, i: int) -> torch.Tensor:
-        """The class's own tiled decode of each item; where the run's tiles are shared, its decoder's
-        calls go to the tile executor as jobs (models/diffusers_tiling.py: still the same bits)."""
+        """The class's own tiled decode of each item; where the run's tiles are shared, or the call
+        takes turns with other decodes (a scheduler's steps), its decoder's calls go to the tile
+        executor as jobs (models/diffusers_tiling.py: still the same bits), each tile a step (a
+        video-latent decoder's own tiled decode keeps state on the model within a tile)."""
         runtime = self.runtime
         view = tiled_view(runtime.vae)
         call.tiled.add(i)
-        if not (run.shared and call.peers is not None) or timestep is not None or runtime.replay_unsupported:
+        jobs_wanted = (run.shared and call.peers is not None) or call.steps is not None
+        if not jobs_wanted or timestep is not None or runtime.replay_unsupported:
             return runtime.each_alone(view, z, timestep)
         tiles = self.tiles(run, call, i)
         if self._decoder_shapes is None:

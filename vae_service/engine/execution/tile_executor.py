@@ -35,10 +35,12 @@ import logging
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import closing
 from typing import Protocol
 
 import torch
 
+from vae_service.engine.execution.call import checked_chunks, step_running_call
 from vae_service.engine.execution.peer_contract import (
     Accepted,
     Chunk,
@@ -79,7 +81,10 @@ class LocalTiles:
         self.runtime = runtime
 
     def lazy(self, job: TileJob) -> Iterator[torch.Tensor]:
-        yield from self.runtime.run_job(job)  # started when first read
+        """The job's chunks, started when first read; each chunk of a tile is a step (nothing of a
+        tile lives on the model between its chunks: the walk's state is the job's own)."""
+        with closing(self.runtime.run_job(job)) as chunks:
+            yield from checked_chunks(chunks, step_running_call)
 
     def run(
         self, jobs: list[TileJob], lockstep: bool = True, optional: bool = False, window: int = TILE_WINDOW

@@ -130,6 +130,7 @@ class _Job:
     turn: Turn = None
     order: int = 0
     queued_s: float = 0.0  # its oldest request's wait in the queue
+    items: int = 1
 
     def waited_s(self, now: float) -> float:
         """Time it waited for the device (queued, or suspended): what promotes it, never its run."""
@@ -195,6 +196,9 @@ class StepScheduler(Generic[T]):
             for p in q
             if not p.future.done()
         )
+
+    def started_items(self, priority: str) -> int:
+        return sum(job.items for job in self._started if job.priority == priority)
 
     @property
     def running(self) -> int:
@@ -371,6 +375,7 @@ class StepScheduler(Generic[T]):
             self.price([p.request for p in batch]),
             order=next(self._order),
             queued_s=self.clock() - arrived,
+            items=sum(p.request.items for p in batch),
         )
         job.turn = self.turns.turn(job)
         self._started.append(job)

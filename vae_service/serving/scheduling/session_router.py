@@ -16,8 +16,6 @@ from __future__ import annotations
 from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
 from ray.serve.request_router import PendingRequest, RunningReplica
 
-ROUTER_PATH = "vae_service.serving.scheduling.session_router.SessionAffinityRouter"
-
 
 def session_owner(pending: PendingRequest | None) -> str | None:
     """The replica id a session call must reach (None: not a session's call)."""
