@@ -160,7 +160,8 @@ def reply_maps():
         "spatial_scale": 8,
     }  # fmt: skip
     done = {"latent_frame": 2, "latent_frames": 3, "frames": 9, "precision": "fp16",
-            "timing": {"queue_ms": 1.5, "decode_ms": 20.25, "encode_ms": 0.0, "batch_size": 2, "preempted_ms": 3.5}}  # fmt: skip
+            "timing": {"queue_ms": 1.5, "decode_ms": 20.25, "encode_ms": 0.0, "batch_size": 2,
+                       "preempted_ms": 3.5}}  # fmt: skip
     error = WireErrorInfo("invalid_request", "latents.shape", "no", None)
     overloaded = WireErrorInfo("overloaded", "session", "full", 2.0)
     return [
