@@ -85,7 +85,7 @@ class Decoder:
             return 0
         timeout_s = self.service.config.batching.request_timeout_s if timeout_s is None else timeout_s
         drained = self._run(self.service.drain(timeout_s))
-        self._run(_cancel_other_tasks())  # the batcher's idle workers
+        self._run(_cancel_other_tasks())  # the scheduler's idle workers
         self._closed = True
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._loop_thread.join()
@@ -101,7 +101,7 @@ class Decoder:
 # module functions, not methods: Ray makes an actor with any coroutine method an asyncio actor,
 # whose plain methods would then run one at a time on its event loop
 async def _start_service(config: ServiceConfig) -> DecodeService:
-    return DecodeService(config)  # built on the loop its batcher runs on
+    return DecodeService(config)  # built on the loop its scheduler runs on
 
 
 async def _cancel_other_tasks() -> None:

@@ -28,7 +28,7 @@ class StepGate(Protocol):
 class DecodeCall:
     contexts: list[RequestContext]  # the batch's requests', in order
     fingerprint: str
-    batch_gone: threading.Event | None = None  # the batcher's: every caller of the batch left
+    batch_gone: threading.Event | None = None  # the scheduler's: every caller of the batch left
     host_copies: list | None = None  # CUDA events of the copies queued; None: each copy waited for
     peers: TilePeers | None = None  # the deployment's replicas, which take tiles (engine/execution/tile_executor.py)
     decoded_by: set = field(default_factory=set)  # ids of the replicas that decoded tiles of it
@@ -50,7 +50,7 @@ class DecodeCall:
 
     @property
     def all_gone(self) -> bool:
-        """The batcher says every caller of the batch left (checked once a decoder call)."""
+        """The scheduler says every caller of the batch left (checked once a decoder call)."""
         return self.batch_gone is not None and self.batch_gone.is_set()
 
     def ended_error(self, i: int) -> DecodeTimeout:

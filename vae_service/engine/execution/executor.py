@@ -12,7 +12,7 @@ video-latent decoder) goes chunk by chunk through engine/execution/video.py, a t
 same way.
 
 A tile that failed elsewhere (lost twice: 503; a replica's bug: 500) fails its request alone, as its
-result: the batch goes on, and the batcher does not run the request again.
+result: the batch goes on, and the scheduler does not run the request again.
 
 fp16/bf16 items whose output is not finite are decoded again in fp32 (engine/execution/fallback.py)
 by the plan's fallback for their request (`BatchPlan.fallbacks`: whole, or the class's own tiled

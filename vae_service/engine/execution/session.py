@@ -99,7 +99,7 @@ class SessionBatchKey(NamedTuple):
 
 @dataclass(frozen=True)
 class SessionChunk:
-    """A session's next latent chunk, checked and priced: what the batcher queues. `frames`: the output
+    """A session's next latent chunk, checked and priced: what the scheduler queues. `frames`: the output
     frames it adds (the first chunk's first latent frame gives one frame, every later one the law's step)."""
 
     session: DecodeSession

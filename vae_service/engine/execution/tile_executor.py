@@ -24,7 +24,7 @@ free slot, another fingerprint, no time left, over its bound) decodes the tile h
 (the replica went away, was overloaded, or its stream ended short) is decoded once more, by a
 replica that takes it or here, and a second loss answers 503 (`Unavailable`); anything else a
 replica raised is a bug, 500 (`TileBug`). None of these fails the batch: the request alone gets
-the error (the batcher never re-runs it). Every wait checks the request in slices
+the error (the scheduler never re-runs it). Every wait checks the request in slices
 (engine/request/context.py): a caller that leaves, or the deadline, stops it within one, and every tile
 still out is cancelled.
 """

@@ -1,5 +1,5 @@
 """One request's context, built once at admission and carried everywhere below it: `prepare`, the
-batcher, the engine's call, every tile, here or on another replica.
+scheduler, the engine's call, every tile, here or on another replica.
 
 - `deadline`: an absolute time (time.monotonic) fixed at admission from the live
   `batching.request_timeout_s` of that moment: a request that waited in the queue has that much less

@@ -6,10 +6,11 @@ expire, and the room they hold.
   closed, disconnected or expired. A session that would not fit beside those open is refused at open
   (429 + Retry-After when others hold the room, 413 when it can never fit): never an out-of-memory
   in the middle of a video. `limits.max_sessions` bounds their count.
-- Chunks are requests: each is checked (DecodeEngine.check_chunk) and queued in the replica's one
-  batcher under its own deadline, so sessions' chunks of one key decode together and ordinary
-  decodes keep their turn (the batcher is fair across keys: a slow session holds no one back beyond
-  one batching window). One chunk of a session at a time, in order (`latent_frame`).
+- Chunks are requests: each is checked (DecodeEngine.check_chunk) and queued in the replica's
+  scheduler in the session's class (`realtime` unless it claimed another at open) under its own
+  deadline, so sessions' chunks of one key decode together, and a chunk runs its steps before less
+  urgent work's next step (serving/scheduling/scheduler.py). One chunk of a session at a time, in
+  order (`latent_frame`).
 - Expiry: a session idle past `sessions.idle_timeout_s` is freed by a sweep; its id is remembered
   (bounded) so its next chunk gets `session_expired` naming the frames it had decoded. An id this
   replica never issued (its owner is gone) gets `session_lost`.
@@ -129,7 +130,7 @@ class _Video:
 
 
 class SessionRegistry:
-    """`service`: the replica's DecodeService (its engine, live limits, batcher submit, encoders)."""
+    """`service`: the replica's DecodeService (its engine, live limits, scheduler submit, encoders)."""
 
     def __init__(self, service, owner: Callable[[], str], clock: Callable[[], float] = time.monotonic):
         self.service, self.owner, self.clock = service, owner, clock
