@@ -17,6 +17,7 @@
 #   video     Wan 81 frames at 480x832 and 720x1280, Qwen-Image 1024 px: diffusers vs lossless
 #             (bit-identity checked) vs high, first streamed chunk, memory untiled vs tiled;
 #   encode    png vs uint8 at 1024 px, batch 8, 16 in flight;
+#   preemption  a session's chunk latency beside bulk Wan clips and 2048 px lossless tiled images, preemption on/off;
 #   memory    each tier's estimate vs the allocated peak, a tiled peak vs its bound;
 #   parallel  one request's tiles over every GPU here (no Ray) vs one GPU, bit-identity;
 #   replay    lossless above the bound: the class's tiled decode direct vs recorded and replayed;

@@ -87,7 +87,7 @@ class Gate:
 
     def pass_through(self) -> None:
         self.reached.set()
-        if not self.opened.wait(HANG_S):
+        if not self.opened.wait(3 * HANG_S):  # longer than a test's own waits: its failure says why
             raise TimeoutError("a gate was never opened")
 
     def open(self) -> None:
@@ -358,13 +358,12 @@ async def test_urgent_work_preempts_only_where_the_suspended_batch_has_room(
 
 
 # ---- 4. the memory plan, under random traffic ---------------------------------------------------
-priced = st.integers(1, 50).flatmap(lambda peak: st.tuples(st.just(peak), st.integers(0, peak)))  # held <= peak
+priced = st.integers(1, 90).flatmap(lambda peak: st.tuples(st.just(peak), st.integers(0, peak)))  # held <= peak
 arrival = st.tuples(
     st.sampled_from(PRIORITIES),
-    st.integers(1, 3),  # steps
-    priced,  # two at most in a batch: a batch's peak fits the bound of 100 on its own
-    st.sampled_from(["a", "b"]),  # batch key
-    st.sampled_from([0, 0, 0.002, 0.005]),  # gap before it (s)
+    st.integers(1, 4),  # steps
+    priced,  # a batch of one: its peak fits the bound of 100 on its own, not beside any state
+    st.sampled_from([0, 0, 0.002, 0.004, 0.008]),  # gap before it (s)
 )
 
 
@@ -373,16 +372,15 @@ arrival = st.tuples(
     arrivals=st.lists(arrival, min_size=1, max_size=6),
     max_suspended=st.integers(0, 2),
     suspended_bytes=st.integers(10, 100),
-    max_batch=st.integers(1, 2),
 )
-def test_the_memory_plan_holds_at_every_step(arrivals, max_suspended, suspended_bytes, max_batch):
+def test_the_memory_plan_holds_at_every_step(arrivals, max_suspended, suspended_bytes):
     stepper = Stepper()
     limits = SchedulerLimits(
-        max_batch_size=max_batch, max_suspended=max_suspended, decode_bound=100, suspended_bytes=suspended_bytes
+        max_batch_size=1, max_suspended=max_suspended, decode_bound=100, suspended_bytes=suspended_bytes
     )
     requests = [
-        Stepped(f"r{i}", cls, steps, step_s=0.003, peak=peak, held=held, key=key)
-        for i, (cls, steps, (peak, held), key, _) in enumerate(arrivals)
+        Stepped(f"r{i}", cls, steps, step_s=0.003, peak=peak, held=held)
+        for i, (cls, steps, (peak, held), _) in enumerate(arrivals)
     ]
 
     async def scenario():
@@ -404,7 +402,7 @@ def test_the_memory_plan_holds_at_every_step(arrivals, max_suspended, suspended_
     assert stepper.violations == []
     assert stepper.most_inside == 1
     assert answers == [r.answer for r in requests]
-    for r in requests:  # each step ran exactly once, in order (a batch is never run twice)
+    for r in requests:  # each step ran exactly once, in order
         assert stepper.steps_of(r.name) == list(range(r.steps))
 
 
@@ -688,3 +686,20 @@ async def test_a_started_batch_whose_callers_left_before_its_first_turn_never_ru
         await gone_call
     await finish(scheduler, stepper)
     assert stepper.steps_of(gone.name) == []
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="submit's `except TimeoutError` around wait_for also catches a TimeoutError the runner answered "
+    "(a peer or a store timing out): without a timeout the caller gets a TypeError (formatting None), with "
+    "one a DeadlineExceeded instead of the request's own failure",
+)
+@pytest.mark.parametrize("timeout_s", [None, 30.0])
+async def test_a_runner_failing_with_a_timeout_error_fails_its_caller_with_that_error(timeout_s):
+    def times_out(batch, abandoned, turn):
+        raise TimeoutError("a peer replica did not answer")
+
+    scheduler = StepScheduler(times_out, SchedulerLimits())
+    with pytest.raises(TimeoutError, match="peer replica"):
+        await asyncio.wait_for(scheduler.submit(Stepped("request"), timeout_s, BULK), HANG_S)
+    await scheduler.close()

@@ -213,19 +213,21 @@ class DecodeEngine:
             resident = cost.tiers[batch[0].session.quality].resident(1, h, w)
             held = sum(cost.answer_bytes(c.prepared) + cost.latents_held(c.prepared) + resident for c in batch)
             return self.session_chunk_peak(batch), held
-        held = 0
+        peak = held = 0
         for prepared in batch:
-            if runtime.chunked:
+            if prepared.tiling is not None:
+                kept = cost.held_while_tiled(prepared)
+            elif runtime.chunked:
                 walk = 0
                 if runtime.walks is not None and prepared.request.quality != "preview":
                     tier = cost.tiers[runtime.tier(prepared.request.quality)]
                     walk = tier.resident(prepared.items, *prepared.latent_hw)
-                held += cost.held_beside_the_decode(prepared) + cost.latents_held(prepared) + walk
-            elif prepared.tiling is not None:
-                held += cost.held_while_tiled(prepared)
+                kept = cost.held_beside_the_decode(prepared) + cost.latents_held(prepared) + walk
             else:
-                held += cost.held_after_decode(prepared)
-        return sum(self.peak_bytes(p) for p in batch), held
+                kept = cost.held_after_decode(prepared)
+            own_peak = self.peak_bytes(prepared)
+            peak, held = peak + own_peak, held + min(kept, own_peak)  # what is held is live at the peak too
+        return peak, held
 
     def decode(
         self,

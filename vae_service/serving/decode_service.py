@@ -106,7 +106,7 @@ class DecodeService:
             scheduler_limits(config, self.engine),
             self._observe,
             executor=self.device_threads,
-            price=lambda batch: StepPrice(*self.engine.step_price(batch)),
+            price=lambda request: StepPrice(*self.engine.step_price([request])),
         )
         self.encoders = EncoderPool(self.engine.encode_settings, config.encoding.threads)
         self.sinks = Sinks(config.sinks, serving.retry_after_s)  # object storage a request may name

@@ -87,6 +87,7 @@ class _Pending(Generic[T]):
     arrived: float
     deadline: float | None
     caller: asyncio.Task | None = None
+    price: StepPrice | None = None  # its share of a batch's price, once asked
 
     def live(self, now: float) -> bool:
         # a cancel request reaches the caller's coroutine only at its next step: look at the task
@@ -142,16 +143,16 @@ class StepScheduler(Generic[T]):
     """`run_batch(requests, abandoned, turn) -> results` (one per request, an Exception instance
     fails just that request) runs in a device thread; `abandoned` (a threading.Event) is set once
     every caller of the batch has timed out or gone away; `turn` is the batch's place on the device
-    (the engine calls its `between_steps` at every step boundary). `price(requests)`: the batch's
-    StepPrice (the peak of its running step, what it holds while suspended). `on_batch(stats)`
-    observes each batch (metrics)."""
+    (the engine calls its `between_steps` at every step boundary). `price(request)`: a request's
+    StepPrice (the peak of its decode, what it holds while suspended), asked once per request; a
+    batch's is their sum. `on_batch(stats)` observes each batch (metrics)."""
 
     run_batch: Callable[[list[T], threading.Event, Turn], list[Any]]
     limits: SchedulerLimits = field(default_factory=SchedulerLimits)
     on_batch: Callable[[BatchStats], None] | None = None
     clock: Callable[[], float] = time.monotonic
     executor: Executor | None = None  # device threads (one per started batch at most)
-    price: Callable[[list[T]], StepPrice] = lambda requests: StepPrice(0, 0)
+    price: Callable[[T], StepPrice] = lambda request: StepPrice(0, 0)
     _queues: dict[tuple[str, Hashable], collections.deque] = field(default_factory=dict, init=False)
     _wakeup: asyncio.Event | None = field(default=None, init=False)
     _worker: asyncio.Task | None = field(default=None, init=False)
@@ -332,8 +333,7 @@ class StepScheduler(Generic[T]):
                 continue
             qkey, head = chosen
             if self._started:
-                batch = self._peek_batch(qkey)
-                price = self.price([p.request for p in batch])
+                price = self._batch_price(self._peek_batch(qkey))
                 if not self._may_start_beside(head, price):
                     if self.limits.preemption and self._more_urgent_than_started(head):
                         self.stats.waited_for_room(head.priority)
@@ -351,6 +351,12 @@ class StepScheduler(Generic[T]):
 
     def _more_urgent_than_started(self, head: _Pending) -> bool:
         return all(self._head_key(head) < self._urgency(job) for job in self._started)
+
+    def _batch_price(self, batch: list[_Pending]) -> StepPrice:
+        for pending in batch:
+            if pending.price is None:
+                pending.price = self.price(pending.request)
+        return StepPrice(sum(p.price.peak for p in batch), sum(p.price.held for p in batch))
 
     def _peek_batch(self, qkey: tuple[str, Hashable]) -> list[_Pending]:
         batch, items, now = [], 0, self.clock()
@@ -372,7 +378,7 @@ class StepScheduler(Generic[T]):
             priority,
             arrived,
             min(deadlines, default=None),
-            self.price([p.request for p in batch]),
+            self._batch_price(batch),
             order=next(self._order),
             queued_s=self.clock() - arrived,
             items=sum(p.request.items for p in batch),
