@@ -219,19 +219,28 @@ def room_of(module: str) -> str | None:
     return parts[2] if len(parts) > 3 and parts[2] in STAGE_ROOMS else "engine"
 
 
-def stage_offenders() -> list[str]:
-    order = {room: i for i, room in enumerate((*STAGE_ROOMS, "engine"))}
+def upward_imports(
+    package: Path, room_of, order: tuple[str, ...], also_refused=lambda room, target: False
+) -> list[str]:
+    """Imports from a room to a room later in `order` (or that `also_refused` refuses)."""
+    rank = {room: i for i, room in enumerate(order)}
     found = []
-    for file, names in imported_modules(ENGINE).items():
-        module = file.removesuffix(".py").replace("/", ".")
-        room = room_of(module)
+    for file, names in imported_modules(package).items():
+        room = room_of(file.removesuffix(".py").replace("/", "."))
         for name in sorted(names):
             target = room_of(name)
             if target is None or target == room:
                 continue
-            if order[target] > order[room] or (room == "media" and target != "request"):
+            if rank[target] > rank[room] or also_refused(room, target):
                 found.append(f"{file} ({room}) imports {name} ({target})")
     return found
+
+
+def stage_offenders() -> list[str]:
+    def media_imports_only_requests(room: str, target: str) -> bool:
+        return room == "media" and target != "request"
+
+    return upward_imports(ENGINE, room_of, (*STAGE_ROOMS, "engine"), media_imports_only_requests)
 
 
 def test_the_engine_is_stage_rooms_that_import_downwards():
@@ -328,15 +337,7 @@ def serving_room_of(module: str) -> str | None:
 
 
 def serving_offenders() -> list[str]:
-    order = {room: i for i, room in enumerate(SERVING_ORDER)}
-    found = []
-    for file, names in imported_modules(SERVING).items():
-        room = serving_room_of(file.removesuffix(".py").replace("/", "."))
-        for name in sorted(names):
-            target = serving_room_of(name)
-            if target is not None and target != room and order[target] > order[room]:
-                found.append(f"{file} ({room}) imports {name} ({target})")
-    return found
+    return upward_imports(SERVING, serving_room_of, SERVING_ORDER)
 
 
 def test_serving_is_rooms_that_import_downwards():
