@@ -31,6 +31,7 @@ class Turn:
         self.turns, self.job = turns, job
         self.steps = self.preemptions = 0
         self.suspended_s = 0.0  # waiting for the device after its first step
+        self.first_wait_s = 0.0  # waiting for its first step
         self.waiting_since: float | None = None
         self.ran = False  # it ran a step: waiting after that is being suspended
         self._abandoned: threading.Event | None = None
@@ -53,7 +54,8 @@ class Turn:
 
     def waited_s(self, now: float) -> float:
         """Time spent waiting for the device since it started, the current wait included."""
-        return self.suspended_s + (0.0 if self.waiting_since is None else now - self.waiting_since)
+        current = 0.0 if self.waiting_since is None else now - self.waiting_since
+        return self.first_wait_s + self.suspended_s + current
 
     def _check_first(self) -> None:
         if self._abandoned is not None and self._abandoned.is_set():
@@ -61,9 +63,15 @@ class Turn:
 
 
 class DeviceTurns:
-    def __init__(self, urgency: Callable[[object], tuple], clock: Callable[[], float]):
-        """`urgency(job)`: smaller runs first."""
-        self.urgency, self.clock = urgency, clock
+    def __init__(
+        self,
+        urgency: Callable[[object], tuple],
+        clock: Callable[[], float],
+        may_suspend: Callable[[object, object], bool] = lambda holder, successor: True,
+    ):
+        """`urgency(job)`: smaller runs first. `may_suspend(holder, successor)`: whether the holder's
+        job may be suspended for the successor's (what would then be suspended fits its room)."""
+        self.urgency, self.clock, self.may_suspend = urgency, clock, may_suspend
         self.holder: Turn | None = None
         self._waiting: list[Turn] = []
         self._cond = threading.Condition()
@@ -85,6 +93,7 @@ class DeviceTurns:
                     self._cond.wait(WAIT_SLICE_S)
                     if self.holder is not turn:
                         check()
+                check()  # granted: but a decode nobody waits for any more runs no step
             except BaseException:
                 if turn in self._waiting:
                     self._waiting.remove(turn)
@@ -100,7 +109,10 @@ class DeviceTurns:
         with self._cond:
             if self.holder is not turn or not self._waiting:
                 return
-            if self.urgency(self._next().job) >= self.urgency(turn.job):
+            successor = self._next()
+            if self.urgency(successor.job) >= self.urgency(turn.job):
+                return
+            if not self.may_suspend(turn.job, successor.job):  # no room for its state: it runs on
                 return
             turn.preemptions += 1
             self.holder = None
@@ -126,6 +138,10 @@ class DeviceTurns:
             self._cond.notify_all()
 
     def _stop_waiting(self, turn: Turn) -> None:
-        if turn.waiting_since is not None and turn.ran:
-            turn.suspended_s += self.clock() - turn.waiting_since
+        if turn.waiting_since is not None:
+            waited = self.clock() - turn.waiting_since
+            if turn.ran:
+                turn.suspended_s += waited
+            else:
+                turn.first_wait_s += waited
         turn.waiting_since = None

@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
+import math
 import threading
 import time
 from collections.abc import Callable, Hashable
@@ -88,6 +89,7 @@ class _Pending(Generic[T]):
     deadline: float | None
     caller: asyncio.Task | None = None
     price: StepPrice | None = None  # its share of a batch's price, once asked
+    waited_for_room: bool = False  # counted once
 
     def live(self, now: float) -> bool:
         # a cancel request reaches the caller's coroutine only at its next step: look at the task
@@ -160,7 +162,7 @@ class StepScheduler(Generic[T]):
     _order: itertools.count = field(default_factory=itertools.count, init=False)
 
     def __post_init__(self) -> None:
-        self.turns = DeviceTurns(self._urgency, self.clock)
+        self.turns = DeviceTurns(self._urgency, self.clock, self._may_suspend)
         self.stats = ClassStats()
 
     # ---- submitting -------------------------------------------------------------------------
@@ -184,6 +186,8 @@ class StepScheduler(Generic[T]):
         try:
             return await asyncio.wait_for(asyncio.shield(pending.future), timeout_s)
         except TimeoutError:
+            if pending.future.done() and not pending.future.cancelled() and pending.future.exception() is not None:
+                raise  # the decode's own TimeoutError (a peer's, a socket's), not the deadline
             raise DeadlineExceeded(f"no result within {timeout_s:.3g} s") from None
         finally:
             if not pending.future.done():  # cancelled or timed out: never decode it
@@ -250,9 +254,10 @@ class StepScheduler(Generic[T]):
         return self._key(job.priority, job.waited_s(self.clock()), job.deadline, job.arrived, job.order)
 
     def _head_key(self, pending: _Pending) -> tuple:
-        return self._key(pending.priority, self.clock() - pending.arrived, pending.deadline, pending.arrived)
+        # last among equals: a queued request never starts beside a started batch just as urgent
+        return self._key(pending.priority, self.clock() - pending.arrived, pending.deadline, pending.arrived, math.inf)
 
-    def _key(self, priority: str, waited_s: float, deadline: float | None, arrived: float, order: int = 0) -> tuple:
+    def _key(self, priority: str, waited_s: float, deadline: float | None, arrived: float, order: float) -> tuple:
         cls = promoted(priority, waited_s, self.limits.promote_after_s)
         return (RANK[cls], float("inf") if deadline is None else deadline, arrived, order)
 
@@ -335,7 +340,8 @@ class StepScheduler(Generic[T]):
             if self._started:
                 price = self._batch_price(self._peek_batch(qkey))
                 if not self._may_start_beside(head, price):
-                    if self.limits.preemption and self._more_urgent_than_started(head):
+                    if self.limits.preemption and self._more_urgent_than_started(head) and not head.waited_for_room:
+                        head.waited_for_room = True
                         self.stats.waited_for_room(head.priority)
                     # promotion and deadlines change with time: look again a little later
                     await self._sleep(0.05)
@@ -348,6 +354,12 @@ class StepScheduler(Generic[T]):
             batch = self._take(qkey)
             if batch:
                 self._start(qkey, batch)
+
+    def _may_suspend(self, holder: _Job, successor: _Job) -> bool:
+        """Promotion may let a suspended batch overtake the one that preempted it: the one then
+        suspended must fit the room too (what every started batch but the successor holds)."""
+        room = self.limits.suspended_room
+        return room is None or sum(j.price.held for j in tuple(self._started) if j is not successor) <= room
 
     def _more_urgent_than_started(self, head: _Pending) -> bool:
         return all(self._head_key(head) < self._urgency(job) for job in self._started)
