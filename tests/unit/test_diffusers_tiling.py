@@ -389,19 +389,38 @@ def test_the_checkpoint_runs_before_each_replayed_decoder_call_and_stops_it():
     # mid-replay, the model and its view still have their own decoder
     checkpoint = lambda: calls.append(vae.decoder is decoder and view.decoder is decoder)  # noqa: E731
     decoded = tiled_decode_elsewhere(view, z, elsewhere(vae), checkpoint=checkpoint)
-    assert calls == [True] * 4 and torch.equal(decoded, view.decode(z).sample)
+    # before each of the 4 tiles' decoder calls, recorded and replayed, and before each blend of both
+    blends = sum(1 for edge in blend_calls(view, z))
+    assert calls == [True] * (2 * (4 + blends)) and blends > 0 and torch.equal(decoded, view.decode(z).sample)
 
     class Abandoned(Exception):
         pass
 
+    calls.clear()
+
     def abandon():
         calls.append(1)
-        if len(calls) == 6:
+        if len(calls) == 2 * (4 + blends) - 1:  # the replay's last: stops it, whatever came before
             raise Abandoned
 
     with pytest.raises(Abandoned):
         tiled_decode_elsewhere(view, z, elsewhere(vae), checkpoint=abandon)
     assert torch.equal(view.decode(z).sample, decoded)
+
+
+def blend_calls(view, z) -> list[str]:
+    """The blends the class's own tiled decode of `z` makes, by name."""
+    seen = []
+    for name in ("blend_v", "blend_h", "blend_t"):
+        blend = getattr(view, name, None)
+        if callable(blend):
+            view.__dict__[name] = lambda *args, _blend=blend, _name=name: seen.append(_name) or _blend(*args)
+    try:
+        view.decode(z)
+    finally:
+        for name in ("blend_v", "blend_h", "blend_t"):
+            view.__dict__.pop(name, None)
+    return seen
 
 
 def test_the_model_and_its_views_are_untouched_while_two_threads_replay_at_once():

@@ -70,6 +70,8 @@ DIFFUSERS_CHECKED = ((0, 35), (0, 43))  # releases read: from the first, up to (
 
 _CACHE_KWARGS = ("feat_cache", "feat_idx")  # how Wan-style classes pass their decoder its cache
 
+BLENDS = ("blend_v", "blend_h", "blend_t")  # the classes' blending methods, called once per tile edge
+
 
 def tiled_view(vae: nn.Module) -> nn.Module | None:
     """The view, or None when the class has no tiled decode (some classes have the switch, but
@@ -154,7 +156,8 @@ def tiled_decode_elsewhere(
     causal video decoders, Wan and Qwen-Image, one spatial tile's inputs of every latent frame), of
     the same shape, dtype and device, taken one at a time as the blend reaches them (diffusers
     blends into them in place, so each must be a tensor of its own). `checkpoint` runs before each
-    decoder call of the replay (the real decoder's forward pre-hooks do not run).
+    decoder call of the record and of the replay (the real decoder's forward pre-hooks do not run):
+    a scheduler may run other decodes there (recording a large image's tiles takes a while too).
 
     None, having called nothing: the class's tiled decode calls its decoder in a way the replay
     does not cover (other arguments, e.g. timestep conditioning; a cache other than Wan's), or on
@@ -167,10 +170,10 @@ def tiled_decode_elsewhere(
     shapes = shapes or DecoderShapes.of(view)  # the caller's, kept per model (else made for this call)
     if shapes is None:
         return None
-    recorder = _Recorder(shapes, view)
+    recorder = _Recorder(shapes, view, checkpoint)
     try:
         # its shape alone: the record's meta tensors are not held through the replay (_Light)
-        planned = _with_decoder(view, recorder).decode(z).sample.shape
+        planned = _with_decoder(view, recorder, checkpoint).decode(z).sample.shape
         plan = recorder.plan()
     except (_Unsupported, NoMetaShapes, *META_ERRORS):  # e.g. a tiled decode that copies the meta outputs
         return None
@@ -178,7 +181,7 @@ def tiled_decode_elsewhere(
         return None
     outputs = iter(decode_jobs(list(plan.jobs), plan.causal))
     replayer = _Replayer(plan, outputs, checkpoint, view.decoder)
-    decoded = _with_decoder(view, replayer).decode(z).sample
+    decoded = _with_decoder(view, replayer, checkpoint).decode(z).sample
     n = len(plan.calls)
     if replayer.calls != n:
         raise RuntimeError(f"tiled decode: the replay called the decoder {replayer.calls} times, the record {n}")
@@ -286,8 +289,9 @@ class _Plan:
 class _Recorder(nn.Module):
     """Pass 1's decoder."""
 
-    def __init__(self, shapes: DecoderShapes, view: nn.Module):
+    def __init__(self, shapes: DecoderShapes, view: nn.Module, checkpoint: Callable[[], None] | None = None):
         super().__init__()
+        self.checkpoint = checkpoint
         # the real decoder, as a submodule: some classes count its convs when they reset their cache
         self.real = view.decoder
         self.shapes = shapes
@@ -301,6 +305,8 @@ class _Recorder(nn.Module):
         self.state: tuple = ()  # the current tile's cache, as its meta twin has it (_state)
 
     def forward(self, *args, **kwargs) -> torch.Tensor:
+        if self.checkpoint is not None:
+            self.checkpoint()
         if len(args) != 1 or not isinstance(args[0], torch.Tensor):
             raise _Unsupported
         (x,) = args
@@ -458,10 +464,26 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and a.dtype == b.dtype and bool(((a == b) | (a.isnan() & b.isnan())).all())
 
 
-def _with_decoder(view: nn.Module, decoder: nn.Module) -> nn.Module:
-    """A view of `view` for one call, with `decoder` in place of its decoder."""
+def _with_decoder(view: nn.Module, decoder: nn.Module, checkpoint: Callable[[], None] | None = None) -> nn.Module:
+    """A view of `view` for one call, with `decoder` in place of its decoder (and `checkpoint` run
+    before each of its blends: the blend of a large image is many small ops, a while on the host)."""
     call_view = copy.copy(view)
     # copy.copy shares the `_modules` dict: swapping the decoder in it would swap every thread's
     call_view.__dict__["_modules"] = view._modules.copy()
     call_view.decoder = decoder
+    if checkpoint is not None:
+        for name in BLENDS:
+            # bound to `view`, not to the call's view: no cycle keeps the call's decoder (a replay's
+            # outputs) alive past the call
+            blend = getattr(view, name, None)
+            if callable(blend):
+                call_view.__dict__[name] = _checked(blend, checkpoint)
     return call_view
+
+
+def _checked(blend: Callable, checkpoint: Callable[[], None]) -> Callable:
+    def checked(*args, **kwargs):
+        checkpoint()
+        return blend(*args, **kwargs)
+
+    return checked

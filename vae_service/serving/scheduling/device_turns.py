@@ -34,6 +34,8 @@ class Turn:
         self.first_wait_s = 0.0  # waiting for its first step
         self.waiting_since: float | None = None
         self.ran = False  # it ran a step: waiting after that is being suspended
+        self.step_began: float | None = None  # the running step's start, while it holds the device
+        self.longest_step_s = 0.0
         self._abandoned: threading.Event | None = None
 
     def watch(self, abandoned: threading.Event) -> None:
@@ -47,10 +49,18 @@ class Turn:
         """A step boundary: run on, or give the device to more urgent work and wait (`check` runs
         every WAIT_SLICE_S meanwhile: a decode nobody waits for stops while suspended)."""
         self.steps += 1
+        self._step_ended()
         self.turns.between_steps(self, check)
+        self.step_began = self.turns.clock()
 
     def release(self) -> None:
+        self._step_ended()
+        self.step_began = None
         self.turns.release(self)
+
+    def _step_ended(self) -> None:
+        if self.step_began is not None:
+            self.longest_step_s = max(self.longest_step_s, self.turns.clock() - self.step_began)
 
     def waited_s(self, now: float) -> float:
         """Time spent waiting for the device since it started, the current wait included."""
@@ -104,6 +114,7 @@ class DeviceTurns:
                 raise
             self._stop_waiting(turn)
             turn.ran = True
+            turn.step_began = self.clock()
 
     def between_steps(self, turn: Turn, check: Callable[[], None]) -> None:
         with self._cond:

@@ -22,6 +22,7 @@ class _Class:
     refused: int = 0
     waited_for_room: int = 0
     preempted_s: float = 0.0
+    longest_step_s: float = 0.0  # what a more urgent decode may wait for at most, as seen
 
     def describe(self) -> dict:
         waits = sorted(self.waits_s)
@@ -35,6 +36,7 @@ class _Class:
             "refused": self.refused,
             "waited_for_room": self.waited_for_room,
             "preempted_ms": round(self.preempted_s * 1e3, 3),
+            "longest_step_ms": round(self.longest_step_s * 1e3, 3),
         }
 
 
@@ -59,6 +61,7 @@ class ClassStats:
         c.preemptions += turn.preemptions
         c.preempted_s += turn.suspended_s
         c.promotions += promotions
+        c.longest_step_s = max(c.longest_step_s, turn.longest_step_s)
 
     def describe(self) -> dict:
         return {name: c.describe() for name, c in self.classes.items()}
