@@ -41,6 +41,9 @@ class Interloping:
         self.turn.between_steps(check)  # suspended here until the interloper gave the device back
         self.answers.append((request, done.result(INTERLOPER_TIMEOUT_S)))
 
+    def aside(self, wait) -> None:
+        self.turn.aside(wait)
+
     def request(self, k: int) -> DecodeRequest:
         channels = self.engine.spec.latent_channels
         shape = (1, channels, 2, 4, 4) if self.engine.runtime.chunked else (1, channels, 5, 5)

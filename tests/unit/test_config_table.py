@@ -50,8 +50,9 @@ def test_every_leaf_field_has_its_row():
                 walk(field.annotation, f"{prefix}{name}.")
                 continue
             leaves.append(prefix + name)
-            if get_origin(field.annotation) is dict:  # named entries (sinks): the row, then an entry's fields
-                walk(get_args(field.annotation)[1], f"{prefix}{name}.NAME.")
+            entry = get_args(field.annotation)[1] if get_origin(field.annotation) is dict else None
+            if isinstance(entry, type) and issubclass(entry, BaseModel):  # named entries (sinks): an entry's fields
+                walk(entry, f"{prefix}{name}.NAME.")
 
     walk(ServiceConfig)
     assert names == leaves

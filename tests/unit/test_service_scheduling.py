@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import threading
+from dataclasses import replace
 
 import pytest
 import torch
@@ -24,6 +25,7 @@ from vae_service.engine.request.errors import Overloaded
 from vae_service.engine.request.session import SessionOpen
 from vae_service.engine.runtime import wan_walk
 from vae_service.serving.decode_service import DecodeService
+from vae_service.serving.outputs.frame_stream import CHUNKS_AHEAD
 
 VIDEO_FRAMES, HELD_AT = 8, 3  # the bulk video's latent frames; the one it is held inside
 H = W = 4
@@ -145,3 +147,25 @@ async def test_a_bulk_flood_is_refused_in_its_class_while_sessions_and_requests_
     answers = await asyncio.gather(running, *queued, interactive, chunk)
     assert all(a is not None for a in answers)
     assert service.describe()["scheduling"]["classes"]["bulk"]["refused"] == 1
+
+
+async def test_a_stream_whose_reader_lags_lets_a_sessions_chunk_run_meanwhile(wan_dir):
+    """A bulk stream nobody reads waits for its reader with its frames decoded ahead: that wait is a
+    step boundary, so a session's chunk decodes meanwhile; then the stream goes on, whole."""
+    service = service_of(wan_dir)
+    request = video_request()
+    stream = await service.submit(lambda: replace(request, stream=True), request.latents.nbytes)
+    (video,) = service.scheduler._started
+    for _ in range(6000):  # until its decode waits for the reader: CHUNKS_AHEAD chunks unread
+        if video.turn.steps > CHUNKS_AHEAD + 1:
+            break
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.2)
+    steps = video.turn.steps
+    session = service.sessions.open(SessionOpen(H, W, output="float"))
+    answer = await asyncio.wait_for(service.sessions.chunk(session.id, chunk_request()), 60)
+    assert answer.frames.frames > 0 and video.turn.steps == steps  # the video still waited for its reader
+    chunks = [event async for event in stream.events()]
+    frames = torch.cat([c.pixels for c in chunks[:-1]], 2)
+    assert torch.equal(frames, await alone(service, request))
+    assert chunks[-1].timing.preempted_ms > 0

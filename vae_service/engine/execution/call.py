@@ -23,6 +23,10 @@ class StepGate(Protocol):
 
     def between_steps(self, check: Callable[[], None]) -> None: ...
 
+    def aside(self, wait: Callable[[], None]) -> None:
+        """Give the device up while `wait()` runs (the decode waits for something off the device:
+        a stream's reader), then take a turn again."""
+
 
 @dataclass
 class DecodeCall:
@@ -105,6 +109,16 @@ def step_running_call() -> None:
     call = _RUNNING.get()
     if call is not None:
         call.checkpoint()
+
+
+def wait_off_device(wait: Callable[[], None]) -> None:
+    """`wait()`, the device given to other decodes meanwhile where the call running on this thread
+    takes turns (between two of its steps only)."""
+    call = _RUNNING.get()
+    if call is None or call.steps is None:
+        wait()
+    else:
+        call.steps.aside(wait)
 
 
 def checked_chunks(chunks: Iterator, checkpoint: Callable[[], None] = check_running_call) -> Iterator:

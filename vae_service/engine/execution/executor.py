@@ -65,7 +65,6 @@ class Executor:
                 continue
             call.running_members = tuple(members)
             try:
-                call.checkpoint()  # each run is a step (and each decoder call within it, for images)
                 decoded = self._run(plan, run, members, batch, latents, call)
             except (DecodeAbandoned, DecodeTimeout) as stopped:
                 if not (isinstance(stopped, DecodeAbandoned) or all(call.gone(i) for i in members)):

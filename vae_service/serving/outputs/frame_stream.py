@@ -15,9 +15,10 @@ first frame not sent. The result then says what decoded the frames sent: `fallba
 per item in `fallback`, the first frame that came from fp32 (0: all of them), and `precision` is
 "fp32" only where every frame sent was.
 
-The stream holds at most `CHUNKS_AHEAD` chunks its reader has not taken: the device thread waits to
-hand over more (in slices that check the request), so a slow reader slows its decode instead of
-piling a clip up here. Those chunks and the one its reader holds are in the streamed request's
+The stream holds at most `CHUNKS_AHEAD` chunks its reader has not taken: the decode waits to hand
+over more (in slices that check the request), off the device (other decodes run their steps
+meanwhile), so a slow reader slows its decode instead of piling a clip up here or holding the
+device. Those chunks and the one its reader holds are in the streamed request's
 price (engine/pricing/cost_model.py's `streamed_bytes`: on a CPU they are in the decode's memory);
 nothing here keeps a chunk once it is passed on (the first one included). (Serve passes what the
 replica sends on to the proxy without backpressure: what a slow HTTP client has not read waits
@@ -31,6 +32,7 @@ import threading
 from collections.abc import AsyncIterator
 from dataclasses import replace
 
+from vae_service.engine.execution.call import wait_off_device
 from vae_service.engine.execution.video import FrameChunk
 from vae_service.engine.pricing.cost_model import STREAM_CHUNKS_AHEAD
 from vae_service.engine.request.context import RequestContext
@@ -53,9 +55,14 @@ class FrameStream:
         self._first = None
 
     def sink(self, chunk: FrameChunk) -> None:
-        """Called on the device thread: waits while CHUNKS_AHEAD chunks are not taken yet."""
-        self._context.wait_until(lambda s: self._room.acquire(timeout=s), "a stream's reader taking its frames")
+        """Called on the decode's device thread between two of its steps: waits while CHUNKS_AHEAD
+        chunks are not taken yet, the device given to other decodes meanwhile."""
+        if not self._room.acquire(blocking=False):
+            wait_off_device(self._wait_for_room)
         self._loop.call_soon_threadsafe(self._queue.put_nowait, chunk)
+
+    def _wait_for_room(self) -> None:
+        self._context.wait_until(lambda s: self._room.acquire(timeout=s), "a stream's reader taking its frames")
 
     def _take(self, chunk: FrameChunk) -> FrameChunk | None:
         self._room.release()

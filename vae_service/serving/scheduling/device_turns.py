@@ -53,6 +53,16 @@ class Turn:
         self.turns.between_steps(self, check)
         self.step_began = self.turns.clock()
 
+    def aside(self, wait: Callable[[], None]) -> None:
+        """The device to other work while `wait()` runs off it, then a turn again (by urgency, as
+        any waiting decode; the wait itself is not time suspended). A wait that raises still ends
+        holding the device: the decode unwinds as it would have."""
+        self.release()
+        try:
+            wait()
+        finally:
+            self.turns.take(self, lambda: None)
+
     def release(self) -> None:
         self._step_ended()
         self.step_began = None
