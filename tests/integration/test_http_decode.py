@@ -38,7 +38,7 @@ async def test_concurrent_lossless_answers_are_bit_identical_to_diffusers_solo(k
     assert threads == 1  # the test deployment's cpu_threads; this process has more
     for i, (z, resp) in enumerate(zip(latents, responses, strict=True)):
         assert resp.request_id == f"r{i}" and resp.quality == "lossless" and resp.model == "kl"
-        assert set(resp.timing) == {"queue_ms", "decode_ms", "encode_ms", "batch_size", "replicas"}
+        assert set(resp.timing) == {"queue_ms", "decode_ms", "encode_ms", "batch_size", "replicas", "preempted_ms"}
         assert resp.timing["replicas"] == 1
         with torch_threads(threads):
             np.testing.assert_array_equal(resp.output, reference_decode(kl_reference, z).numpy())

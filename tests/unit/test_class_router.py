@@ -33,7 +33,7 @@ def call(method: str = "__call__", route: str = "", grpc: str = "", **kwargs) ->
         (call("decode", priority="realtime"), "realtime"),  # the replica refuses a claim above its limit
         (call("decode", priority="urgent"), "interactive"),  # not a class: the surface's default
         (call("open_session"), "realtime"),
-        (call(route="/sessions"), "realtime"),
+        (call(route="/sessions"), "interactive"),  # a WebSocket: Serve gives it no route name to go by
         (call(grpc="/vae.VaeDecoder/DecodeSession"), "realtime"),
         (call(grpc="/vae.VaeDecoder/Decode"), "interactive"),
         (None, "interactive"),

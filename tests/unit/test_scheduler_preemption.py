@@ -688,3 +688,40 @@ async def test_a_runner_failing_with_a_timeout_error_fails_its_caller_with_that_
     with pytest.raises(TimeoutError, match="peer replica"):
         await asyncio.wait_for(scheduler.submit(Stepped("request"), timeout_s, BULK), HANG_S)
     await scheduler.close()
+
+
+def test_a_decode_stopped_while_suspended_holds_the_device_again_before_it_unwinds():
+    """A batch of several requests goes on to its next request's run after one request's caller
+    left while it was suspended: it must do so holding the device, never beside its holder."""
+    turns = device_turns.DeviceTurns(lambda urgency: urgency, time.monotonic)
+    bulk, realtime = turns.turn((2,)), turns.turn((0,))
+    bulk.take()
+    urgent_holds, urgent_done = threading.Event(), threading.Event()
+
+    def urgent() -> None:
+        realtime.take()
+        urgent_holds.set()
+        assert urgent_done.wait(HANG_S)
+        realtime.release()
+
+    class CallerLeft(Exception):
+        pass
+
+    def caller_left() -> None:
+        raise CallerLeft
+
+    with ThreadPoolExecutor(2) as pool:
+        running = pool.submit(urgent)
+        while not turns.waiting:
+            time.sleep(0.001)
+        stopped = pool.submit(bulk.between_steps, caller_left)  # suspended, then told its caller left
+        assert urgent_holds.wait(HANG_S)
+        time.sleep(0.2)  # several wait slices: the stop is seen while the urgent decode holds the device
+        assert not stopped.done() and turns.holder is realtime
+        urgent_done.set()
+        running.result(HANG_S)
+        with pytest.raises(CallerLeft):
+            stopped.result(HANG_S)
+    assert turns.holder is bulk  # it unwinds, or runs its next request, on the device
+    bulk.release()
+    assert turns.holder is None

@@ -40,6 +40,7 @@ from vae_service.engine.execution.peer_contract import TilePeers
 from vae_service.engine.execution.session import DecodeSession, SessionChunk, decode_session_chunks
 from vae_service.engine.media.encoding import ENCODED_OUTPUTS, EncodeSettings, encode_all, fragment_frames
 from vae_service.engine.planning.planner import plan_batch, plan_request, retry_plan
+from vae_service.engine.planning.tiling import TileGrid, grid_price
 from vae_service.engine.pricing.cost_model import CostModel
 from vae_service.engine.pricing.encode_cost import EncodePrice
 from vae_service.engine.pricing.preview_price import preview_price
@@ -203,8 +204,10 @@ class DecodeEngine:
     def step_price(self, batch: list[PreparedRequest | SessionChunk]) -> tuple[int, int]:
         """(peak, held) of one batch (one batch key) for the scheduler's memory plan: its estimated
         peak, and what it holds between two of its steps while suspended: a video its frames so far,
-        the chunk handed over, its latents and its walk's cache; a tiled image the blend's
-        accumulator and its answer; images what a finished run holds until the batch ends; a
+        the chunk handed over, its latents and its walk's cache; a tile grid all but one tile's
+        working set (planning/tiling.py's grid_price); the class's own tiled decode its whole peak
+        (its finished tiles wait for the blend); images what a finished run holds until the batch
+        ends; a
         session's chunk its answer, latents and the walk's working copy of the session's cache (the
         cache itself is held in the session budget)."""
         cost, runtime = self.cost, self.runtime
@@ -215,8 +218,14 @@ class DecodeEngine:
             return self.session_chunk_peak(batch), held
         peak = held = 0
         for prepared in batch:
-            if prepared.tiling is not None:
-                kept = cost.held_while_tiled(prepared)
+            own_peak = self.peak_bytes(prepared)
+            if isinstance(prepared.tiling, TileGrid):  # between two tiles: all but one tile's working set
+                beside = cost.held_while_tiled(prepared)
+                own_peak, kept = grid_price(
+                    cost.tiers["high"], prepared.items, prepared.frames, prepared.tiling, beside
+                )
+            elif prepared.tiling is not None:  # the class's own tiled decode: its tiles wait for the blend
+                kept = own_peak
             elif runtime.chunked:
                 walk = 0
                 if runtime.walks is not None and prepared.request.quality != "preview":
@@ -225,7 +234,6 @@ class DecodeEngine:
                 kept = cost.held_beside_the_decode(prepared) + cost.latents_held(prepared) + walk
             else:
                 kept = cost.held_after_decode(prepared)
-            own_peak = self.peak_bytes(prepared)
             peak, held = peak + own_peak, held + min(kept, own_peak)  # what is held is live at the peak too
         return peak, held
 

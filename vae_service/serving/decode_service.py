@@ -24,7 +24,7 @@ from vae_service.engine.execution.peer_contract import TilePeers
 from vae_service.engine.execution.session import ChunkFrames, SessionChunk
 from vae_service.engine.request.context import RequestContext
 from vae_service.engine.request.decode_request import VIDEO_OUTPUTS
-from vae_service.engine.request.errors import DecodeTimeout, InvalidInput, OutOfMemory, Overloaded
+from vae_service.engine.request.errors import DecodeTimeout, InvalidInput, LimitExceeded, OutOfMemory, Overloaded
 from vae_service.engine.request.result import PendingResult
 from vae_service.engine.runtime.tile_jobs import TileJob
 from vae_service.names import PRIORITIES
@@ -38,6 +38,7 @@ from vae_service.serving.scheduling.request_pricing import RequestPricing
 from vae_service.serving.scheduling.scheduler import (
     BatchStats,
     DeadlineExceeded,
+    NeverFits,
     QueueFull,
     SchedulerLimits,
     StepScheduler,
@@ -117,14 +118,16 @@ class DecodeService:
         self.sessions = SessionRegistry(self, owner)
 
     def _decode_batch(self, batch: list[PreparedRequest | SessionChunk], abandoned, turn: Turn) -> list:
+        # without preemption one batch runs at a time: nothing to take turns with
+        steps, suspended_before = (turn if self.scheduler.limits.preemption else None), turn.suspended_s
         if isinstance(batch[0], SessionChunk):  # a batch key never mixes sessions' chunks with requests
-            results = self.engine.decode_session_chunks(batch, abandoned, steps=turn)
+            results = self.engine.decode_session_chunks(batch, abandoned, steps=steps)
         else:
             # the device takes its next step while this batch's output is still copied to the host
             # (CUDA); the wait happens in _decode_prepared, off the device threads
-            results = self.engine.decode(batch, abandoned, defer_host_copy=True, peers=self.peers, steps=turn)
-        if turn.suspended_s:
-            results = [with_preempted_time(r, turn.suspended_s * 1e3) for r in results]
+            results = self.engine.decode(batch, abandoned, defer_host_copy=True, peers=self.peers, steps=steps)
+        if suspended := turn.suspended_s - suspended_before:  # this try's (a batch retried item by item)
+            results = [with_preempted_time(r, suspended * 1e3) for r in results]
         return results
 
     def _observe(self, stats: BatchStats) -> None:
@@ -202,8 +205,8 @@ class DecodeService:
             result = result.result
         if self.on_decoded is not None:
             self.on_decoded(result)
-        decoded_ms = (time.perf_counter() - arrived) * 1e3
-        result = replace(result, timing=replace(result.timing, queue_ms=max(0.0, decoded_ms - result.timing.decode_ms)))
+        decoded_ms, t = (time.perf_counter() - arrived) * 1e3, result.timing
+        result = replace(result, timing=replace(t, queue_ms=max(0.0, decoded_ms - t.decode_ms - t.preempted_ms)))
         if result.encode_as is None:  # raw pixels: nothing to encode
             return result
         try:
@@ -221,6 +224,8 @@ class DecodeService:
         try:
             result = await self.scheduler.submit(item, context.remaining(), priority)
             finished = True
+        except NeverFits as exc:
+            raise LimitExceeded("latents", f"{exc}: send fewer items (scheduling.queued_items)") from None
         except QueueFull as exc:
             raise Overloaded(
                 "priority", f"the {exc.priority} decode queue is full ({exc}); retry later", exc.retry_after_s

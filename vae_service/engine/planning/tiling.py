@@ -84,23 +84,30 @@ def sharing_grid(h: int, w: int, scale: int, pixels: int | None) -> TileGrid | N
     return TileGrid(tile, h, w, optional=True) if tile < max(h, w) else None
 
 
+def grid_price(model: TierPrice, items: int, frames: int, grid: TileGrid, held_bytes: int) -> tuple[int, int]:
+    """(peak, held between two tiles) of decoding on `grid` with `held_bytes` beside it: one tile's
+    working set, and what stays meanwhile: video, the other tiles' histories (lockstep) or the
+    blended clip (tile after tile); images, the tiles finished ahead of the blend."""
+    one = model.working(items, grid.tile_h, grid.tile_w)
+    if model.facts.video:
+        if grid.lockstep:
+            rest = (len(grid.tiles()) - 1) * model.resident(items, grid.tile_h, grid.tile_w)  # their history
+        else:
+            rest = items * frames * grid.h * grid.w * model.facts.scale**2 * 3 * 4  # the blended clip, fp32
+    else:
+        rest = grid.ahead * items * grid.tile_h * grid.tile_w * model.facts.scale**2 * 3 * 4  # fp32 at most
+    return one + rest + held_bytes, rest + held_bytes
+
+
 def tile_for(model: TierPrice, items: int, frames: int, h: int, w: int, held_bytes: int, bound: int) -> TileGrid | None:
     """The largest tiles whose decode fits `bound` with `held_bytes` beside it, lockstep first
     (None: nothing fits). Images: beside the tiles finished ahead of the blend where they are
     shared (engine/execution/tile_executor.py's window: `TILE_WINDOW - 1`, fewer where even the smallest
     tiles leave less room, none then meaning they stay here); a tile's need grows with its size,
     so a bisection finds it (a tier priced per shape runs its twin a few times, not once per size)."""
-    scale_px = model.facts.scale**2
-    clip_fp32 = items * frames * h * w * scale_px * 3 * 4  # tile after tile: the blended clip
 
     def need(tile: int, lockstep: bool, ahead: int = 0) -> int:
-        grid = TileGrid(tile, h, w, lockstep)
-        one = model.working(items, grid.tile_h, grid.tile_w)
-        if model.facts.video:
-            others = (len(grid.tiles()) - 1) * model.resident(items, grid.tile_h, grid.tile_w)  # their history
-            return one + (others if lockstep else clip_fp32) + held_bytes
-        finished = items * grid.tile_h * grid.tile_w * scale_px * 3 * 4  # one tile's output, in fp32 at most
-        return one + ahead * finished + held_bytes
+        return grid_price(model, items, frames, TileGrid(tile, h, w, lockstep, ahead=ahead), held_bytes)[0]
 
     if not model.facts.video:
         for ahead in range(TILE_WINDOW - 1, -1, -1):

@@ -8,8 +8,8 @@ preempt it over and over, each time holding its state).
 What each replica has: its scheduler's latent items queued or started, per class, reported through
 the deployment's `record_routing_stats` (Serve polls it every `request_routing_stats_period_s`:
 ROUTING_STATS_PERIOD_S here). A request's class is what the router can see before any body byte: a
-handle call's `priority` keyword, a session's open (the WebSocket route, gRPC DecodeSession,
-`open_session`: realtime), else its surface's default (interactive); a class claimed inside a
+handle call's `priority` keyword, a session's open (gRPC DecodeSession, a handle's `open_session`:
+realtime), else its surface's default (interactive); a class claimed inside a
 body is honoured by the replica's scheduler, not here. Replicas that have not reported yet (just
 started) and ties are left to Serve's default (power of two choices, locality)."""
 
@@ -23,7 +23,9 @@ from vae_service.serving.scheduling.session_router import SessionAffinityRouter,
 
 ROUTER_PATH = "vae_service.serving.scheduling.class_router.ClassAwareRouter"
 ROUTING_STATS_PERIOD_S = 1.0
-SESSION_OPENS = ("open_session", "DecodeSession")  # handle, gRPC; the WebSocket's route: /sessions
+# a handle's and a gRPC stream's session opens; a WebSocket's is routed as any HTTP call (Serve 2.60
+# gives a WebSocket scope no route name)
+SESSION_OPENS = ("open_session", "DecodeSession")
 
 
 def request_class(pending: PendingRequest | None) -> str:
@@ -34,7 +36,7 @@ def request_class(pending: PendingRequest | None) -> str:
     if isinstance(claimed, str) and claimed in PRIORITIES:
         return claimed
     metadata = pending.metadata
-    if metadata.call_method in SESSION_OPENS or (metadata.route or "").rstrip("/").endswith("/sessions"):
+    if metadata.call_method in SESSION_OPENS:
         return REALTIME
     if (metadata._grpc_service_method or "").endswith("/DecodeSession"):
         return REALTIME

@@ -50,8 +50,16 @@ class Turn:
         every WAIT_SLICE_S meanwhile: a decode nobody waits for stops while suspended)."""
         self.steps += 1
         self._step_ended()
-        self.turns.between_steps(self, check)
-        self.step_began = self.turns.clock()
+        self.step_began = None
+        try:
+            self.turns.between_steps(self, check)
+        except BaseException:
+            # stopped while suspended: the decode unwinds (or goes on to its next request's run)
+            # holding the device again, never beside the holder
+            self.turns.take(self, lambda: None)
+            raise
+        finally:
+            self.step_began = self.turns.clock()
 
     def aside(self, wait: Callable[[], None]) -> None:
         """The device to other work while `wait()` runs off it, then a turn again (by urgency, as
@@ -128,16 +136,17 @@ class DeviceTurns:
 
     def between_steps(self, turn: Turn, check: Callable[[], None]) -> None:
         with self._cond:
-            if self.holder is not turn or not self._waiting:
-                return
-            successor = self._next()
-            if self.urgency(successor.job) >= self.urgency(turn.job):
-                return
-            if not self.may_suspend(turn.job, successor.job):  # no room for its state: it runs on
-                return
-            turn.preemptions += 1
-            self.holder = None
-            self._grant()
+            if self.holder is turn:  # (a turn not holding the device waits for it below)
+                if not self._waiting:
+                    return
+                successor = self._next()
+                if self.urgency(successor.job) >= self.urgency(turn.job):
+                    return
+                if not self.may_suspend(turn.job, successor.job):  # no room for its state: it runs on
+                    return
+                turn.preemptions += 1
+                self.holder = None
+                self._grant()
         self.take(turn, check)
 
     def release(self, turn: Turn) -> None:

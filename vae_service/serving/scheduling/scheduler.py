@@ -18,7 +18,7 @@ its thread, until it is the most urgent again. Urgency: class first (after promo
 more urgent for each `promote_after_s` waited), then the earliest deadline, then age.
 
 The next batch starts while others are started only when it is more urgent than all of them
-(preemption), fewer than `max_suspended` would be suspended, and memory stays planned: every
+(preemption), at most `max_suspended` would be suspended, and memory stays planned: every
 started batch's peak beside what all the others hold between steps fits the decode bound, and what
 suspended batches hold fits `suspended_bytes`. Otherwise it waits in its queue (counted as
 `waited_for_room`). With preemption off the device runs one batch at a time, to completion.
@@ -61,6 +61,14 @@ class QueueFull(Exception):
         self.priority, self.retry_after_s = priority, retry_after_s
 
 
+class NeverFits(Exception):
+    """More items than a class's queue ever holds (413)."""
+
+    def __init__(self, priority: str, items: int, limit: int):
+        super().__init__(f"{items} items are more than the {priority} queue ever holds ({limit})")
+        self.priority = priority
+
+
 class DeadlineExceeded(Exception):
     """The request's deadline passed before its result was ready (504)."""
 
@@ -88,7 +96,7 @@ class _Pending(Generic[T]):
     arrived: float
     deadline: float | None
     caller: asyncio.Task | None = None
-    price: StepPrice | None = None  # its share of a batch's price, once asked
+    price: StepPrice = field(default_factory=lambda: StepPrice(0, 0))  # its share of a batch's price
     waited_for_room: bool = False  # counted once
 
     def live(self, now: float) -> bool:
@@ -146,7 +154,7 @@ class StepScheduler(Generic[T]):
     fails just that request) runs in a device thread; `abandoned` (a threading.Event) is set once
     every caller of the batch has timed out or gone away; `turn` is the batch's place on the device
     (the engine calls its `between_steps` at every step boundary). `price(request)`: a request's
-    StepPrice (the peak of its decode, what it holds while suspended), asked once per request; a
+    StepPrice (the peak of its decode, what it holds while suspended), asked once, at submit; a
     batch's is their sum. `on_batch(stats)` observes each batch (metrics)."""
 
     run_batch: Callable[[list[T], threading.Event, Turn], list[Any]]
@@ -168,6 +176,8 @@ class StepScheduler(Generic[T]):
     # ---- submitting -------------------------------------------------------------------------
     async def submit(self, request: T, timeout_s: float | None = None, priority: str = INTERACTIVE) -> Any:
         waiting, bound = self.queued_items(priority), self.limits.class_bound(priority)
+        if request.items > bound:
+            raise NeverFits(priority, request.items, bound)
         if waiting + request.items > bound:
             self.stats.refused(priority)
             raise QueueFull(priority, waiting, bound, self.limits.retry_after_s)
@@ -180,6 +190,7 @@ class StepScheduler(Generic[T]):
             now,
             None if timeout_s is None else now + timeout_s,
             asyncio.current_task(),
+            self.price(request),  # here, where a failure is its caller's: never in the worker
         )
         self._queues.setdefault((priority, request.batch_key), collections.deque()).append(pending)
         self._wakeup.set()
@@ -364,10 +375,8 @@ class StepScheduler(Generic[T]):
     def _more_urgent_than_started(self, head: _Pending) -> bool:
         return all(self._head_key(head) < self._urgency(job) for job in self._started)
 
-    def _batch_price(self, batch: list[_Pending]) -> StepPrice:
-        for pending in batch:
-            if pending.price is None:
-                pending.price = self.price(pending.request)
+    @staticmethod
+    def _batch_price(batch: list[_Pending]) -> StepPrice:
         return StepPrice(sum(p.price.peak for p in batch), sum(p.price.held for p in batch))
 
     def _peek_batch(self, qkey: tuple[str, Hashable]) -> list[_Pending]:
@@ -438,7 +447,7 @@ class StepScheduler(Generic[T]):
                     self.clock() - started,
                     job.priority,
                     job.turn.suspended_s,
-                    job.turn.steps + 1,
+                    job.turn.steps + 1 if job.turn.ran else 0,
                     job.turn.preemptions,
                     promotions,
                 )

@@ -282,7 +282,7 @@ class SessionRegistry:
             context = self.service.admit()
             chunk = await asyncio.to_thread(self.engine.check_chunk, session, request, context)
             frames = await self.service.submit_prepared(chunk, context, session.settings.priority)
-            queue_ms = max(0.0, (time.perf_counter() - arrived) * 1e3 - frames.decode_ms)
+            queue_ms = max(0.0, (time.perf_counter() - arrived) * 1e3 - frames.decode_ms - frames.preempted_ms)
             fragments, encode_ms = [], 0.0
             video = self._videos.get(session_id)
             if video is not None:
