@@ -51,15 +51,13 @@ def names(ranks) -> list[str]:
     return [r.replica_id.unique_id for (r,) in ranks]
 
 
-def test_urgent_work_goes_where_the_least_urgent_work_waits_and_bulk_where_the_least_work_waits():
+def test_realtime_work_goes_where_the_least_realtime_work_waits_and_bulk_where_the_least_work_waits():
     sessions_busy = replica("a", items(realtime=3))  # live sessions' chunks
     bulk_busy = replica("b", items(bulk=40))  # a batch job
     idle_ish = replica("c", items(interactive=1))
     replicas = [sessions_busy, bulk_busy, idle_ish]
     # a new session waits behind realtime work only (the rest is preempted for it); then the least work
     assert names(ranked(replicas, "realtime")) == ["c", "b", "a"]
-    # an interactive request waits behind realtime and interactive work
-    assert names(ranked(replicas, "interactive")) == ["b", "c", "a"]
     # bulk runs in the gaps: where there is the least work of any class
     assert names(ranked(replicas, "bulk")) == ["c", "a", "b"]
 

@@ -1,9 +1,13 @@
 """Serve's request router for decode deployments, by class: a session's calls go to the replica
-that holds it (serving/scheduling/session_router.py); a new session or a `realtime`/`interactive`
-request to the replica with the least urgent work waiting or started there (its chunks and answers
-then wait behind the fewest); a `bulk` request to where it hurts least: the replica with the least
-work of any class (it runs in the gaps urgent work leaves, so a busy replica's urgent work would
-preempt it over and over, each time holding its state).
+that holds it (serving/scheduling/session_router.py); a new session or a `realtime` request to the
+replica with the least realtime work waiting or started there (its chunks then wait behind the
+fewest); a `bulk` request to where it hurts least: the replica with the least work of any class (it
+runs in the gaps urgent work leaves, so a busy replica's urgent work would preempt it over and over,
+each time holding its state). `interactive` calls (requests by default, and other replicas' tile
+offers) go as Serve routes them by default (power of two choices on live queue lengths): the
+replicas' work per class is up to a second old, and a burst of ordinary requests ranked on it
+would all go to the replica that looked idlest (a tile offered to the deployment would even come
+back to its own, busy, requester).
 
 What each replica has: its scheduler's latent items queued or started, per class, reported through
 the deployment's `record_routing_stats` (Serve polls it every `request_routing_stats_period_s`:
@@ -68,8 +72,9 @@ class ClassAwareRouter(SessionAffinityRouter):
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
     ) -> list[list[RunningReplica]]:
-        if session_owner(pending_request) is None and len(candidate_replicas) > 1:
-            ranks = ranked(candidate_replicas, request_class(pending_request))
+        priority = request_class(pending_request)
+        if session_owner(pending_request) is None and priority != INTERACTIVE and len(candidate_replicas) > 1:
+            ranks = ranked(candidate_replicas, priority)
             if ranks is not None:
                 return ranks
         return await super().choose_replicas(candidate_replicas, pending_request)
