@@ -64,8 +64,8 @@ class TileSurface:
                 with call.running(), closing(self.engine.run_tile(job, fingerprint)) as chunks:
                     while call.checkpoint() or (pixels := next(chunks, None)) is not None:
                         host = pixels.cpu()
-                        while not room.acquire(timeout=WAIT_SLICE_S):
-                            call.checkpoint()  # the decode stops once nobody reads it
+                        if not room.acquire(blocking=False):  # its reader is behind: wait off the device
+                            call.steps.aside(lambda: wait_for_room(room, call))
                         loop.call_soon_threadsafe(sent.put_nowait, host)
             finally:
                 loop.call_soon_threadsafe(sent.put_nowait, None)
@@ -105,3 +105,8 @@ class TileSurface:
         if need is not None and need > bound:
             return f"the tile needs about {need / 2**30:.3g} GiB, over this replica's max_decode_bytes"
         return None
+
+
+def wait_for_room(room: threading.Semaphore, call: DecodeCall) -> None:
+    while not room.acquire(timeout=WAIT_SLICE_S):
+        call.check()  # the decode stops once nobody reads it
