@@ -23,7 +23,7 @@ import torch
 
 from vae_service.config import Limits
 from vae_service.engine import DecodeEngine
-from vae_service.engine.execution.call import DecodeCall
+from vae_service.engine.execution.call import DecodeCall, wait_off_device
 from vae_service.engine.execution.peer_contract import Accepted, Chunk, End, Lost, OfferRefused
 from vae_service.engine.request.context import WAIT_SLICE_S, RequestContext
 from vae_service.engine.request.errors import DecodeTimeout
@@ -65,7 +65,7 @@ class TileSurface:
                     while call.checkpoint() or (pixels := next(chunks, None)) is not None:
                         host = pixels.cpu()
                         if not room.acquire(blocking=False):  # its reader is behind: wait off the device
-                            call.steps.aside(lambda: wait_for_room(room, call))
+                            wait_off_device(lambda: wait_for_room(room, call))
                         loop.call_soon_threadsafe(sent.put_nowait, host)
             finally:
                 loop.call_soon_threadsafe(sent.put_nowait, None)
