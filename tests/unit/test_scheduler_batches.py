@@ -266,3 +266,21 @@ async def test_a_runner_answering_the_wrong_number_of_results_fails_its_callers_
     # the batch failed as a whole, then each request alone: a runner answering nothing for one
     assert [type(r) for r in results] == [RuntimeError, RuntimeError]
     assert str(results[0]) == "the batch runner answered 0 results for 1 requests"
+
+
+@pytest.mark.parametrize("offset_ms", [-2.0, -1.0, -0.5, 0.0, 0.5, 1.0, 2.0])
+async def test_a_decode_failing_as_its_deadline_passes_answers_its_own_error_or_the_deadline(offset_ms):
+    """The race CI met: the device thread sets the decode's error (its own deadline seen between
+    steps) while the caller's wait is timing out; the caller gets one of the two, never a bare
+    TimeoutError that no layer above maps to 504."""
+    timeout_s = 0.05
+
+    def fails_at_the_deadline(batch, abandoned=None, turn=None):
+        time.sleep(max(0.0, timeout_s + offset_ms / 1e3))
+        raise PerRequestError("the decode's own deadline")
+
+    for _ in range(15):
+        batcher = StepScheduler(fails_at_the_deadline, SchedulerLimits(max_batch_size=1, batch_wait_ms=0))
+        with pytest.raises((DeadlineExceeded, PerRequestError)):
+            await batcher.submit(Req(0, "k"), timeout_s=timeout_s)
+        await batcher.close()

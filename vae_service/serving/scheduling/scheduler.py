@@ -197,8 +197,11 @@ class StepScheduler(Generic[T]):
         try:
             return await asyncio.wait_for(asyncio.shield(pending.future), timeout_s)
         except TimeoutError:
-            if pending.future.done() and not pending.future.cancelled() and pending.future.exception() is not None:
-                raise  # the decode's own TimeoutError (a peer's, a socket's), not the deadline
+            # the decode's own answer when it has one: its own TimeoutError (a peer's, a socket's), or
+            # an answer its device thread set while this wait was timing out (its deadline, seen
+            # between steps): never a bare TimeoutError from the wait that no caller maps to 504
+            if pending.future.done() and not pending.future.cancelled():
+                return pending.future.result()
             raise DeadlineExceeded(f"no result within {timeout_s:.3g} s") from None
         finally:
             if not pending.future.done():  # cancelled or timed out: never decode it
