@@ -101,6 +101,19 @@ class Sessions(BaseModel):
         description="a connection that sends no `open` within this long is closed (408 naming `open`); an expired "
         "session's connection waits this long past the idle timeout for a message to answer session_expired",
     )
+    checkpoint_every_chunks: int = Field(
+        8,
+        ge=0,
+        description="every this many chunks a session's state (its causal cache, counts, video writer) is copied to "
+        "the cluster's session keeper, off the device thread: a replica lost to a crash costs its sessions at most "
+        "the chunks since (the client keeps only those latents); 0: no checkpoints (a crash costs a whole replay)",
+    )
+    handoff: bool = Field(
+        True,
+        description="a replica told to stop (scale-down, rolling update) hands each open session's state to the "
+        "session keeper, and its clients continue on another replica without replaying a latent frame; false: "
+        "its sessions are lost (session_lost, then a client's resume replays them)",
+    )
 
 
 class Scheduling(BaseModel):

@@ -20,6 +20,7 @@ from vae_service.protocol.errors import Unauthenticated, wire_error
 from vae_service.serving import metrics
 from vae_service.serving.decode_service import DecodeService
 from vae_service.serving.scheduling.admission import Admission
+from vae_service.serving.scheduling.load_report import load_report
 from vae_service.serving.scheduling.tile_peers import ReplicaPeers
 from vae_service.serving.wire.grpc_servicer import (
     GrpcAnswer,
@@ -169,6 +170,11 @@ class DecoderReplica:
         """Serve polls it for the request router (serving/scheduling/class_router.py); on the replica's
         loop, where the scheduler's queues change."""
         return self.service.routing_stats()
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve polls it for the deployment's autoscaling policy (serving/autoscaling_policy.py):
+        what limits this replica over the window, on the replica's loop (serving/scheduling/load_report.py)."""
+        return load_report(self.service)
 
     def check_health(self) -> None:
         self.service.engine.check_device()
