@@ -23,6 +23,7 @@ session and its file go on from the last chunk answered)."""
 from __future__ import annotations
 
 import asyncio
+import pickle
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -88,6 +89,12 @@ def engines(folder):
 
 
 @pytest.fixture(scope="module")
+def other_engines(folder):
+    """Another replica's engines: the same folder loaded again."""
+    return {p: DecodeEngine(ServiceConfig(model=str(folder), decode_precision=p)) for p in ("fp32", "fp16")}
+
+
+@pytest.fixture(scope="module")
 def device():
     with ThreadPoolExecutor(1, thread_name_prefix="vae-device") as pool:
         yield pool
@@ -114,9 +121,11 @@ class Walked:
     prices: list[int]
 
 
-def walk(row: SessionRow, engine: DecodeEngine, device, measure: bool = False, steps=None) -> Walked:
+def walk(row: SessionRow, engine: DecodeEngine, device, measure: bool = False, steps=None, hand_to=None) -> Walked:
     """Every session of the row, chunk after chunk, their chunks of one step decoded in one call
-    (`steps`: an Interloping that suspends each call at its first step boundaries)."""
+    (`steps`: an Interloping that suspends each call at its first step boundaries; `hand_to`: after
+    every chunk each session leaves for the other engine of the pair, as a drained replica hands it
+    to another: exported, pickled, adopted there)."""
     zs = [latents_of(row, engine, i) for i in range(row.sessions)]
     sessions = [engine.open_session(f"s{i}", settings_of(row)) for i in range(row.sessions)]
     answers, peaks, prices, start = [], [], [], 0
@@ -140,6 +149,9 @@ def walk(row: SessionRow, engine: DecodeEngine, device, measure: bool = False, s
         step_answers = device.submit(decode).result(120)
         for session, answer in zip(sessions, step_answers, strict=True):
             session.advance(answer.step)  # as the replica's registry does once the answer is ready
+        if hand_to is not None:
+            engine, gone_from = hand_to(engine), engine
+            sessions = [engine.adopt_session(pickle.loads(pickle.dumps(gone_from.export_session(s)))) for s in sessions]
         answers.append(step_answers)
         peaks.append(live.peak)
         prices.append(engine.session_chunk_peak(chunks))
@@ -513,3 +525,34 @@ def test_preempted_chunks_answer_the_same_bits(row, engines, walked, device):
         for mine, want in zip(preempted, alone, strict=True):
             assert torch.equal(mine.pixels, want.pixels)
             assert (mine.precision, mine.fallback_from_frame) == (want.precision, want.fallback_from_frame)
+
+
+@pytest.mark.parametrize("row", ROWS, ids=ids)
+def test_sessions_handed_between_replicas_after_every_chunk_answer_the_same_bits(
+    row, engines, other_engines, walked, device
+):
+    """Every session of the row leaves its engine for another replica's after each chunk (exported
+    to the host, pickled, adopted: the drain's handoff, a checkpoint's resume): the same frames,
+    precision and fallback frame as a session that never moved, and the same price held."""
+    pair = {
+        id(engines[row.precision]): other_engines[row.precision],
+        id(other_engines[row.precision]): engines[row.precision],
+    }
+    ran = walk(row, engines[row.precision], device, hand_to=lambda engine: pair[id(engine)])
+    for moved, alone in zip(ran.answers, walked(row).answers, strict=True):
+        for mine, want in zip(moved, alone, strict=True):
+            assert torch.equal(mine.pixels, want.pixels)
+            assert (mine.precision, mine.fallback_from_frame) == (want.precision, want.fallback_from_frame)
+            assert (mine.frame, mine.latent_frame) == (want.frame, want.latent_frame)
+    for moved, stayed in zip(ran.sessions, walked(row).sessions, strict=True):
+        assert (moved.frames, moved.latent_frames, moved.chunks) == (stayed.frames, stayed.latent_frames, stayed.chunks)
+        assert moved.held_price == stayed.held_price and moved.held_bytes == stayed.held_bytes
+
+
+def test_a_state_from_an_engine_that_decodes_other_bits_is_refused_as_lost(engines):
+    from vae_service.engine.request.session import SessionLost
+
+    fp32, fp16 = engines["fp32"], engines["fp16"]
+    state = fp32.export_session(fp32.open_session("s", SessionOpen(H, W)))
+    with pytest.raises(SessionLost, match="cannot continue here"):
+        fp16.adopt_session(state)

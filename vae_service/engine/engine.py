@@ -38,6 +38,7 @@ from vae_service.engine.execution.executor import Executor
 from vae_service.engine.execution.fallback import FALLBACK_PRECISION, Fp32Fallback
 from vae_service.engine.execution.peer_contract import TilePeers
 from vae_service.engine.execution.session import DecodeSession, SessionChunk, decode_session_chunks
+from vae_service.engine.execution.session_state import SessionState, export_state, restore_walk
 from vae_service.engine.media.encoding import ENCODED_OUTPUTS, EncodeSettings, encode_all, fragment_frames
 from vae_service.engine.planning.planner import plan_batch, plan_request, retry_plan
 from vae_service.engine.planning.tiling import TileGrid, grid_price
@@ -49,7 +50,7 @@ from vae_service.engine.request.decode_request import QUALITIES, VIDEO_OUTPUTS, 
 from vae_service.engine.request.errors import DecodeFailed, InvalidInput, LimitExceeded, WrongFingerprint
 from vae_service.engine.request.latents import PreparedRequest, check_finite, check_output, decoder_latents
 from vae_service.engine.request.result import DecodeResult, PendingResult, Timing
-from vae_service.engine.request.session import SessionOpen
+from vae_service.engine.request.session import SessionLost, SessionOpen
 from vae_service.engine.runtime.preview import build_preview
 from vae_service.engine.runtime.runtime import Runtime
 from vae_service.engine.runtime.tile_jobs import TileJob
@@ -384,6 +385,28 @@ class DecodeEngine:
         runtime = self.runtime
         walk = Walk(runtime.vae.decoder, runtime.walks[settings.quality], runtime.fast_path.folded)
         return DecodeSession(session_id, settings, walk, held, self.precision)
+
+    def export_session(self, session: DecodeSession) -> SessionState:
+        """The session as plain data on the host, to continue on another replica (session_state.py)."""
+        return export_state(session, self.fingerprint)
+
+    def adopt_session(self, state: SessionState, limits: Limits | None = None) -> DecodeSession:
+        """A session another replica exported, continued here: priced and checked as an open of its
+        settings, its walk restored on this engine's decoder (the fp32 copy's for a session that fell
+        back). SessionLost where this engine would decode other bits (another model, precision or
+        fast path: a rolling update that changed them), so the client replays instead."""
+        if why := self.decodes_otherwise(state.fingerprint):
+            raise SessionLost("session", f"its state cannot continue here: {why}; resume in a new session")
+        session = self.open_session(state.id, state.settings, limits)
+        if state.fallback_from_frame is not None:
+            fp32 = self.fallback.session_runtime()
+            fresh = Walk(fp32.vae.decoder, fp32.walks["lossless"], fp32.fast_path.folded)
+        else:
+            fresh = session.walk
+        session.walk = restore_walk(state, fresh, self.runtime.device)
+        session.latent_frames, session.frames, session.chunks = state.latent_frames, state.frames, state.chunks
+        session.precision, session.fallback_from_frame = state.precision, state.fallback_from_frame
+        return session
 
     def _chunk_request(self, settings: SessionOpen, latent_frames: int) -> PreparedRequest:
         """A chunk's shape as a request (for prices): [1, C, t, H, W] at the session's dtype."""

@@ -138,3 +138,9 @@ class SessionExpired(DecodeError):
 class SessionLost(DecodeError):
     """The replica that held the session is gone (killed, restarted, scaled down): its causal cache
     with it. The client can resume by replaying the session's latents in a new one."""
+
+
+class SessionMoved(DecodeError):
+    """The session is leaving this replica (it drains: a scale-down, a rolling update): its state
+    went to the cluster's session keeper, and the client continues it on another replica by attaching
+    to the same id (the client libraries do so by themselves); nothing was applied here."""
