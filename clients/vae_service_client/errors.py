@@ -31,6 +31,8 @@ ERROR_KINDS: dict[str, ErrorKind] = {
     # decode sessions (WebSocket /sessions, handles, the actor): the session's state is gone
     "session_expired": ErrorKind(410, "FAILED_PRECONDITION"),
     "session_lost": ErrorKind(503, "UNAVAILABLE"),
+    # the session is leaving its replica (a drain): attach to it again (the clients do it themselves)
+    "session_moved": ErrorKind(503, "UNAVAILABLE"),
     # a request's sink: its store refused the write for good (no such bucket, access denied)
     "store_refused": ErrorKind(424, "FAILED_PRECONDITION"),
 }
@@ -142,6 +144,12 @@ class SessionLost(VaeServiceError):
     overload: a session client with `resume=True` replays the session's latents in a new one."""
 
 
+class SessionMoved(SessionLost):
+    """`session_moved`: the decode session left its replica (a scale-down, a rolling update) with its
+    state kept: the session clients reconnect and attach to it on another replica by themselves (no
+    latent frame replayed); a handle's caller just calls again (the router finds its new replica)."""
+
+
 class StoreRefused(VaeServiceError):
     """424 `store_refused`, field `sink`: the sink's store refused the write for good (a bucket that
     does not exist, access denied, a refused credential, a name it does not take). Not retried: it
@@ -155,6 +163,8 @@ def error_class(status: int, type_: str | None = None) -> type[VaeServiceError]:
         return Unavailable
     if type_ == "session_lost":
         return SessionLost
+    if type_ == "session_moved":
+        return SessionMoved
     if type_ == "session_expired":
         return SessionExpired
     if status in (429, 503):

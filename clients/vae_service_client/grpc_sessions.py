@@ -48,11 +48,16 @@ class GrpcSessionLink(SessionLink):
     def where(self) -> str:
         return f"gRPC {self.url} DecodeSession"
 
-    def connect(self) -> GrpcSessionCall:
-        return GrpcSessionCall(self)
+    def connect(self, session: str | None = None) -> GrpcSessionCall:
+        return GrpcSessionCall(self, session)
 
-    async def connect_async(self) -> AsyncGrpcSessionCall:
-        return AsyncGrpcSessionCall(self)
+    async def connect_async(self, session: str | None = None) -> AsyncGrpcSessionCall:
+        return AsyncGrpcSessionCall(self, session)
+
+    def call_metadata(self, session: str | None) -> tuple:
+        """The call's metadata; `session`: the session it continues (Serve's gRPC proxy routes a
+        call whose `session_id` is set to that session's replica)."""
+        return self.metadata if session is None else (*self.metadata, ("session_id", session))
 
     def connect_error(self, exc: BaseException):
         return None  # a call connects on its first message: its failure comes with the first reply
@@ -86,11 +91,11 @@ class GrpcSessionCall:
     """The sync socket: requests queued to the call's request iterator, replies read by a thread
     (grpc's sync streams have no per-read timeout; `recv(timeout)` needs one)."""
 
-    def __init__(self, link: GrpcSessionLink):
+    def __init__(self, link: GrpcSessionLink, session: str | None = None):
         self._requests: queue.SimpleQueue = queue.SimpleQueue()
         self._replies: queue.SimpleQueue = queue.SimpleQueue()
         self._read = _Replies(link)
-        self._call = link.stub.DecodeSession(iter(self._requests.get, _END), metadata=link.metadata)
+        self._call = link.stub.DecodeSession(iter(self._requests.get, _END), metadata=link.call_metadata(session))
         threading.Thread(target=self._reader, name="vae-session-grpc", daemon=True).start()
 
     def _reader(self) -> None:
@@ -124,9 +129,9 @@ class GrpcSessionCall:
 class AsyncGrpcSessionCall:
     """The asyncio socket: grpc.aio's stream-stream call, read and written in turn."""
 
-    def __init__(self, link: GrpcSessionLink):
+    def __init__(self, link: GrpcSessionLink, session: str | None = None):
         self._read = _Replies(link)
-        self._call = link.stub.DecodeSession(metadata=link.metadata)
+        self._call = link.stub.DecodeSession(metadata=link.call_metadata(session))
         self._end: Exception | None = None
 
     async def send(self, message: bytes) -> None:

@@ -29,34 +29,39 @@ def retry_delay(attempt: int, error: VaeServiceError, backoff_s: float, max_back
     return max(min(backoff_s * 2**attempt, max_backoff_s), error.retry_after or 0.0)
 
 
-def next_delay(attempt: int, error: VaeServiceError, retries: int, backoff_s: float) -> float | None:
+def next_delay(
+    attempt: int, error: VaeServiceError, retries: int, backoff_s: float, retried: tuple[type, ...] = (Overloaded,)
+) -> float | None:
     """Seconds to wait before trying again after attempt `attempt` (from 0) failed with `error`;
-    None: give up and raise it."""
-    if attempt >= retries or not isinstance(error, Overloaded):
+    None: give up and raise it. `retried`: what is retried (an attach also retries SessionMoved: it
+    reached the replica the session is leaving, before Serve stopped routing to it)."""
+    if attempt >= retries or not isinstance(error, retried):
         return None
     return retry_delay(attempt, error, backoff_s)
 
 
-def with_retries(call: Callable[[], T], retries: int, backoff_s: float) -> T:
+def with_retries(call: Callable[[], T], retries: int, backoff_s: float, retried: tuple[type, ...] = (Overloaded,)) -> T:
     """`call()` again while the policy retries what it raises."""
     attempt = 0
     while True:
         try:
             return call()
         except VaeServiceError as exc:
-            if (delay := next_delay(attempt, exc, retries, backoff_s)) is None:
+            if (delay := next_delay(attempt, exc, retries, backoff_s, retried)) is None:
                 raise
             time.sleep(delay)
         attempt += 1
 
 
-async def with_retries_async(call: Callable[[], Awaitable[T]], retries: int, backoff_s: float) -> T:
+async def with_retries_async(
+    call: Callable[[], Awaitable[T]], retries: int, backoff_s: float, retried: tuple[type, ...] = (Overloaded,)
+) -> T:
     attempt = 0
     while True:
         try:
             return await call()
         except VaeServiceError as exc:
-            if (delay := next_delay(attempt, exc, retries, backoff_s)) is None:
+            if (delay := next_delay(attempt, exc, retries, backoff_s, retried)) is None:
                 raise
             await asyncio.sleep(delay)
         attempt += 1

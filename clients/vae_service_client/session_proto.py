@@ -24,6 +24,7 @@ OPENED_KEYS = (
     "latent_channels",
     "spatial_scale",
 )
+ATTACHED_KEYS = ("from", "latent_frames", "frames", "checkpointed_latent_frames")
 
 
 # ---- requests: client -> server ------------------------------------------------------------------
@@ -32,6 +33,11 @@ def request_proto(message: dict):
     ((kind, fields),) = message.items()
     if kind == "close":
         return decode_pb2.SessionRequest(close=decode_pb2.SessionClose())
+    if kind == "attach":
+        attach = decode_pb2.SessionAttach(session=fields["session"])
+        if fields.get("latent_frames") is not None:
+            attach.latent_frames = fields["latent_frames"]
+        return decode_pb2.SessionRequest(attach=attach)
     if kind == "chunk":
         chunk = decode_pb2.SessionChunk(latents=tensor_proto(encoded=fields["latents"]))
         if fields.get("latent_frame") is not None:
@@ -61,6 +67,12 @@ def request_map(msg) -> tuple[str, dict]:
             fields["latents"] = tensor_map_of_proto(chunk.latents)
         if chunk.HasField("latent_frame"):
             fields["latent_frame"] = chunk.latent_frame
+        return kind, fields
+    if kind == "attach":
+        attach = msg.attach
+        fields = {"session": attach.session}
+        if attach.HasField("latent_frames"):
+            fields["latent_frames"] = attach.latent_frames
         return kind, fields
     if kind != "open":
         return kind, {}
@@ -93,11 +105,17 @@ def reply_proto(message: dict):
         tensor = tensor_proto(encoded=pixels) if isinstance(pixels, dict) else tensor_proto(pixels)
         return decode_pb2.SessionReply(frames=decode_pb2.FrameChunk(frame_start=message["frame"], tensor=tensor))
     ((kind, fields),) = message.items()
-    if kind == "opened":
+    if kind in ("opened", "attached"):
         opened = decode_pb2.SessionOpened(
             **{k: fields[k] for k in OPENED_KEYS}, request_id=fields.get("request_id") or ""
         )
-        return decode_pb2.SessionReply(opened=opened)
+        if kind == "opened":
+            return decode_pb2.SessionReply(opened=opened)
+        for key in ATTACHED_KEYS:
+            setattr(opened, key, fields[key])
+        return decode_pb2.SessionReply(attached=opened)
+    if kind == "moved":
+        return decode_pb2.SessionReply(moved=decode_pb2.SessionMovedOn(session=fields["session"]))
     if kind == "chunk_done":
         done = decode_pb2.ChunkDone(
             latent_frame=fields["latent_frame"],
@@ -105,6 +123,7 @@ def reply_proto(message: dict):
             frames=fields["frames"],
             precision=fields["precision"],
             timing=timing_proto(fields["timing"]),
+            checkpointed_latent_frames=fields.get("checkpointed_latent_frames", 0),
         )
         if fields.get("fallback_from_frame") is not None:
             done.fallback_from_frame = fields["fallback_from_frame"]
@@ -130,12 +149,18 @@ def reply_map(msg) -> dict | None:
         if chunk.HasField("tensor"):
             return {"item": 0, "frame": chunk.frame_start, "pixels": tensor_map_of_proto(chunk.tensor)}
         return {"frame": chunk.frame_start, "frames": chunk.frames, "fragment": chunk.fragment}
-    if kind == "opened":
-        opened = msg.opened
-        return {"opened": {**{k: getattr(opened, k) for k in OPENED_KEYS}, "request_id": opened.request_id or None}}
+    if kind in ("opened", "attached"):
+        opened = getattr(msg, kind)
+        fields = {**{k: getattr(opened, k) for k in OPENED_KEYS}, "request_id": opened.request_id or None}
+        if kind == "attached":
+            fields.update({k: getattr(opened, k) for k in ATTACHED_KEYS})
+        return {kind: fields}
+    if kind == "moved":
+        return {"moved": {"session": msg.moved.session}}
     if kind == "chunk_done":
         done = msg.chunk_done
-        fields = {k: getattr(done, k) for k in ("latent_frame", "latent_frames", "frames", "precision")}
+        keys = ("latent_frame", "latent_frames", "frames", "precision", "checkpointed_latent_frames")
+        fields = {k: getattr(done, k) for k in keys}
         timing = timing_of_proto(done.timing)
         fields["timing"] = {k: timing[k] for k in ("queue_ms", "decode_ms", "encode_ms", "batch_size", "preempted_ms")}
         if done.HasField("fallback_from_frame"):

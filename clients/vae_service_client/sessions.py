@@ -33,9 +33,11 @@ from websockets.sync.client import connect
 from vae_service_client.errors import (
     ERROR_KINDS,
     DecodeTimeout,
+    Overloaded,
     ServiceUnreachable,
     SessionExpired,
     SessionLost,
+    SessionMoved,
     Unavailable,
     VaeServiceError,
     connection_error,
@@ -54,6 +56,7 @@ SESSION_OUTPUTS = ("uint8", "float", "mp4", "webm")
 VIDEO_OUTPUTS = ("mp4", "webm")  # one fragmented file across the session's chunks
 SESSION_OPTIONS = ("scaling_factor", "shift_factor", "model", "request_id", "clip_latent_frames", "priority")
 CLOSE = pack({"close": {}})
+SESSION_HEADER = "x-session-id"  # Serve's proxy routes a call carrying it to the session's replica
 MESSAGE_TOO_BIG = 1009  # the WebSocket close code of a message over the receiver's limit (RFC 6455)
 
 
@@ -216,7 +219,10 @@ class SessionBook:
         self.settings, self.resume = settings, resume
         self.opened: dict = {}
         self.frames = self.latent_frames = self.resumes = 0
-        self.kept: list[bytes] = []
+        self.kept: list[tuple[int, int, bytes]] = []  # (first latent frame, latent frames after, message)
+        self.checkpointed = 0  # latent frames the server's latest checkpoint of the session holds
+        self.replayed_latent_frames = 0  # latent frames sent again to resume (none across a drain)
+        self.attaches = 0  # reconnections that continued the same session (moved, or from its checkpoint)
         self.gone: VaeServiceError | None = None
         self.closed: dict | None = None
         self.is_closed = False
@@ -229,11 +235,42 @@ class SessionBook:
 
     @property
     def kept_bytes(self) -> int:
-        """What `resume` holds on the client: every applied chunk's latents."""
-        return sum(map(len, self.kept))
+        """What `resume` holds on the client: the latents of every applied chunk after the latest
+        checkpoint (every chunk's where the server takes none)."""
+        return sum(len(message) for _, _, message in self.kept)
 
     def open_message(self) -> bytes:
         return pack({"open": self.settings})
+
+    def attach_message(self) -> bytes:
+        return pack({"attach": {"session": self.session_id, "latent_frames": self.latent_frames}})
+
+    def take_attached(self, raw) -> int:
+        """The answer to `attach`: the latent frames the session stands at there (the client's own
+        after a drain's handoff; a checkpoint's, fewer, after its replica was lost), or its error."""
+        kind, fields = unpack(raw)
+        if kind == "error":
+            raise answer_error(fields)
+        if kind != "attached":
+            raise make_error("internal", None, f"the server answered attach with {kind!r}, not 'attached'")
+        self.opened, self.gone = {**self.opened, **fields}, None
+        self.attaches += 1
+        self.checkpointed = min(fields.get("checkpointed_latent_frames", 0), self.latent_frames)
+        return fields["latent_frames"]
+
+    def replay_from(self, latent_frame: int) -> list[bytes]:
+        """The kept chunks that take a session standing at `latent_frame` back to where the client is
+        (SessionLost where they are not all kept: the server went back past the latest checkpoint)."""
+        replay = [(start, message) for start, _, message in self.kept if start >= latent_frame]
+        if latent_frame < self.latent_frames and (not replay or replay[0][0] != latent_frame):
+            raise make_error(
+                "session_lost",
+                None,
+                f"the session continues from latent frame {latent_frame}, and the client no longer keeps the "
+                f"latents from there (resume=True keeps those after the latest checkpoint): replay it in a new session",
+            )
+        self._replayed = (self.frames, latent_frame)  # what the replay starts from (check_replayed)
+        return [message for _, message in replay]
 
     def take_opened(self, raw) -> dict:
         """The answer to `open`: the session's summary, or its error raised."""
@@ -256,6 +293,7 @@ class SessionBook:
     def commit(self, message: bytes, done: dict, pixels: list, fragments: list) -> SessionChunk:
         """A chunk's `chunk_done`: the chunk as handed out; a replayed one (nothing new) only counted."""
         if done["latent_frames"] <= self.latent_frames:  # a resume's replay of a chunk handed out before
+            self.replayed_latent_frames += done["latent_frames"] - done["latent_frame"]
             self._replayed = (done["frames"], done["latent_frames"])
         frame, latent_frame = self.frames, done["latent_frame"]
         chunk = SessionChunk(
@@ -272,9 +310,11 @@ class SessionBook:
         if done["latent_frames"] > self.latent_frames:
             self.frames, self.latent_frames = done["frames"], done["latent_frames"]
             if self.resume:
-                self.kept.append(message)
+                self.kept.append((latent_frame, done["latent_frames"], message))
             if self._path is not None and chunk.fragment:
                 self._write(chunk.fragment)
+        self.checkpointed = max(self.checkpointed, min(done.get("checkpointed_latent_frames", 0), self.latent_frames))
+        self.kept = [k for k in self.kept if k[1] > self.checkpointed]  # the server keeps the rest
         return chunk
 
     def _write(self, fragment: bytes) -> None:
@@ -374,6 +414,8 @@ class ChunkAnswer:
             self.fragments += new_fragments([fields], seen)
         elif kind == "chunk_done":
             return self.book.commit(self.message, fields, self.pixels, self.fragments)
+        elif kind == "moved":
+            raise moved_error(self.book)
         elif kind == "error":
             error = answer_error(fields)
             if isinstance(error, SessionExpired | SessionLost):
@@ -382,6 +424,40 @@ class ChunkAnswer:
         else:
             raise make_error("internal", None, f"the server answered a chunk with {kind!r}")
         return None
+
+
+def said_moved(messages: list) -> bool:
+    """Whether the messages left on a closed connection include the server's `moved`."""
+    for raw in messages:
+        with contextlib.suppress(VaeServiceError):
+            if unpack(raw)[0] == "moved":
+                return True
+    return False
+
+
+def _buffered(ws) -> list:
+    """The messages a closed sync socket had received and not handed out yet."""
+    messages = []
+    with contextlib.suppress(Exception):
+        while True:
+            messages.append(ws.recv(timeout=0))
+    return messages
+
+
+async def _buffered_async(ws) -> list:
+    messages = []
+    with contextlib.suppress(Exception):
+        while True:
+            messages.append(await asyncio.wait_for(ws.recv(), 0.05))
+    return messages
+
+
+def moved_error(book: SessionBook) -> SessionMoved:
+    """The server's `moved`: the session left its replica (a drain) and waits to be attached to."""
+    book.gone = make_error(
+        "session_moved", "session", f"session {book.session_id} moved off its replica (it drains): attach to it"
+    )
+    return book.gone
 
 
 def _joined(pixels: list[tuple[int, np.ndarray]]) -> np.ndarray | None:
@@ -411,19 +487,21 @@ class SessionLink:
     def where(self) -> str:
         return f"WebSocket {self.url}"
 
-    def connect(self):
-        return connect(self.url, **self.options())
+    def connect(self, session: str | None = None):
+        """A new socket; `session`: the id of the session it continues (routed to its replica)."""
+        return connect(self.url, **self.options(session))
 
-    async def connect_async(self):
-        return await connect_async(self.url, **self.options())
+    async def connect_async(self, session: str | None = None):
+        return await connect_async(self.url, **self.options(session))
 
     def connect_error(self, exc: BaseException) -> VaeServiceError | None:
         return connect_error(exc, self)
 
-    def options(self) -> dict:
+    def options(self, session: str | None = None) -> dict:
         # frames of a long chunk exceed websockets' 1 MiB default; raw tensors do not deflate: no compression
+        headers = self.headers if session is None else {**self.headers, SESSION_HEADER: session}
         return dict(
-            additional_headers=self.headers,
+            additional_headers=headers,
             open_timeout=self.timeout,
             max_size=MAX_MESSAGE_BYTES,
             compression=None,
@@ -506,8 +584,19 @@ class _Session:
 
     @property
     def kept_bytes(self) -> int:
-        """Client memory that `resume` holds: every applied chunk's latents."""
+        """Client memory that `resume` holds: the latents of the applied chunks after the latest
+        checkpoint the server took of the session."""
         return self._book.kept_bytes
+
+    @property
+    def replayed_latent_frames(self) -> int:
+        """Latent frames sent again to resume the session (0 across a drain: it moves whole)."""
+        return self._book.replayed_latent_frames
+
+    @property
+    def attaches(self) -> int:
+        """Times the session was continued on another replica (it moved, or resumed from its checkpoint)."""
+        return self._book.attaches
 
 
 class DecodeSession(_Session):
@@ -553,6 +642,8 @@ class DecodeSession(_Session):
         try:
             self._book.raise_if_gone()
             return self._chunk(message)
+        except SessionMoved:
+            return self._follow(message)
         except (SessionLost, SessionExpired) as lost:
             if not self._book.resume:
                 raise
@@ -608,18 +699,61 @@ class DecodeSession(_Session):
 
         with_retries(attempt, self._link.retries, self._link.backoff_s)
 
+    def _follow(self, message: bytes) -> SessionChunk:
+        """The session moved off its draining replica: attach to it where it went, then send the
+        chunk (not applied where it was refused)."""
+        self._abandon()
+        try:
+            for kept in self._book.replay_from(self._attach()):
+                self._chunk(kept)
+        except BaseException:
+            self._abandon()
+            raise
+        return self._chunk(message)
+
     def _resume(self, message: bytes, lost: VaeServiceError) -> SessionChunk:
         with self._book.resuming(lost):
             self._abandon()
             try:
-                self._open()
-                for kept in self._book.kept:
+                for kept in self._book.replay_from(self._attach_or_open(lost)):
                     self._chunk(kept)
                 self._book.check_replayed()
             except BaseException:
                 self._abandon()
                 raise
         return self._chunk(message)  # a loss now raises: one resume per failure
+
+    def _attach_or_open(self, lost: VaeServiceError) -> int:
+        """Where the resumed session stands: attached (from its latest checkpoint, or where it
+        moved), else a new session (the replay from the start: where none was kept and the client
+        still has every latent)."""
+        if self._book.session_id is not None and not isinstance(lost, SessionExpired):
+            try:
+                return self._attach()
+            except SessionLost:
+                if self._book.checkpointed:
+                    raise  # the latents before the checkpoint are gone here too: nothing to replay
+        self._open()
+        return 0
+
+    def _attach(self) -> int:
+        def attempt() -> int:
+            try:
+                self._ws = self._link.connect(self._book.session_id)
+            except Exception as exc:
+                raise self._link.connect_error(exc) or exc from None
+            try:
+                self._ws.send(self._book.attach_message())
+                return self._book.take_attached(self._ws.recv(timeout=self._link.timeout))
+            except (ConnectionClosed, TimeoutError) as exc:
+                self._abandon()
+                raise open_failed(exc, self._link) from None
+            except BaseException:
+                self._abandon()
+                raise
+
+        link = self._link
+        return with_retries(attempt, link.retries, link.backoff_s, (Overloaded, SessionMoved))
 
     def _chunk(self, message: bytes) -> SessionChunk:
         return with_retries(lambda: self._exchange(message), self._link.retries, self._link.backoff_s)
@@ -631,7 +765,9 @@ class DecodeSession(_Session):
             while (chunk := answer.feed(self._ws.recv(timeout=self._link.timeout))) is None:
                 pass
         except ConnectionClosed as exc:
-            self._ws = None
+            ws, self._ws = self._ws, None
+            if said_moved(_buffered(ws)):  # the session moved before the chunk went: send it there
+                raise moved_error(self._book) from None
             raise self._book.lost(exc, self._link.url) from None
         except TimeoutError:
             self._abandon()
@@ -672,6 +808,8 @@ class AsyncDecodeSession(_Session):
         try:
             self._book.raise_if_gone()
             return await self._chunk(message)
+        except SessionMoved:
+            return await self._follow(message)
         except (SessionLost, SessionExpired) as lost:
             if not self._book.resume:
                 raise
@@ -728,18 +866,56 @@ class AsyncDecodeSession(_Session):
 
         await with_retries_async(attempt, self._link.retries, self._link.backoff_s)
 
+    async def _follow(self, message: bytes) -> SessionChunk:
+        await self._abandon()
+        try:
+            for kept in self._book.replay_from(await self._attach()):
+                await self._chunk(kept)
+        except BaseException:
+            await self._abandon()
+            raise
+        return await self._chunk(message)
+
     async def _resume(self, message: bytes, lost: VaeServiceError) -> SessionChunk:
         with self._book.resuming(lost):
             await self._abandon()
             try:
-                await self._open()
-                for kept in self._book.kept:
+                for kept in self._book.replay_from(await self._attach_or_open(lost)):
                     await self._chunk(kept)
                 self._book.check_replayed()
             except BaseException:
                 await self._abandon()
                 raise
         return await self._chunk(message)
+
+    async def _attach_or_open(self, lost: VaeServiceError) -> int:
+        if self._book.session_id is not None and not isinstance(lost, SessionExpired):
+            try:
+                return await self._attach()
+            except SessionLost:
+                if self._book.checkpointed:
+                    raise
+        await self._open()
+        return 0
+
+    async def _attach(self) -> int:
+        async def attempt() -> int:
+            try:
+                self._ws = await self._link.connect_async(self._book.session_id)
+            except Exception as exc:
+                raise self._link.connect_error(exc) or exc from None
+            try:
+                await self._ws.send(self._book.attach_message())
+                return self._book.take_attached(await self._recv(self._ws))
+            except (ConnectionClosed, TimeoutError) as exc:
+                await self._abandon()
+                raise open_failed(exc, self._link) from None
+            except BaseException:
+                await self._abandon()
+                raise
+
+        link = self._link
+        return await with_retries_async(attempt, link.retries, link.backoff_s, (Overloaded, SessionMoved))
 
     async def _chunk(self, message: bytes) -> SessionChunk:
         return await with_retries_async(lambda: self._exchange(message), self._link.retries, self._link.backoff_s)
@@ -751,7 +927,9 @@ class AsyncDecodeSession(_Session):
             while (chunk := answer.feed(await self._recv(self._ws))) is None:
                 pass
         except ConnectionClosed as exc:
-            self._ws = None
+            ws, self._ws = self._ws, None
+            if said_moved(await _buffered_async(ws)):
+                raise moved_error(self._book) from None
             raise self._book.lost(exc, self._link.url) from None
         except TimeoutError:
             await self._abandon()

@@ -70,7 +70,8 @@ def serve_gpu_config(model: Path, http_port: int, grpc_port: int, **args) -> dic
       (what `auto` picks on a CPU; bf16 is the yaml's choice for CUDA);
     - the tiny test model instead of a FLUX VAE folder;
     - replicas import the checkout (tests/, deploy/) and run without Ray's token auth;
-    - autoscaling on a test's time scale (seconds, not minutes), at most the nodes there can be;
+    - autoscaling on a test's time scale (seconds, not minutes), at most the nodes there can be,
+      with the yaml's policy (docs/autoscaling.md) and its wait and backlog targets on that scale too;
       the same for the replicas' body deadline.
     """
     raw = yaml.safe_load((DEPLOY / "serve-gpu.yaml").read_text())
@@ -90,15 +91,23 @@ def serve_gpu_config(model: Path, http_port: int, grpc_port: int, **args) -> dic
     actor = deployment["ray_actor_options"]
     assert actor.pop("num_gpus") == 1
     actor.update(num_cpus=1, resources={SLOT: 1})
-    deployment["autoscaling_config"].update(
+    scaling = deployment["autoscaling_config"]
+    scaling.update(
         max_replicas=3,  # deploy/fake-cluster.yaml: at most 3 worker nodes
-        target_ongoing_requests=2,
+        target_ongoing_requests=2,  # what Serve's default policy would use (ours ignores it)
         upscale_delay_s=1,
         downscale_delay_s=2,
         look_back_period_s=2,
         metrics_interval_s=0.5,
     )
+    # the yaml's own policy, its targets on this time scale: a tiny model's decode takes milliseconds
+    # on one CPU thread, so any wait behind another batch is late and a second of queued bulk work a backlog
+    assert scaling["policy"]["policy_function"].endswith(":DecoderScalingPolicy")
+    scaling["policy"]["policy_kwargs"].update(TEST_POLICY_TARGETS)
     return raw
+
+
+TEST_POLICY_TARGETS = {"realtime_wait_ms": 2, "interactive_wait_ms": 2, "bulk_backlog_s": 1}
 
 
 class FakeCluster:

@@ -349,8 +349,10 @@ def test_only_the_replica_and_its_service_sit_at_the_serving_top():
     assert loose == [
         "__init__.py",
         "app.py",
+        "autoscaling_policy.py",
         "decode_service.py",
         "deployment.py",
+        "drain_signal.py",
         "metrics.py",
         "replica.py",
         "router.py",

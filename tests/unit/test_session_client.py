@@ -138,6 +138,8 @@ def test_a_chunk_and_a_close_cross_grpc_unchanged():
         assert kind == "chunk" and read["latent_frame"] == latent_frame
         assert read["latents"] == {**latents_map(z), "data": bytes(latents_map(z)["data"])}
     assert request_map(request_proto({"close": {}})) == ("close", {})
+    for attach in ({"session": "r.1", "latent_frames": 0}, {"session": "r.2", "latent_frames": 9}, {"session": "r.3"}):
+        assert request_map(request_proto({"attach": attach})) == ("attach", attach)
     from vae_service_client.grpc_gen import decode_pb2
 
     assert request_map(decode_pb2.SessionRequest()) == (None, {})
@@ -150,7 +152,15 @@ def reply_maps():
 
     from vae_service.engine.execution.session import ChunkFrames
     from vae_service.protocol.errors import WireErrorInfo
-    from vae_service.protocol.sessions import closed_message, error_message, fragment_message, frames_of, opened_message
+    from vae_service.protocol.sessions import (
+        attached_message,
+        closed_message,
+        error_message,
+        fragment_message,
+        frames_of,
+        moved_message,
+        opened_message,
+    )
     from vae_service_client.mp4 import Mp4Fragment
 
     pixels = torch.arange(2 * 3 * 4 * 3, dtype=torch.uint8).reshape(1, 2, 3, 4, 3)
@@ -159,14 +169,18 @@ def reply_maps():
         "held_bytes": 12345, "idle_timeout_s": 30.0, "max_chunk_latent_frames": 8, "latent_channels": 16,
         "spatial_scale": 8,
     }  # fmt: skip
-    done = {"latent_frame": 2, "latent_frames": 3, "frames": 9, "precision": "fp16",
+    done = {"latent_frame": 2, "latent_frames": 3, "frames": 9, "precision": "fp16", "checkpointed_latent_frames": 2,
             "timing": {"queue_ms": 1.5, "decode_ms": 20.25, "encode_ms": 0.0, "batch_size": 2,
                        "preempted_ms": 3.5}}  # fmt: skip
+    where = {"latent_frames": 7, "frames": 25, "checkpointed_latent_frames": 4}
     error = WireErrorInfo("invalid_request", "latents.shape", "no", None)
     overloaded = WireErrorInfo("overloaded", "session", "full", 2.0)
     return [
         opened_message({**opened, "request_id": None}),
         opened_message({**opened, "request_id": "r1"}),
+        attached_message({**opened, **where, "request_id": None}, "handoff"),
+        attached_message({**opened, **where, "request_id": "r1"}, "checkpoint"),
+        moved_message("abc.1"),
         frames_of(ChunkFrames(pixels, 5, 2, "fp32", 1.0, 1)),
         fragment_message(Mp4Fragment(5, 4, b"\x00\x01moof")),
         {"chunk_done": done},

@@ -136,7 +136,7 @@ def walk(row: SessionRow, engine: DecodeEngine, device, measure: bool = False, s
         ]
         live = LiveBytes()
 
-        def decode(chunks=chunks, live=live):
+        def decode(chunks=chunks, live=live, engine=engine):
             if steps is None:
                 with live if measure else _Nothing():
                     return engine.decode_session_chunks(chunks)

@@ -20,7 +20,7 @@ from vae_service.engine.request.errors import (
     StoreRefused,
     Unavailable,
 )
-from vae_service.engine.request.session import SessionExpired, SessionLost
+from vae_service.engine.request.session import SessionExpired, SessionLost, SessionMoved
 from vae_service_client.errors import ERROR_KINDS, VaeServiceError, error_json, grpc_trailers, make_error
 from vae_service_client.tensors import WireError
 
@@ -44,6 +44,7 @@ WIRE_TYPES: tuple[tuple[type[Exception], str], ...] = (
     (Unauthenticated, "unauthenticated"),
     (SessionExpired, "session_expired"),
     (SessionLost, "session_lost"),
+    (SessionMoved, "session_moved"),
     (UnsupportedMediaType, "unsupported_media_type"),
     (BodyTimeout, "body_timeout"),
     (LimitExceeded, "payload_too_large"),

@@ -34,8 +34,10 @@ OPEN_KEYS = (
     "priority",  # the scheduler's class for the session's chunks (names.PRIORITIES); absent: the deployment's default
 )
 CHUNK_KEYS = ("latents", "latent_frame")
-MESSAGES = ("open", "chunk", "close")
+MESSAGES = ("open", "attach", "chunk", "close")
+ATTACH_KEYS = ("session", "latent_frames")
 MAX_OPEN_BYTES = 64 * 1024  # an open's fields are a few short strings and numbers
+MAX_SESSION_ID_CHARS = 256  # a replica id and a uuid
 
 
 def _known(fields: object, allowed: tuple[str, ...], what: str) -> dict:
@@ -55,6 +57,17 @@ def session_open(fields: object) -> SessionOpen:
         if key not in fields:
             raise InvalidInput(key, "is required: the latents' size of every chunk")
     return SessionOpen(**engine_fields(fields))
+
+
+def session_attach(fields: object) -> tuple[str, int | None]:
+    """An `attach` message's map -> (the session's id, the latent frames the client has received,
+    or None): a client continuing a session that moved to another replica (or resuming one from
+    its checkpoint after its replica was lost)."""
+    fields = _known(fields, ATTACH_KEYS, "attach")
+    session = fields.get("session")
+    if not isinstance(session, str) or not session or len(session) > MAX_SESSION_ID_CHARS:
+        raise InvalidInput("session", f"the session's id: a string of at most {MAX_SESSION_ID_CHARS} characters")
+    return session, _latent_frame(fields.get("latent_frames"), "latent_frames")
 
 
 def parse_message(body: bytes, max_request_bytes: int) -> tuple[str, dict]:
@@ -129,12 +142,25 @@ def _refuse_empty(shape: list) -> None:
         )
 
 
-def _latent_frame(value: object) -> int | None:
+def _latent_frame(value: object, field: str = "latent_frame") -> int | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise InvalidInput("latent_frame", f"the chunk's first latent frame: an integer >= 0, got {value!r}")
+        what = "the chunk's first latent frame" if field == "latent_frame" else "latent frames received"
+        raise InvalidInput(field, f"{what}: an integer >= 0, got {value!r}")
     return value
+
+
+def attached_message(summary: dict, kind: str) -> dict:
+    """The answer to `attach`: the session's summary where it continues (`latent_frames`, `frames`:
+    where it stands; `from`: `handoff` when it is as the client left it, `checkpoint` when the
+    client must resend its chunks from `latent_frames`)."""
+    return {"attached": {**summary, "from": kind}}
+
+
+def moved_message(session_id: str) -> dict:
+    """The session left this replica (it drains): reconnect and `attach` to it."""
+    return {"moved": {"session": session_id}}
 
 
 def opened_message(summary: dict) -> dict:

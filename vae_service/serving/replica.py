@@ -9,6 +9,7 @@ that decoded it. `reconfigure` (Serve's user_config) applies limits and batching
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -19,9 +20,12 @@ from vae_service.config import LIVE_FIELDS, SHUTDOWN_MARGIN_S, LiveConfig, Servi
 from vae_service.protocol.errors import Unauthenticated, wire_error
 from vae_service.serving import metrics
 from vae_service.serving.decode_service import DecodeService
+from vae_service.serving.drain_signal import DrainWatch
 from vae_service.serving.scheduling.admission import Admission
 from vae_service.serving.scheduling.load_report import load_report
 from vae_service.serving.scheduling.tile_peers import ReplicaPeers
+from vae_service.serving.sessions.handoff import SessionMoves
+from vae_service.serving.sessions.keeper import keeper_handle
 from vae_service.serving.wire.grpc_servicer import (
     GrpcAnswer,
     failed,
@@ -118,6 +122,9 @@ class DecoderReplica:
             owner=replica_id,
         )
         self.session_calls = SessionCalls(self.service)
+        self._keeper, self._keeper_tried = None, False
+        self.service.session_moves = SessionMoves(self.service.sessions, self._session_keeper, replica_id)
+        self._drain_watch = DrainWatch(self._hand_off_sessions)
         self._expired_reported = 0
         engine = self.service.engine
         self.model = engine.spec.name
@@ -153,6 +160,28 @@ class DecoderReplica:
         sessions = self.service.sessions
         metrics.report_sessions(self.model, sessions, self._expired_reported)
         self._expired_reported = sessions.expired
+        if sessions.open_sessions:
+            with contextlib.suppress(RuntimeError):  # called off the replica's loop: the next call starts it
+                self._drain_watch.ensure_running()
+
+    def _session_keeper(self):
+        """The deployment's session keeper (sessions/keeper.py), started on first use; None outside
+        a Serve replica or where it cannot be reached (sessions then neither leave nor come)."""
+        if not self._keeper_tried:
+            self._keeper_tried = True
+            try:
+                context = serve.get_replica_context()
+                self._keeper = keeper_handle(context.app_name, context.deployment)
+            except Exception as exc:
+                log.warning("no session keeper (%s): sessions are lost with this replica", exc)
+        return self._keeper
+
+    async def _hand_off_sessions(self) -> None:
+        """The drain has begun: every open session goes to the keeper, its client told `moved`."""
+        moves = self.service.session_moves
+        outcome = await moves.hand_off_all(drain_timeout_s(self.service.live, self.serve_options))
+        if outcome["handed_off"] or outcome["failed"]:
+            log.info("replica %s drains: sessions handed on %s", replica_id(), outcome)
 
     def _count_rejected(self, exc: BaseException) -> None:
         metrics.report_rejected(self.model, exc)
@@ -181,7 +210,9 @@ class DecoderReplica:
 
     def describe(self) -> dict:
         self._report_sessions()  # opened and freed without a batch since (rejected, closed, expired)
-        return {"replica": replica_id(), "rss_bytes": resident_bytes(), **self.service.describe()}
+        described = self.service.describe()
+        described["sessions"] = {**described.get("sessions", {}), **self.service.session_moves.describe()}
+        return {"replica": replica_id(), "rss_bytes": resident_bytes(), **described}
 
     # ---- bodies, also called through handles by the routing ingress ----------------------------
     async def decode_body(self, body: bytes, content_type: str | None) -> HttpAnswer:
@@ -291,7 +322,9 @@ class DecoderReplica:
         # missing service would log a second, unrelated traceback after the real one
         if "service" not in self.__dict__:
             return
-        # let queued and running batches finish, then give the folded buffers back.
+        # sessions held by no connection (handles) leave now; then queued and running batches
+        # finish, and the folded buffers go back
+        await self._hand_off_sessions()
         drained = await self.service.drain(drain_timeout_s(self.service.live, self.serve_options))
         freed = self.release_folded()
         log.info(

@@ -36,6 +36,7 @@ class Turn:
         self.ran = False  # it ran a step: waiting after that is being suspended
         self.step_began: float | None = None  # the running step's start, while it holds the device
         self.longest_step_s = 0.0
+        self.held_s = 0.0  # its steps' time on the device: what its work cost
         self._abandoned: threading.Event | None = None
 
     def watch(self, abandoned: threading.Event) -> None:
@@ -50,7 +51,6 @@ class Turn:
         every WAIT_SLICE_S meanwhile: a decode nobody waits for stops while suspended)."""
         self.steps += 1
         self._step_ended()
-        self.step_began = None
         try:
             self.turns.between_steps(self, check)
         except BaseException:
@@ -73,12 +73,15 @@ class Turn:
 
     def release(self) -> None:
         self._step_ended()
-        self.step_began = None
         self.turns.release(self)
 
     def _step_ended(self) -> None:
         if self.step_began is not None:
-            self.longest_step_s = max(self.longest_step_s, self.turns.clock() - self.step_began)
+            step_s = self.turns.clock() - self.step_began
+            self.step_began = None  # before the sum: a reader meanwhile misses the step, never counts it twice
+            self.longest_step_s = max(self.longest_step_s, step_s)
+            self.held_s += step_s
+            self.turns.busy_s += step_s  # only the holder runs a step: one writer at a time
 
     def waited_s(self, now: float) -> float:
         """Time spent waiting for the device since it started, the current wait included."""
@@ -103,6 +106,16 @@ class DeviceTurns:
         self.holder: Turn | None = None
         self._waiting: list[Turn] = []
         self._cond = threading.Condition()
+        self.busy_s = 0.0  # the device's time running steps, ended ones (busy_seconds: with the running one)
+        self.since = clock()
+
+    def busy_seconds(self) -> float:
+        """Seconds the device has run steps since `since`, the running step so far included (read
+        from any thread: a step ending meanwhile may be missed by this reading, never by the next)."""
+        holder = self.holder
+        began = None if holder is None else holder.step_began
+        running = 0.0 if began is None else max(0.0, self.clock() - began)
+        return self.busy_s + running
 
     def turn(self, job) -> Turn:
         return Turn(self, job)

@@ -171,7 +171,7 @@ class StepScheduler(Generic[T]):
 
     def __post_init__(self) -> None:
         self.turns = DeviceTurns(self._urgency, self.clock, self._may_suspend)
-        self.stats = ClassStats()
+        self.stats = ClassStats(self.clock)
 
     # ---- submitting -------------------------------------------------------------------------
     async def submit(self, request: T, timeout_s: float | None = None, priority: str = INTERACTIVE) -> Any:
@@ -215,6 +215,13 @@ class StepScheduler(Generic[T]):
             for p in q
             if not p.future.done()
         )
+
+    def oldest_wait_s(self, priority: str) -> float:
+        """How long the class's oldest live queued request has waited so far (0 with none): a wait
+        the started batches' figures cannot show while the device keeps it waiting."""
+        now = self.clock()
+        queues = [q for (cls, _), q in self._queues.items() if cls == priority]
+        return now - min((next((p.arrived for p in q if p.live(now)), now) for q in queues), default=now)
 
     def started_items(self, priority: str) -> int:
         return sum(job.items for job in self._started if job.priority == priority)
@@ -417,7 +424,7 @@ class StepScheduler(Generic[T]):
         self._started.remove(job)
         after = promoted(job.priority, job.waited_s(self.clock()), self.limits.promote_after_s)
         promotions = RANK[job.priority] - RANK[after]
-        self.stats.finished(job.priority, job.turn, promotions)
+        self.stats.finished(job.priority, job.turn, promotions, job.items)
         if self._wakeup is not None:
             self._wakeup.set()
         return promotions

@@ -1,20 +1,25 @@
 """What the scheduler did, per class, for /health: queue waits (p50/p99 of the recent ones), batches
 and steps run, preemptions, promotions, refusals of a full class queue, and starts that waited
-because suspended work left no room."""
+because suspended work left no room. For the autoscaling report (load_report.py): the waits of a
+recent period, each timed, and the device seconds a recent item of the class took."""
 
 from __future__ import annotations
 
 import collections
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from vae_service.names import PRIORITIES
 
 RECENT_WAITS = 1024
+RECENT_BATCHES = 32  # enough batches to price an item by, few enough to follow a change of work
 
 
 @dataclass
 class _Class:
-    waits_s: collections.deque = field(default_factory=lambda: collections.deque(maxlen=RECENT_WAITS))
+    waits: collections.deque = field(default_factory=lambda: collections.deque(maxlen=RECENT_WAITS))  # (at, s)
+    costs: collections.deque = field(default_factory=lambda: collections.deque(maxlen=RECENT_BATCHES))  # (s, items)
     batches: int = 0
     steps: int = 0
     preemptions: int = 0
@@ -25,10 +30,10 @@ class _Class:
     longest_step_s: float = 0.0  # what a more urgent decode may wait for at most, as seen
 
     def describe(self) -> dict:
-        waits = sorted(self.waits_s)
+        waits = sorted(w for _, w in self.waits)
         return {
-            "queue_wait_ms_p50": _ms(_quantile(waits, 0.5)),
-            "queue_wait_ms_p99": _ms(_quantile(waits, 0.99)),
+            "queue_wait_ms_p50": _ms(quantile(waits, 0.5)),
+            "queue_wait_ms_p99": _ms(quantile(waits, 0.99)),
             "batches": self.batches,
             "steps": self.steps,
             "preemptions": self.preemptions,
@@ -41,7 +46,8 @@ class _Class:
 
 
 class ClassStats:
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
         self.classes = {name: _Class() for name in PRIORITIES}
 
     def refused(self, priority: str) -> None:
@@ -53,10 +59,13 @@ class ClassStats:
     def started(self, priority: str, waits_s: list[float]) -> None:
         c = self.classes[priority]
         c.batches += 1
-        c.waits_s.extend(waits_s)
+        now = self.clock()
+        c.waits.extend((now, w) for w in waits_s)
 
-    def finished(self, priority: str, turn, promotions: int) -> None:
+    def finished(self, priority: str, turn, promotions: int, items: int = 1) -> None:
         c = self.classes[priority]
+        if turn.ran:
+            c.costs.append((turn.held_s, items))
         c.steps += turn.steps + 1 if turn.ran else 0  # the boundaries seen, and the step after the last
         c.preemptions += turn.preemptions
         c.preempted_s += turn.suspended_s
@@ -66,8 +75,21 @@ class ClassStats:
     def describe(self) -> dict:
         return {name: c.describe() for name, c in self.classes.items()}
 
+    def waits_since(self, priority: str, since: float) -> list[float]:
+        """Queue waits (s) of the class's batches started at `since` (the scheduler's clock) or
+        later, sorted; at most the last RECENT_WAITS."""
+        return sorted(w for at, w in self.classes[priority].waits if at >= since)
 
-def _quantile(values: list[float], q: float) -> float | None:
+    def seconds_per_item(self, priority: str) -> float | None:
+        """Device seconds (steps run, not suspended) per item over the class's recent batches;
+        None before one has run."""
+        costs = self.classes[priority].costs
+        items = sum(n for _, n in costs)
+        return sum(s for s, _ in costs) / items if items else None
+
+
+def quantile(values: list[float], q: float) -> float | None:
+    """The q-quantile of sorted values (nearest rank); None for none."""
     if not values:
         return None
     return values[min(len(values) - 1, int(q * len(values)))]

@@ -31,11 +31,12 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from vae_service.engine.execution.session import ChunkFrames, DecodeSession
+from vae_service.engine.execution.session_state import SessionState, VideoState
 from vae_service.engine.media.encoding import video_writer
 from vae_service.engine.request.context import RequestContext
 from vae_service.engine.request.decode_request import VIDEO_OUTPUTS, DecodeRequest
 from vae_service.engine.request.errors import DecodeTimeout, InvalidInput, LimitExceeded, Overloaded
-from vae_service.engine.request.session import SessionExpired, SessionLost, SessionOpen
+from vae_service.engine.request.session import SessionExpired, SessionLost, SessionMoved, SessionOpen
 from vae_service.serving.outputs.encoders import EncoderPool, failed_encode
 from vae_service.serving.scheduling.classes import session_class
 from vae_service_client.mp4 import Mp4Fragment
@@ -54,12 +55,15 @@ class ChunkAnswer:
     encode_ms: float
     queue_ms: float
 
-    def done(self, session: DecodeSession) -> dict:
+    def done(self, session: DecodeSession, checkpointed: int = 0) -> dict:
+        """`checkpointed`: the latent frames the session's latest checkpoint holds (a client keeps
+        only the latents after it to resume from)."""
         f = self.frames
         return {
             "latent_frame": f.latent_frame,
             "latent_frames": session.latent_frames,
             "frames": session.frames,
+            "checkpointed_latent_frames": checkpointed,
             "precision": f.precision,
             **({"fallback_from_frame": f.fallback_from_frame} if f.fallback_from_frame is not None else {}),
             "timing": {
@@ -78,10 +82,15 @@ class _Video:
     stopped is dropped (its thread may still be at work on it) and the next chunk's writer goes on
     from the last fragment the session answered, with the same init segment."""
 
-    def __init__(self, output: str, pool: EncoderPool):
+    def __init__(self, output: str, pool: EncoderPool, state: VideoState | None = None):
         self.output, self.pool, self.writer = output, pool, None
         self.init: bytes | None = None  # the file's init segment, sent with its first answered fragment
         self.frames = self.fragments_sent = 0  # what the fragments answered so far hold
+        if state is not None:  # a file begun on another replica: its next writer goes on from there
+            self.init, self.frames, self.fragments_sent = state.init, state.frames, state.fragments_sent
+
+    def state(self) -> VideoState:
+        return VideoState(self.init, self.frames, self.fragments_sent)
 
     async def fragments(self, frames: ChunkFrames, counts: list[int], context: RequestContext) -> list[Mp4Fragment]:
         pixels = frames.pixels[0].numpy()
@@ -137,6 +146,13 @@ class SessionRegistry:
         self.open_sessions: dict[str, DecodeSession] = {}
         self._videos: dict[str, _Video] = {}
         self._gone: collections.OrderedDict[str, tuple[int, int, str]] = collections.OrderedDict()
+        self._left: collections.OrderedDict[str, None] = collections.OrderedDict()  # handed to another replica
+        self.moving: set[str] = set()  # leaving: its chunks are answered SessionMoved
+        self._departures: dict[str, asyncio.Future] = {}  # set (kept or not) once it has left
+        self.checkpointed: dict[str, int] = {}  # latent frames of each session's latest checkpoint
+        self.on_applied: Callable[[DecodeSession], None] = lambda session: None  # a chunk became part of it
+        self.on_freed: Callable[[str], None] = lambda session_id: None  # closed, expired or lost here
+        self.adopted = 0
         self._sweeper: asyncio.Task | None = None
         self.opened = self.expired = self.chunks = 0
         self.connections = 0  # conversations (WebSocket, DecodeSession) on this replica, open or not yet
@@ -197,13 +213,32 @@ class SessionRegistry:
     def open(self, settings: SessionOpen) -> DecodeSession:
         """A new session on this replica, or the error naming why not (nothing is held then)."""
         self.sweep()
-        limits, retry_after = self.service.config.limits, self.service.config.serving.retry_after_s
+        limits = self.service.config.limits
         if limits.max_sessions == 0:
             raise LimitExceeded("session", "this deployment opens no decode sessions (limits.max_sessions is 0)")
         priority = session_class(settings.priority, self.service.config.scheduling)  # its chunks' class
         session_id = f"{self.owner()}.{uuid.uuid4().hex}"  # the owner: the session router's affinity key
         session = self.engine.open_session(session_id, replace(settings, priority=priority), limits)
-        budget, held = self.budget(), self.held_bytes
+        self._take(session)
+        self.opened += 1
+        return session
+
+    def adopt(self, state: SessionState) -> DecodeSession:
+        """A session another replica handed off or checkpointed, continued here: priced in this
+        replica's session budget as an open (Overloaded where the room is taken: the client retries,
+        and may reach another replica), its video file going on where it was."""
+        self.sweep()
+        self._gone.pop(state.id, None)
+        self._left.pop(state.id, None)
+        session = self.engine.adopt_session(state, self.service.config.limits)
+        self._take(session, state.video)
+        self.checkpointed[session.id] = state.latent_frames
+        self.adopted += 1
+        return session
+
+    def _take(self, session: DecodeSession, video: VideoState | None = None) -> None:
+        limits, retry_after = self.service.config.limits, self.service.config.serving.retry_after_s
+        settings, budget, held = session.settings, self.budget(), self.held_bytes
         if session.held_price > budget:
             raise LimitExceeded(
                 "height",
@@ -217,13 +252,18 @@ class SessionRegistry:
                 f"max_sessions {limits.max_sessions}); retry when one closes",
                 retry_after,
             )
-        self.open_sessions[session_id] = session
-        if session.settings.output in VIDEO_OUTPUTS:
-            self._videos[session_id] = _Video(session.settings.output, self.service.encoders)
-        self.opened += 1
+        self.open_sessions[session.id] = session
+        if settings.output in VIDEO_OUTPUTS:
+            self._videos[session.id] = _Video(settings.output, self.service.encoders, video)
         self._ensure_sweeper()
         self._changed()
-        return session
+
+    def export(self, session_id: str) -> SessionState:
+        """The open session as plain data on the host (its chunk in flight, if any, not included)."""
+        session = self.open_sessions[session_id]
+        state = self.engine.export_session(session)
+        video = self._videos.get(session_id)
+        return state.with_video(None if video is None else video.state())
 
     def describe_session(self, session: DecodeSession) -> dict:
         engine = self.engine
@@ -249,7 +289,11 @@ class SessionRegistry:
         self.sweep()
         session = self.open_sessions.get(session_id)
         if session is not None:
+            if session_id in self.moving:
+                raise SessionMoved("session", "it is moving to another replica (this one drains): attach to it there")
             return session
+        if session_id in self._left:
+            raise SessionMoved("session", "it moved to another replica (this one drains): attach to it there")
         gone = self._gone.get(session_id)
         if gone is not None:
             frames, latent_frames, why = gone
@@ -293,6 +337,7 @@ class SessionRegistry:
                 video.advance(fragments)
             session.advance(frames.step)
             self.chunks += 1
+            self.on_applied(session)
             self.chunk_ms.append((time.perf_counter() - arrived) * 1e3)
             return ChunkAnswer(frames, tuple(fragments), encode_ms, queue_ms)
         finally:
@@ -317,8 +362,42 @@ class SessionRegistry:
         self._gone[session_id] = (session.frames, session.latent_frames, why)
         while len(self._gone) > EXPIRED_KEPT:
             self._gone.popitem(last=False)
+        self.checkpointed.pop(session_id, None)
+        self._departures.pop(session_id, None)
         self._changed()
+        self.on_freed(session_id)
         return {"frames": session.frames, "latent_frames": session.latent_frames}
+
+    def begin_move(self, session_id: str) -> None:
+        """The session stops taking chunks here (each is answered SessionMoved) until it has left."""
+        self.moving.add(session_id)
+
+    def departure(self, session_id: str) -> asyncio.Future:
+        """Set once the session has left this replica (`left`): True where its state is kept for
+        another replica, False where it could not be (closed here); for its conversation to say so."""
+        return self._departures.setdefault(session_id, asyncio.get_running_loop().create_future())
+
+    def left(self, session_id: str, kept: bool) -> None:
+        """The session's state is kept elsewhere (`kept`: its client attaches to it on another
+        replica) or could not be (it is closed here: the client resumes by replaying)."""
+        self.moving.discard(session_id)
+        departure = self._departures.pop(session_id, None)
+        if kept:
+            session = self.open_sessions.pop(session_id, None)
+            video = self._videos.pop(session_id, None)
+            if video is not None:
+                video.close()
+            if session is not None:
+                session.closed = True
+            self.checkpointed.pop(session_id, None)
+            self._left[session_id] = None
+            while len(self._left) > EXPIRED_KEPT:
+                self._left.popitem(last=False)
+            self._changed()
+        else:
+            self.close(session_id, "its replica shut down and its state could not be handed to another")
+        if departure is not None and not departure.done():
+            departure.set_result(kept)
 
     def sweep(self) -> None:
         """Free every session idle past the timeout (not one whose chunk is running)."""
@@ -354,6 +433,7 @@ class SessionRegistry:
             "opened": self.opened,
             "expired": self.expired,
             "chunks": self.chunks,
+            "adopted": self.adopted,
             "chunk_ms_p50": round(ms[len(ms) // 2], 3) if ms else None,
             "unsupported_because": self.engine.sessions_unsupported_because(),
         }

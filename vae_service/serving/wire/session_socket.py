@@ -20,23 +20,28 @@ from dataclasses import dataclass
 from starlette.responses import Response
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
+from vae_service.engine.execution.session import DecodeSession
 from vae_service.engine.request.errors import InvalidInput
-from vae_service.engine.request.session import SessionExpired
+from vae_service.engine.request.session import SessionExpired, SessionLost, SessionMoved
 from vae_service.protocol.errors import ANSWERABLE, BodyTimeout, Unauthenticated, WireErrorInfo, wire_error
 from vae_service.protocol.requests import call_latents
 from vae_service.protocol.sessions import (
+    attached_message,
     chunk_of,
     chunk_request,
     closed_message,
     error_message,
     fragment_message,
     frames_of,
+    moved_message,
     opened_message,
     parse_message,
+    session_attach,
     session_open,
 )
 from vae_service.serving.decode_service import DecodeService
 from vae_service.serving.scheduling.admission import Admission
+from vae_service.serving.sessions.keeper import CHECKPOINT, HANDOFF
 from vae_service_client.errors import make_error
 from vae_service_client.messages import pack
 
@@ -63,6 +68,14 @@ class CallerGone(Exception):
     """The caller went away while its chunk decoded: the chunk was stopped."""
 
 
+class SessionLeft(Exception):
+    """The session left this replica (it drains); `kept`: its state waits for the client elsewhere."""
+
+    def __init__(self, kept: bool):
+        super().__init__(kept)
+        self.kept = kept
+
+
 class Inbox:
     """The caller's messages, one read at a time, and read while a chunk decodes too: a caller gone
     mid-chunk stops the chunk at its next latent frame (its decode's context abandoned, as a streamed
@@ -76,12 +89,16 @@ class Inbox:
             self.reading = asyncio.ensure_future(self.receive())
         return self.reading
 
-    async def next(self, timeout_s: float) -> tuple[str, dict] | None:
-        """The next message (None: the caller went away); TimeoutError when none came in time."""
+    async def next(self, timeout_s: float, departure: asyncio.Future | None = None) -> tuple[str, dict] | None:
+        """The next message (None: the caller went away); TimeoutError when none came in time;
+        SessionLeft when the session's `departure` came first (its replica drains)."""
         reading = self._read()
-        done, _ = await asyncio.wait({reading}, timeout=timeout_s)
+        waiting = {reading} if departure is None else {reading, departure}
+        done, _ = await asyncio.wait(waiting, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
         if not done:
             raise TimeoutError
+        if reading not in done:
+            raise SessionLeft(departure.result())
         self.reading = None
         return _received(reading)
 
@@ -144,19 +161,30 @@ async def conversation(service: DecodeService, admit: Callable[[], None], receiv
             if first is None:
                 return
             kind, fields = first
-            if kind != "open":
-                raise InvalidInput("message", f"the first message of a session is 'open', got {kind!r}")
-            session = sessions.open(session_open(fields))
+            if kind == "open":
+                session = sessions.open(session_open(fields))
+                first_answer = opened_message(sessions.describe_session(session))
+            elif kind == "attach":
+                session, came_from = await attach(service, *session_attach(fields))
+                where = {
+                    "latent_frames": session.latent_frames,
+                    "frames": session.frames,
+                    "checkpointed_latent_frames": sessions.checkpointed.get(session.id, 0),
+                }
+                first_answer = attached_message({**sessions.describe_session(session), **where}, came_from)
+            else:
+                raise InvalidInput("message", f"the first message of a session is 'open' or 'attach', got {kind!r}")
         except ANSWERABLE as exc:
             info = wire_error(service.rejected(exc))
             yield Reply(error_message(info), ends=True, refused=True, error=info)
             return
         session_id = session.id
-        yield Reply(opened_message(sessions.describe_session(session)))
+        yield Reply(first_answer)
         while True:
             try:
                 try:
-                    received = await inbox.next(sessions.idle_timeout_s + timeouts.open_timeout_s)
+                    departure = sessions.departure(session_id)
+                    received = await inbox.next(sessions.idle_timeout_s + timeouts.open_timeout_s, departure)
                 except TimeoutError:  # idle past its timeout: the sweep freed it, or frees it now
                     sessions.session(session_id)  # sweeps; raises SessionExpired naming what it had decoded
                     continue
@@ -177,6 +205,18 @@ async def conversation(service: DecodeService, admit: Callable[[], None], receiv
                 answer = await inbox.during(sessions.chunk(session_id, request, latent_frame))
             except CallerGone:
                 return
+            except SessionMoved:  # a chunk sent while the session leaves: not applied, sent again there
+                try:
+                    kept = await asyncio.wait_for(
+                        asyncio.shield(sessions.departure(session_id)), timeouts.open_timeout_s
+                    )
+                except TimeoutError:
+                    kept = False
+                yield departed(service, session_id, kept)
+                return
+            except SessionLeft as left:
+                yield departed(service, session_id, left.kept)
+                return
             except SessionExpired as exc:
                 info = wire_error(service.rejected(exc))
                 yield Reply(
@@ -188,13 +228,42 @@ async def conversation(service: DecodeService, admit: Callable[[], None], receiv
                 continue
             for message in [fragment_message(f) for f in answer.fragments] or [frames_of(answer.frames)]:
                 yield Reply(message)
-            yield Reply({"chunk_done": answer.done(session)})
+            yield Reply({"chunk_done": answer.done(session, sessions.checkpointed.get(session_id, 0))})
     finally:
         inbox.close()
         if session_id is not None:
             sessions.close(session_id, "the client disconnected")
         if connected:
             sessions.disconnect()
+
+
+async def attach(service: DecodeService, session_id: str, received: int | None) -> tuple[DecodeSession, str]:
+    """The session of that id, to continue on this connection: open here already (a handle
+    continued it here), or taken over from the keeper (a drained replica's handoff, a lost one's
+    checkpoint). `received`: the latent frames the client has; a session past them cannot go back."""
+    session = service.sessions.open_sessions.get(session_id)
+    came_from = HANDOFF
+    if session is None:
+        if service.session_moves is None:
+            raise SessionLost("session", f"no session {session_id!r} here, and no keeper to continue it from")
+        session, came_from = await service.session_moves.take_over(session_id)
+    if received is not None and session.latent_frames > received:
+        raise InvalidInput(
+            "latent_frames",
+            f"the session has decoded {session.latent_frames} latent frames, more than the {received} received: "
+            "open a new session",
+        )
+    return session, came_from
+
+
+def departed(service: DecodeService, session_id: str, kept: bool) -> Reply:
+    """The last answer of a session that left this replica: `moved` (attach to it again: the
+    clients do) or, where its state could not be kept, `session_lost` (resume by replaying)."""
+    if kept:
+        return Reply(moved_message(session_id), ends=True)
+    lost = SessionLost("session", "its replica shut down and its state could not be handed on: resume in a new session")
+    info = wire_error(service.rejected(lost))
+    return Reply(error_message(info), ends=True, error=info)
 
 
 async def serve_session(service: DecodeService, admission: Admission, ws: WebSocket) -> None:
@@ -254,12 +323,12 @@ class SessionCalls:
     async def chunk(self, session_id: str, latents, latent_frame: int | None = None) -> dict:
         sessions = self.service.sessions
         try:
-            session = sessions.session(session_id)
+            session = await self._session(session_id, latent_frame)
             request = chunk_of(call_latents(latents, self.resident_device), session.settings)
             answer = await sessions.chunk(session_id, request, latent_frame)
         except ANSWERABLE as exc:
             raise _client_error(self.service, exc) from None
-        out = {"done": answer.done(session)}
+        out = {"done": answer.done(session, sessions.checkpointed.get(session_id, 0))}
         if answer.fragments:
             out["fragments"] = [fragment_message(f) for f in answer.fragments]
         else:
@@ -268,6 +337,24 @@ class SessionCalls:
 
     async def close(self, session_id: str) -> dict | None:
         return self.service.sessions.close(session_id)
+
+    async def _session(self, session_id: str, latent_frame: int | None) -> DecodeSession:
+        """The session held here, or taken over from the keeper where its replica drained (as it
+        was: the call goes on) or was lost (from its checkpoint: unless this chunk starts there, the
+        caller is told where to resend from)."""
+        try:
+            return self.service.sessions.session(session_id)
+        except SessionLost:
+            if self.service.session_moves is None:
+                raise
+        session, came_from = await self.service.session_moves.take_over(session_id)
+        if came_from == CHECKPOINT and latent_frame != session.latent_frames:
+            raise SessionLost(
+                "session",
+                f"its replica was lost; it goes on from its checkpoint at latent frame {session.latent_frames} "
+                f"({session.frames} frames): send its chunks again from latent_frame={session.latent_frames}",
+            )
+        return session
 
 
 def _client_error(service: DecodeService, exc: BaseException):

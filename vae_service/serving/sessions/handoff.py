@@ -1,0 +1,169 @@
+"""A replica's sessions leaving it and coming to it, through the deployment's session keeper
+(keeper.py):
+
+- drain (`hand_off_all`): when the replica is told to stop, each open session's chunk in flight
+  finishes and is answered, then the session takes no more chunks here; its state goes to the keeper
+  (host copy off the event loop), and its conversation tells the client `moved`; the client
+  reconnects with the session's id and attaches on another replica. A session whose state cannot be
+  kept within the drain's time is closed here (its client resumes by replaying, as before);
+- checkpoints (`after_chunk`): every `sessions.checkpoint_every_chunks` applied chunks, the session's
+  state goes to the keeper in the background, one at a time per session (a slow keeper skips
+  checkpoints rather than queueing them); the client keeps only the latents after the latest one;
+- take-over (`take_over`): a session this replica does not hold is claimed from the keeper and
+  continued here (a handoff's state is the session as it was; a checkpoint's is the session some
+  chunks back, which the client resends). A claim that does not fit the session budget is left for
+  another replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+from vae_service.engine.execution.session import DecodeSession
+from vae_service.engine.request.session import SessionLost
+from vae_service.serving.sessions.keeper import CHECKPOINT, HANDOFF
+from vae_service.serving.sessions.registry import SessionRegistry
+
+log = logging.getLogger("ray.serve")
+BUSY_POLL_S = 0.01
+
+
+class SessionMoves:
+    """`keeper`: the deployment's keeper actor handle, or a callable giving it (None: no keeper can
+    be reached: sessions neither leave nor come); `owner`: this replica's id."""
+
+    def __init__(self, registry: SessionRegistry, keeper: Callable[[], object | None], owner: Callable[[], str]):
+        self.registry, self.keeper, self.owner = registry, keeper, owner
+        self._checkpointing: dict[str, asyncio.Task] = {}
+        self.handed_off = self.handoffs_failed = self.taken_over = self.checkpoints = 0
+        self.checkpoint_failures = 0
+        self.draining = False
+        registry.on_applied = self.after_chunk
+        registry.on_freed = self.forget
+
+    @property
+    def config(self):
+        return self.registry.service.config.sessions
+
+    @property
+    def ttl_s(self) -> float:
+        """How long the keeper holds a state untouched: as long as an idle session would live."""
+        return self.config.idle_timeout_s
+
+    # ---- drain --------------------------------------------------------------------------------
+    async def hand_off_all(self, timeout_s: float) -> dict:
+        """Every open session handed to the keeper within `timeout_s` (each chunk in flight answered
+        first); returns how many left and how many could not."""
+        self.draining = True
+        if not self.config.handoff or not self.registry.open_sessions:
+            return {"handed_off": 0, "failed": 0}
+        deadline = time.monotonic() + timeout_s
+        results = await asyncio.gather(
+            *(self._hand_off(sid, deadline) for sid in list(self.registry.open_sessions)), return_exceptions=True
+        )
+        handed = sum(1 for r in results if r is True)
+        failed = len(results) - handed
+        self.handed_off += handed
+        self.handoffs_failed += failed
+        return {"handed_off": handed, "failed": failed}
+
+    async def _hand_off(self, session_id: str, deadline: float) -> bool:
+        registry = self.registry
+        session = registry.open_sessions.get(session_id)
+        if session is None:
+            return False
+        while session.busy and time.monotonic() < deadline:  # its chunk in flight is answered first
+            await asyncio.sleep(BUSY_POLL_S)
+        registry.begin_move(session_id)
+        kept = False
+        try:
+            keeper = self.keeper()
+            if keeper is not None and not session.busy:
+                await self._cancel_checkpoint(session_id)
+                state = await asyncio.to_thread(registry.export, session_id)
+                call = keeper.keep.remote(session_id, state, state.latent_frames, HANDOFF, None, self.ttl_s)
+                kept = await asyncio.wait_for(call, max(0.0, deadline - time.monotonic()))
+        except Exception:
+            log.exception("handing session %s to the keeper failed: it is closed (its client replays)", session_id)
+        registry.left(session_id, bool(kept))
+        return bool(kept)
+
+    # ---- checkpoints -------------------------------------------------------------------------------
+    def after_chunk(self, session: DecodeSession) -> None:
+        every = self.config.checkpoint_every_chunks
+        if not every or session.chunks % every or self.draining or self.keeper() is None:
+            return
+        running = self._checkpointing.get(session.id)
+        if running is not None and not running.done():
+            return  # the keeper is slower than the chunks: the next checkpoint is taken later
+        self._checkpointing[session.id] = asyncio.get_running_loop().create_task(self._checkpoint(session))
+
+    async def _checkpoint(self, session: DecodeSession) -> None:
+        registry = self.registry
+        try:
+            state = await asyncio.to_thread(registry.export, session.id)
+            kept = await self.keeper().keep.remote(
+                session.id, state, state.latent_frames, CHECKPOINT, self.owner(), self.ttl_s
+            )
+        except KeyError:
+            return  # closed meanwhile
+        except Exception:
+            self.checkpoint_failures += 1
+            log.exception("checkpointing session %s failed", session.id)
+            return
+        if kept and session.id in registry.open_sessions:
+            registry.checkpointed[session.id] = max(registry.checkpointed.get(session.id, 0), state.latent_frames)
+            self.checkpoints += 1
+
+    async def _cancel_checkpoint(self, session_id: str) -> None:
+        running = self._checkpointing.pop(session_id, None)
+        if running is not None and not running.done():
+            running.cancel()
+            await asyncio.gather(running, return_exceptions=True)
+
+    # ---- coming in ---------------------------------------------------------------------------------
+    async def take_over(self, session_id: str) -> tuple[DecodeSession, str]:
+        """The session continued here from its latest kept state: (the session, HANDOFF or
+        CHECKPOINT). SessionLost where nothing is kept (or no keeper); Overloaded where it does not
+        fit here (left for another replica)."""
+        keeper = self.keeper()
+        if keeper is None or self.draining:
+            raise SessionLost("session", f"no session {session_id!r} here, and none kept to continue")
+        me = self.owner()
+        claimed = await keeper.claim.remote(session_id, me)
+        if claimed is None:
+            raise SessionLost(
+                "session", f"no session {session_id!r} here, and none kept to continue: resume in a new session"
+            )
+        (ref,), _, kind = claimed
+        try:
+            state = await ref
+            session = self.registry.adopt(state)
+        except BaseException:
+            keeper.release.remote(session_id, me)
+            raise
+        self.taken_over += 1
+        return session, kind
+
+    def forget(self, session_id: str) -> None:
+        """A session freed here (closed, expired, its client gone) needs no state kept."""
+        task = self._checkpointing.pop(session_id, None)
+        if task is not None:
+            task.cancel()
+        if self.draining:
+            return
+        keeper = self.keeper()
+        if keeper is not None:
+            keeper.forget.remote(session_id, self.owner())
+
+    def describe(self) -> dict:
+        return {
+            "handed_off": self.handed_off,
+            "handoffs_failed": self.handoffs_failed,
+            "taken_over": self.taken_over,
+            "checkpoints": self.checkpoints,
+            "checkpoint_failures": self.checkpoint_failures,
+        }
