@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 
 from vae_service.engine.execution.session import DecodeSession
-from vae_service.engine.request.session import SessionLost
+from vae_service.engine.request.session import SessionLost, SessionMoved
 from vae_service.serving.sessions.keeper import CHECKPOINT, HANDOFF
 from vae_service.serving.sessions.registry import SessionRegistry
 
@@ -129,9 +129,11 @@ class SessionMoves:
         """The session continued here from its latest kept state: (the session, HANDOFF or
         CHECKPOINT). SessionLost where nothing is kept (or no keeper); Overloaded where it does not
         fit here (left for another replica)."""
+        if self.draining:  # reached before Serve stopped routing here: the client tries again
+            raise SessionMoved("session", "this replica drains: attach to the session on another one")
         keeper = self.keeper()
-        if keeper is None or self.draining:
-            raise SessionLost("session", f"no session {session_id!r} here, and none kept to continue")
+        if keeper is None:
+            raise SessionLost("session", f"no session {session_id!r} here, and no keeper to continue it from")
         me = self.owner()
         claimed = await keeper.claim.remote(session_id, me)
         if claimed is None:
