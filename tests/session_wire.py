@@ -105,3 +105,13 @@ def wait_until(condition, timeout_s: float, what: str, every_s: float = 0.05) ->
         assert time.monotonic() - start < timeout_s, f"{what}: not within {timeout_s} s"
         time.sleep(every_s)
     return time.monotonic() - start
+
+
+def decoded_video(data: bytes) -> list[tuple[float, np.ndarray]]:
+    """A file's frames as a player shows them: (time in seconds, RGB)."""
+    import io
+
+    import av
+
+    with av.open(io.BytesIO(data)) as container:
+        return [(round(float(f.time), 6), f.to_ndarray(format="rgb24")) for f in container.decode(video=0)]

@@ -34,6 +34,7 @@ import torch
 
 from tests.interloping import Interloping
 from tests.models import OVERFLOW_LATENTS, load_reference, overflowing_vae, save_vae
+from tests.session_wire import decoded_video
 from vae_service.config import ServiceConfig
 from vae_service.engine import DecodeEngine, DecodeRequest
 from vae_service.engine.pricing.memory import LiveBytes
@@ -477,16 +478,6 @@ def test_a_chunk_whose_encode_fails_is_not_taken_and_the_file_goes_on_whole(fold
     assert [t for t, _ in ours] == [t for t, _ in theirs] and len(ours) == summary["frames"] == len(pixels)
     for (_, a), (_, b), truth in zip(ours, theirs, pixels.numpy().astype(int), strict=True):
         assert np.abs(a - truth).mean() <= 1.25 * np.abs(b - truth).mean() + 1
-
-
-def decoded_video(data: bytes) -> list[tuple[float, np.ndarray]]:
-    """A file's frames as a player shows them: (time in seconds, RGB)."""
-    import io
-
-    import av
-
-    with av.open(io.BytesIO(data)) as container:
-        return [(round(float(f.time), 6), f.to_ndarray(format="rgb24")) for f in container.decode(video=0)]
 
 
 def test_a_chunk_sent_while_the_sessions_previous_one_decodes_is_refused_naming_the_session(folder):
