@@ -102,6 +102,7 @@ def run_length(url: str, length: int, h: int, w: int, go, resume: bool) -> dict:
     rng = np.random.default_rng(length)
     z = rng.standard_normal((1, 16, length + 1, h, w)).astype(np.float32)
     with VaeClient(url, timeout=600).session(h, w, resume=resume) as session:
+        z = z[:, : session.opened["latent_channels"]]
         steady = [timed(session, z[:, :, k : k + 1]) for k in range(length)]
         go(session)
         after = timed(session, z[:, :, length:])

@@ -326,9 +326,10 @@ def _zombie(pid: int) -> bool:
         return True
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="package")
 def fake_cluster(kl_dir) -> Iterator[FakeCluster]:
-    """Module-scoped: gone before the next module's tests (it must not idle through the session)."""
+    """One cluster for tests/cluster's modules (each test deploys what it needs), gone once they ran:
+    it must not idle through the rest of the session."""
     # a short path: Ray's unix sockets live under it (108 bytes at most)
     root = Path(tempfile.mkdtemp(prefix="vae-fc-", dir="/tmp"))
     cluster = FakeCluster(root, kl_dir)
