@@ -641,10 +641,11 @@ class DecodeSession(_Session):
         message = self._book.chunk_message(latents)
         try:
             self._book.raise_if_gone()
-            return self._chunk(message)
-        except SessionMoved:
-            return self._follow(message)
-        except (SessionLost, SessionExpired) as lost:
+            try:
+                return self._chunk(message)
+            except SessionMoved:
+                return self._follow(message)
+        except (SessionLost, SessionExpired) as lost:  # a move that could not be followed too
             if not self._book.resume:
                 raise
             return self._resume(message, lost)
@@ -715,7 +716,7 @@ class DecodeSession(_Session):
         with self._book.resuming(lost):
             self._abandon()
             try:
-                for kept in self._book.replay_from(self._attach_or_open(lost)):
+                for kept in self._book.replay_from(self._attach_or_open()):
                     self._chunk(kept)
                 self._book.check_replayed()
             except BaseException:
@@ -723,14 +724,14 @@ class DecodeSession(_Session):
                 raise
         return self._chunk(message)  # a loss now raises: one resume per failure
 
-    def _attach_or_open(self, lost: VaeServiceError) -> int:
+    def _attach_or_open(self) -> int:
         """Where the resumed session stands: attached (from its latest checkpoint, or where it
-        moved), else a new session (the replay from the start: where none was kept and the client
-        still has every latent)."""
-        if self._book.session_id is not None and not isinstance(lost, SessionExpired):
+        moved: a connection lost, or a session expired on its replica), else a new session (the
+        replay from the start: where none was kept and the client still has every latent)."""
+        if self._book.session_id is not None:
             try:
                 return self._attach()
-            except SessionLost:
+            except (SessionLost, SessionExpired):
                 if self._book.checkpointed:
                     raise  # the latents before the checkpoint are gone here too: nothing to replay
         self._open()
@@ -807,9 +808,10 @@ class AsyncDecodeSession(_Session):
         await self.open()
         try:
             self._book.raise_if_gone()
-            return await self._chunk(message)
-        except SessionMoved:
-            return await self._follow(message)
+            try:
+                return await self._chunk(message)
+            except SessionMoved:
+                return await self._follow(message)
         except (SessionLost, SessionExpired) as lost:
             if not self._book.resume:
                 raise
@@ -880,7 +882,7 @@ class AsyncDecodeSession(_Session):
         with self._book.resuming(lost):
             await self._abandon()
             try:
-                for kept in self._book.replay_from(await self._attach_or_open(lost)):
+                for kept in self._book.replay_from(await self._attach_or_open()):
                     await self._chunk(kept)
                 self._book.check_replayed()
             except BaseException:
@@ -888,11 +890,11 @@ class AsyncDecodeSession(_Session):
                 raise
         return await self._chunk(message)
 
-    async def _attach_or_open(self, lost: VaeServiceError) -> int:
-        if self._book.session_id is not None and not isinstance(lost, SessionExpired):
+    async def _attach_or_open(self) -> int:
+        if self._book.session_id is not None:
             try:
                 return await self._attach()
-            except SessionLost:
+            except (SessionLost, SessionExpired):
                 if self._book.checkpointed:
                     raise
         await self._open()

@@ -180,6 +180,23 @@ def test_scales_down_to_the_fewest_replicas_holding_the_work_under_target(loads,
     assert decided(context(loads)) == expected
 
 
+@pytest.mark.parametrize(
+    ("slots", "expected"),
+    [
+        ([0.3] * 3, 1),  # 0.9 of one replica's session caps: they all fit one
+        ([0.5] * 3, 2),  # 1.5: a replica that goes must leave room for its sessions on the rest
+        ([1.0] * 3, 3),  # every replica's caps full: none may go
+        ([0.9, 0.0, 0.0], 1),
+    ],
+)
+def test_the_session_caps_in_use_are_the_floor_of_a_scale_down(slots, expected):
+    assert decided(context([{"session_slots": slot} for slot in slots])) == expected
+
+
+def test_full_session_caps_alone_are_no_reason_to_scale_up():
+    assert decided(context([{"session_slots": 1.0}])) == 1
+
+
 def test_never_scales_down_while_a_latency_class_waits_past_target():
     late = {"interactive_wait_ms": 400}  # on one replica of 4: mean 100 ms, under target
     assert decided(context([late, {}, {}, {}])) == 4

@@ -50,7 +50,16 @@ class Replica:
     """A StepScheduler (preemption off: one batch at a time, the rest queued) and the sessions'
     figures, as load_report reads them off a DecodeService."""
 
-    def __init__(self, clock: Clock, held_bytes: int = 0, budget: int = 1000, sessions: int = 0, connections: int = 0):
+    def __init__(
+        self,
+        clock: Clock,
+        held_bytes: int = 0,
+        budget: int = 1000,
+        sessions: int = 0,
+        connections: int = 0,
+        max_sessions: int = 16,
+        session_connections: int = 16,
+    ):
         self.clock, self.entered = clock, threading.Event()
         self.executor = ThreadPoolExecutor(4)
         self.scheduler = StepScheduler(
@@ -61,6 +70,9 @@ class Replica:
             held_bytes=held_bytes,
             budget=lambda: budget,
             connections=connections,
+        )
+        self.config = SimpleNamespace(
+            limits=SimpleNamespace(max_sessions=max_sessions), session_connections=session_connections
         )
 
     def _run(self, requests: list[Work], abandoned, turn) -> list:
@@ -240,3 +252,20 @@ def test_class_stats_keep_timed_waits_and_the_cost_of_an_item():
         BULK, SimpleNamespace(ran=False, held_s=0.0, steps=0, preemptions=0, suspended_s=0.0, longest_step_s=0.0), 0, 8
     )
     assert stats.seconds_per_item(BULK) == pytest.approx(0.5)  # a batch that never ran costs nothing
+
+
+@pytest.mark.parametrize(
+    ("sessions", "connections", "max_sessions", "max_connections", "expected"),
+    [
+        (0, 0, 16, 16, 0.0),
+        (4, 8, 16, 16, 0.5),  # the connections are the tighter cap
+        (6, 2, 8, 16, 0.75),  # the sessions are
+        (0, 3, 16, 0, 1.0),  # a cap of 0 with anything on it: full
+    ],
+)
+def test_session_slots_are_the_tighter_session_cap_in_use(
+    sessions, connections, max_sessions, max_connections, expected
+):
+    replica = Replica(Clock(), sessions=sessions, connections=connections, max_sessions=max_sessions,
+                      session_connections=max_connections)  # fmt: skip
+    assert replica.report()["session_slots"] == expected

@@ -241,3 +241,26 @@ def test_a_message_sent_while_a_chunk_decodes_is_answered_after_the_chunk(wan_di
     assert "opened" in replies[0].message and "pixels" in replies[1].message
     assert "chunk_done" in replies[-2].message and replies[-1].ends
     assert replies[-1].message["closed"] == {"frames": 5, "latent_frames": 2}
+
+
+def test_a_sessions_departure_is_seen_however_late_its_conversation_asks(wan_dir):
+    """A drain's outcome for a session (kept for another replica, or not) reaches its conversation
+    whether it was waiting already or asks after; a session closed or expired otherwise never departs."""
+
+    async def run():
+        service = service_of(wan_dir)
+        sessions = service.sessions
+        waiting, late, closed = (sessions.open(SessionOpen(H, W)) for _ in range(3))
+        early = sessions.departure(waiting.id)
+        for session, kept in ((waiting, True), (late, False)):
+            sessions.begin_move(session.id)
+            sessions.left(session.id, kept)
+        sessions.close(closed.id)
+        outcomes = (early.result(), sessions.departure(waiting.id).result(), sessions.departure(late.id).result())
+        never = sessions.departure(closed.id).done()
+        await service.drain(5)
+        return outcomes, never, sessions
+
+    outcomes, never, sessions = asyncio.run(run())
+    assert outcomes == (True, True, False) and not never
+    assert not sessions.open_sessions and not sessions._departures

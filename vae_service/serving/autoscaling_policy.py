@@ -13,6 +13,8 @@ averages each figure over `look_back_period_s` and this policy reads them back p
   (present, its load unknown: missing data never scales down). Never to zero while Serve counts a
   request in flight (an open socket is one: scaling to zero would cut it).
 - A connection's socket is never load: only its session's priced bytes count, through session_room.
+  The session caps in use (`session_slots`: open sessions and connections over their caps) are a
+  floor for a scale-down only: the sessions of a replica that goes move to the rest.
 
 Serve wraps a custom policy (ray.serve.autoscaling_policy._apply_autoscaling_config): it applies
 `upscale_delay_s`, `downscale_delay_s` (a direction must be asked for without a break for that long),
@@ -32,7 +34,7 @@ if TYPE_CHECKING:  # never at run time: the controller unpickles this module wit
     from ray.serve.config import AutoscalingContext
 
 # what load_report.py reports, per replica
-BUSY, ROOM, BACKLOG = "device_busy", "session_room", "bulk_backlog_s"
+BUSY, ROOM, BACKLOG, SLOTS = "device_busy", "session_room", "bulk_backlog_s", "session_slots"
 WAITS = {"realtime": "realtime_wait_ms", "interactive": "interactive_wait_ms"}
 METRICS = (BUSY, ROOM, BACKLOG, *WAITS.values())
 
@@ -115,7 +117,10 @@ class DecoderScalingPolicy:
         if late or why["unknown"]:
             return target, {**why, "reason": f"hold: {'late ' + ', '.join(late) if late else 'replicas not reported'}"}
         in_flight = 1 if ctx.total_num_requests > 0 else 0
-        needed = max(held, _replicas_for(why[BUSY], self.target_device_busy), in_flight)
+        # where the sessions and connections there are fit (never a reason to add a replica: a
+        # socket is no load; but a replica that goes must leave room for its sessions to move to)
+        slots = _replicas_for(sum(_slots(ctx, replica) for replica in loads), 1.0)
+        needed = max(held, _replicas_for(why[BUSY], self.target_device_busy), in_flight, slots)
         if needed < target:
             return needed, {**why, "reason": "down: the work fits fewer replicas under target"}
         return target, {**why, "reason": "hold: within targets"}
@@ -131,6 +136,12 @@ def known_loads(ctx: AutoscalingContext) -> dict:
         if all(isinstance(v, (int, float)) and math.isfinite(v) for v in values.values()):
             loads[replica] = values
     return loads
+
+
+def _slots(ctx: AutoscalingContext, replica) -> float:
+    """A replica's session caps in use (0 where it did not say: an older replica's report)."""
+    value = (ctx.aggregated_metrics or {}).get(SLOTS, {}).get(replica, 0.0)
+    return value if isinstance(value, (int, float)) and math.isfinite(value) else 0.0
 
 
 def _replicas_for(total: float, per_replica: float) -> int:

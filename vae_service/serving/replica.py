@@ -13,6 +13,7 @@ import contextlib
 import functools
 import logging
 import os
+import time
 
 from ray import serve
 
@@ -42,6 +43,7 @@ from vae_service.serving.wire.proxy_guard import missing_guard_warning
 from vae_service.serving.wire.session_socket import SessionCalls
 
 log = logging.getLogger("ray.serve")  # Serve writes it to the replica's own log file
+KEEPER_RETRY_S = 10.0
 
 
 def replica_id() -> str:
@@ -122,7 +124,7 @@ class DecoderReplica:
             owner=replica_id,
         )
         self.session_calls = SessionCalls(self.service)
-        self._keeper, self._keeper_tried = None, False
+        self._keeper, self._keeper_tried_at = None, None
         self.service.session_moves = SessionMoves(self.service.sessions, self._session_keeper, replica_id)
         self._drain_watch = DrainWatch(self._hand_off_sessions)
         self._expired_reported = 0
@@ -167,13 +169,14 @@ class DecoderReplica:
     def _session_keeper(self):
         """The deployment's session keeper (sessions/keeper.py), started on first use; None outside
         a Serve replica or where it cannot be reached (sessions then neither leave nor come)."""
-        if not self._keeper_tried:
-            self._keeper_tried = True
+        now = time.monotonic()
+        if self._keeper is None and (self._keeper_tried_at is None or now - self._keeper_tried_at > KEEPER_RETRY_S):
+            self._keeper_tried_at = now
             try:
                 context = serve.get_replica_context()
                 self._keeper = keeper_handle(context.app_name, context.deployment)
             except Exception as exc:
-                log.warning("no session keeper (%s): sessions are lost with this replica", exc)
+                log.warning("no session keeper yet (%s): asked again in %g s", exc, KEEPER_RETRY_S)
         return self._keeper
 
     async def _hand_off_sessions(self) -> None:

@@ -112,10 +112,11 @@ class DeviceTurns:
     def busy_seconds(self) -> float:
         """Seconds the device has run steps since `since`, the running step so far included (read
         from any thread: a step ending meanwhile may be missed by this reading, never by the next)."""
+        done = self.busy_s  # first: a step ending after this read is counted as running, never twice
         holder = self.holder
         began = None if holder is None else holder.step_began
         running = 0.0 if began is None else max(0.0, self.clock() - began)
-        return self.busy_s + running
+        return done + running
 
     def turn(self, job) -> Turn:
         return Turn(self, job)

@@ -10,6 +10,10 @@ each figure over `look_back_period_s`: each report covers the period since the p
 - `session_room`: open sessions' priced bytes over the session budget (0..1 and over). An open
   session holds device memory whether it sends or not; a connection without a session holds none.
 - `bulk_backlog_s`: queued bulk items times the device seconds a recent item took: work, not count.
+- `session_slots`: the tighter of the replica's session caps in use: open sessions over
+  `limits.max_sessions`, connections over its session connections (0..1). Never a reason to add a
+  replica (an idle socket is no load), but the floor of a scale-down: the sessions of a replica
+  that goes must find a place on the rest.
 - counts beside them (sessions, connections, queued items per class) for dashboards and the bench.
 
 Cheap: a pass over at most RECENT_WAITS waits per class and the queues' heads; no tensor, no lock
@@ -43,6 +47,7 @@ def load_report(service) -> dict[str, float]:
         "interactive_wait_ms": _wait_ms(scheduler, INTERACTIVE, since),
         "session_room": _room(sessions.held_bytes, sessions.budget()),
         "bulk_backlog_s": _bulk_backlog_s(scheduler),
+        "session_slots": _slots(sessions, service.config),
         "sessions_open": float(len(sessions.open_sessions)),
         "connections": float(sessions.connections),
         "started_batches": float(scheduler.running),
@@ -55,6 +60,14 @@ def load_report(service) -> dict[str, float]:
 def _wait_ms(scheduler, priority: str, since: float) -> float:
     started = quantile(scheduler.stats.waits_since(priority, since), WAIT_QUANTILE) or 0.0
     return 1e3 * max(started, scheduler.oldest_wait_s(priority))
+
+
+def _slots(sessions, config) -> float:
+    used = [
+        (len(sessions.open_sessions), config.limits.max_sessions),
+        (sessions.connections, config.session_connections),
+    ]
+    return max((n / cap if cap > 0 else float(n > 0)) for n, cap in used)
 
 
 def _room(held: int, budget: int) -> float:

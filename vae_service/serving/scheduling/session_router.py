@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import time
 
 from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
 from ray.serve.request_router import PendingRequest, RunningReplica
@@ -26,6 +27,7 @@ from ray.serve.request_router import PendingRequest, RunningReplica
 log = logging.getLogger("ray.serve")
 KEEPER_NAMESPACE = "vae-service"
 OWNERS_REMEMBERED = 4096
+KEEPER_LOOKUP_S = 5.0
 
 
 def keeper_name(app: str, deployment: str) -> str:
@@ -83,12 +85,15 @@ class SessionAffinityRouter(PowerOfTwoChoicesRequestRouter):
         return owner
 
     def _session_keeper(self):
-        if "_keeper" not in self.__dict__:
+        """The deployment's keeper; None while there is none (looked up again at most every
+        KEEPER_LOOKUP_S: a blocking call on the router's loop)."""
+        if self.__dict__.get("_keeper") is None and time.monotonic() >= self.__dict__.get("_keeper_next", 0.0):
             import ray
 
             deployment = self._deployment_id
+            self._keeper_next = time.monotonic() + KEEPER_LOOKUP_S
             try:
                 self._keeper = ray.get_actor(keeper_name(deployment.app_name, deployment.name), KEEPER_NAMESPACE)
-            except Exception:  # none yet: no session has left a replica; asked again next time
+            except Exception:  # none yet: no session has left a replica
                 return None
-        return self._keeper
+        return self.__dict__.get("_keeper")

@@ -8,56 +8,77 @@
   kept within the drain's time is closed here (its client resumes by replaying, as before);
 - checkpoints (`after_chunk`): every `sessions.checkpoint_every_chunks` applied chunks, the session's
   state goes to the keeper in the background, one at a time per session (a slow keeper skips
-  checkpoints rather than queueing them); the client keeps only the latents after the latest one;
+  checkpoints rather than queueing them); the client keeps only the latents after the latest one.
+  A checkpoint outlives the session here when its connection drops or it expires (the client may
+  attach to it), until its client closes it or the keeper's time to live passes;
 - take-over (`take_over`): a session this replica does not hold is claimed from the keeper and
   continued here (a handoff's state is the session as it was; a checkpoint's is the session some
-  chunks back, which the client resends). A claim that does not fit the session budget is left for
-  another replica.
+  chunks back, which the client resends). One take-over per session at a time; a claim that does not
+  fit the session budget, or is behind what the client has, is released for another replica.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 from collections.abc import Callable
 
+from ray.exceptions import RayError
+
 from vae_service.engine.execution.session import DecodeSession
+from vae_service.engine.request.errors import InvalidInput, Unavailable
 from vae_service.engine.request.session import SessionLost, SessionMoved
 from vae_service.serving.sessions.keeper import CHECKPOINT, HANDOFF
 from vae_service.serving.sessions.registry import SessionRegistry
 
 log = logging.getLogger("ray.serve")
 BUSY_POLL_S = 0.01
+RETRY_AFTER_S = 1.0
+KEPT_REMEMBERED = 65536
 
 
 class SessionMoves:
-    """`keeper`: the deployment's keeper actor handle, or a callable giving it (None: no keeper can
-    be reached: sessions neither leave nor come); `owner`: this replica's id."""
+    """`keeper`: gives the deployment's keeper actor handle (None: no keeper can be reached: sessions
+    neither leave nor come); `owner`: this replica's id."""
 
     def __init__(self, registry: SessionRegistry, keeper: Callable[[], object | None], owner: Callable[[], str]):
         self.registry, self.keeper, self.owner = registry, keeper, owner
         self._checkpointing: dict[str, asyncio.Task] = {}
+        self._taking: dict[str, asyncio.Future] = {}
+        # sessions of this replica with a state in the keeper (bounded: the keeper's time to live
+        # frees the states of sessions that ended here without their client closing them)
+        self._kept: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._draining: asyncio.Task | None = None
         self.handed_off = self.handoffs_failed = self.taken_over = self.checkpoints = 0
         self.checkpoint_failures = 0
-        self.draining = False
         registry.on_applied = self.after_chunk
-        registry.on_freed = self.forget
+        registry.on_closed = self.forget
 
     @property
     def config(self):
         return self.registry.service.config.sessions
 
     @property
+    def draining(self) -> bool:
+        return self._draining is not None
+
+    @property
     def ttl_s(self) -> float:
-        """How long the keeper holds a state untouched: as long as an idle session would live."""
-        return self.config.idle_timeout_s
+        """How long the keeper holds a state untouched: past the next checkpoint of a session whose
+        chunks each come within the idle timeout, and past the idle timeout of one between replicas."""
+        return self.config.idle_timeout_s * (self.config.checkpoint_every_chunks + 1)
 
     # ---- drain --------------------------------------------------------------------------------
     async def hand_off_all(self, timeout_s: float) -> dict:
         """Every open session handed to the keeper within `timeout_s` (each chunk in flight answered
-        first); returns how many left and how many could not."""
-        self.draining = True
+        first); how many left and how many could not. Once per replica: a second call waits for the first."""
+        if self._draining is None:
+            self._draining = asyncio.get_running_loop().create_task(self._hand_off_all(timeout_s))
+        return await asyncio.shield(self._draining)
+
+    async def _hand_off_all(self, timeout_s: float) -> dict:
         if not self.config.handoff or not self.registry.open_sessions:
             return {"handed_off": 0, "failed": 0}
         deadline = time.monotonic() + timeout_s
@@ -65,10 +86,9 @@ class SessionMoves:
             *(self._hand_off(sid, deadline) for sid in list(self.registry.open_sessions)), return_exceptions=True
         )
         handed = sum(1 for r in results if r is True)
-        failed = len(results) - handed
         self.handed_off += handed
-        self.handoffs_failed += failed
-        return {"handed_off": handed, "failed": failed}
+        self.handoffs_failed += len(results) - handed
+        return {"handed_off": handed, "failed": len(results) - handed}
 
     async def _hand_off(self, session_id: str, deadline: float) -> bool:
         registry = self.registry
@@ -83,7 +103,7 @@ class SessionMoves:
             keeper = self.keeper()
             if keeper is not None and not session.busy:
                 await self._cancel_checkpoint(session_id)
-                state = await asyncio.to_thread(registry.export, session_id)
+                state = await registry.export(session_id)
                 call = keeper.keep.remote(session_id, state, state.latent_frames, HANDOFF, None, self.ttl_s)
                 kept = await asyncio.wait_for(call, max(0.0, deadline - time.monotonic()))
         except Exception:
@@ -104,7 +124,8 @@ class SessionMoves:
     async def _checkpoint(self, session: DecodeSession) -> None:
         registry = self.registry
         try:
-            state = await asyncio.to_thread(registry.export, session.id)
+            state = await registry.export(session.id)
+            self._keeps(session.id)
             kept = await self.keeper().keep.remote(
                 session.id, state, state.latent_frames, CHECKPOINT, self.owner(), self.ttl_s
             )
@@ -114,6 +135,8 @@ class SessionMoves:
             self.checkpoint_failures += 1
             log.exception("checkpointing session %s failed", session.id)
             return
+        finally:
+            self._checkpointing.pop(session.id, None)
         if kept and session.id in registry.open_sessions:
             registry.checkpointed[session.id] = max(registry.checkpointed.get(session.id, 0), state.latent_frames)
             self.checkpoints += 1
@@ -125,41 +148,84 @@ class SessionMoves:
             await asyncio.gather(running, return_exceptions=True)
 
     # ---- coming in ---------------------------------------------------------------------------------
-    async def take_over(self, session_id: str) -> tuple[DecodeSession, str]:
+    async def take_over(self, session_id: str, received: int | None = None) -> tuple[DecodeSession, str]:
         """The session continued here from its latest kept state: (the session, HANDOFF or
-        CHECKPOINT). SessionLost where nothing is kept (or no keeper); Overloaded where it does not
-        fit here (left for another replica)."""
+        CHECKPOINT). `received`: the latent frames the client has (a state past them is refused,
+        400 naming `latent_frames`). SessionLost where nothing is kept; SessionMoved where this
+        replica drains; Overloaded where it does not fit here; Unavailable where the keeper does not
+        answer. Calls for one session at once share one take-over."""
+        pending = self._taking.get(session_id)
+        if pending is not None:
+            session, came_from = await asyncio.shield(pending)
+            return session, came_from
+        pending = asyncio.get_running_loop().create_future()
+        self._taking[session_id] = pending
+        try:
+            taken = await self._take_over(session_id, received)
+            pending.set_result(taken)
+            return taken
+        except BaseException as exc:
+            if isinstance(exc, asyncio.CancelledError):
+                pending.cancel()
+            else:
+                pending.set_exception(exc)
+                pending.exception()  # seen here: an unawaited future must not log it again
+            raise
+        finally:
+            del self._taking[session_id]
+
+    async def _take_over(self, session_id: str, received: int | None) -> tuple[DecodeSession, str]:
         if self.draining:  # reached before Serve stopped routing here: the client tries again
             raise SessionMoved("session", "this replica drains: attach to the session on another one")
         keeper = self.keeper()
         if keeper is None:
             raise SessionLost("session", f"no session {session_id!r} here, and no keeper to continue it from")
         me = self.owner()
-        claimed = await keeper.claim.remote(session_id, me)
-        if claimed is None:
-            raise SessionLost(
-                "session", f"no session {session_id!r} here, and none kept to continue: resume in a new session"
-            )
-        (ref,), _, kind = claimed
         try:
+            claimed = await keeper.claim.remote(session_id, me)
+            if claimed is None:
+                raise SessionLost(
+                    "session", f"no session {session_id!r} here, and none kept to continue: resume in a new session"
+                )
+            (ref,), latent_frames, kind = claimed
+            if received is not None and latent_frames > received:
+                raise InvalidInput(
+                    "latent_frames",
+                    f"the session has decoded {latent_frames} latent frames, more than the {received} received: "
+                    "open a new session",
+                )
             state = await ref
+        except RayError as exc:
+            keeper.release.remote(session_id, me)
+            raise Unavailable(
+                "session", f"the session keeper did not answer ({type(exc).__name__}); retry", RETRY_AFTER_S
+            ) from None
+        except BaseException:
+            keeper.release.remote(session_id, me)
+            raise
+        try:
             session = self.registry.adopt(state)
         except BaseException:
             keeper.release.remote(session_id, me)
             raise
+        self._keeps(session_id)
         self.taken_over += 1
         return session, kind
 
     def forget(self, session_id: str) -> None:
-        """A session freed here (closed, expired, its client gone) needs no state kept."""
+        """A session its client closed here needs no state kept."""
         task = self._checkpointing.pop(session_id, None)
         if task is not None:
             task.cancel()
-        if self.draining:
-            return
-        keeper = self.keeper()
-        if keeper is not None:
-            keeper.forget.remote(session_id, self.owner())
+        if self._kept.pop(session_id, 0) is None:
+            keeper = self.keeper()
+            if keeper is not None:
+                keeper.forget.remote(session_id, self.owner())
+
+    def _keeps(self, session_id: str) -> None:
+        self._kept[session_id] = None
+        while len(self._kept) > KEPT_REMEMBERED:
+            self._kept.popitem(last=False)
 
     def describe(self) -> dict:
         return {

@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from vae_service.serving.scheduling.session_router import KEEPER_NAMESPACE, keeper_name
 
 HANDOFF, CHECKPOINT = "handoff", "checkpoint"
 MAX_KEPT = 100_000  # sessions with a state kept at once: far past what a deployment's replicas hold
+MAX_BYTES = 64 * 2**30  # states' bytes kept at once (the head's object store spills past its memory)
 
 
 @dataclass
@@ -38,8 +39,10 @@ class Kept:
 
 
 class SessionShelf:
-    def __init__(self, clock: Callable[[], float] = time.monotonic, max_kept: int = MAX_KEPT):
-        self.clock, self.max_kept = clock, max_kept
+    def __init__(
+        self, clock: Callable[[], float] = time.monotonic, max_kept: int = MAX_KEPT, max_bytes: int = MAX_BYTES
+    ):
+        self.clock, self.max_kept, self.max_bytes = clock, max_kept, max_bytes
         self.entries: dict[str, Kept] = {}
         self.handoffs = self.checkpoints = self.claims = 0
 
@@ -53,6 +56,8 @@ class SessionShelf:
             return False
         if kept is None and len(self.entries) >= self.max_kept:
             return False
+        if self.bytes() - (kept.nbytes if kept else 0) + nbytes > self.max_bytes:
+            return False  # the head's object store is not the place for more: a crash costs a replay
         if kept is not None and kind == CHECKPOINT and kept.owner not in (None, owner):
             return False  # a checkpoint from a replica the session has left since
         self.entries[session_id] = Kept(state, latent_frames, kind, owner, ttl_s, now, nbytes)
@@ -69,9 +74,12 @@ class SessionShelf:
         kept = self.entries.get(session_id)
         if kept is None:
             return None
-        kept.owner, kept.touched = claimant, self.clock()
+        claimed = replace(kept)  # as it was kept: a handoff's state is the session as it left
+        # from now it is where the session was when `claimant` took it: should the claimant be lost
+        # before its first checkpoint, the next one resumes from it as from a checkpoint
+        kept.owner, kept.touched, kept.kind = claimant, self.clock(), CHECKPOINT
         self.claims += 1
-        return kept
+        return claimed
 
     def release(self, session_id: str, claimant: str) -> None:
         """A claimant that could not take the session in (no room) leaves it between replicas."""
@@ -93,10 +101,13 @@ class SessionShelf:
         for session_id in [s for s, k in self.entries.items() if now - k.touched > k.ttl_s]:
             del self.entries[session_id]
 
+    def bytes(self) -> int:
+        return sum(k.nbytes for k in self.entries.values())
+
     def describe(self) -> dict:
         return {
             "sessions": len(self.entries),
-            "bytes": sum(k.nbytes for k in self.entries.values()),
+            "bytes": self.bytes(),
             "handoffs": self.handoffs,
             "checkpoints": self.checkpoints,
             "claims": self.claims,

@@ -146,12 +146,14 @@ class SessionRegistry:
         self.open_sessions: dict[str, DecodeSession] = {}
         self._videos: dict[str, _Video] = {}
         self._gone: collections.OrderedDict[str, tuple[int, int, str]] = collections.OrderedDict()
-        self._left: collections.OrderedDict[str, None] = collections.OrderedDict()  # handed to another replica
+        # sessions that left in a drain: True where their state went to the keeper (handed on)
+        self._departed: collections.OrderedDict[str, bool] = collections.OrderedDict()
         self.moving: set[str] = set()  # leaving: its chunks are answered SessionMoved
         self._departures: dict[str, asyncio.Future] = {}  # set (kept or not) once it has left
         self.checkpointed: dict[str, int] = {}  # latent frames of each session's latest checkpoint
+        self.bound: dict[str, object] = {}  # the conversation a session is driven by (an attach rebinds it)
         self.on_applied: Callable[[DecodeSession], None] = lambda session: None  # a chunk became part of it
-        self.on_freed: Callable[[str], None] = lambda session_id: None  # closed, expired or lost here
+        self.on_closed: Callable[[str], None] = lambda session_id: None  # its client closed it: nothing to keep
         self.adopted = 0
         self._sweeper: asyncio.Task | None = None
         self.opened = self.expired = self.chunks = 0
@@ -229,7 +231,7 @@ class SessionRegistry:
         and may reach another replica), its video file going on where it was."""
         self.sweep()
         self._gone.pop(state.id, None)
-        self._left.pop(state.id, None)
+        self._departed.pop(state.id, None)
         session = self.engine.adopt_session(state, self.service.config.limits)
         self._take(session, state.video)
         self.checkpointed[session.id] = state.latent_frames
@@ -258,12 +260,16 @@ class SessionRegistry:
         self._ensure_sweeper()
         self._changed()
 
-    def export(self, session_id: str) -> SessionState:
-        """The open session as plain data on the host (its chunk in flight, if any, not included)."""
+    async def export(self, session_id: str) -> SessionState:
+        """The open session as plain data on the host, as it stands now: its walk, counts and video
+        file taken together here, on the loop (a chunk applied meanwhile is not half in it), its
+        history copied to the host off the loop (the history's tensors are never written)."""
         session = self.open_sessions[session_id]
-        state = self.engine.export_session(session)
+        frozen = replace(session, walk=session.walk.fork())
         video = self._videos.get(session_id)
-        return state.with_video(None if video is None else video.state())
+        video_state = None if video is None else video.state()
+        state = await asyncio.to_thread(self.engine.export_session, frozen)
+        return state.with_video(video_state)
 
     def describe_session(self, session: DecodeSession) -> dict:
         engine = self.engine
@@ -292,7 +298,7 @@ class SessionRegistry:
             if session_id in self.moving:
                 raise SessionMoved("session", "it is moving to another replica (this one drains): attach to it there")
             return session
-        if session_id in self._left:
+        if self._departed.get(session_id):
             raise SessionMoved("session", "it moved to another replica (this one drains): attach to it there")
         gone = self._gone.get(session_id)
         if gone is not None:
@@ -350,8 +356,21 @@ class SessionRegistry:
         return [a + (b if first_latent + i == 0 else 0) for i in range(latent_frames)]
 
     # ---- close and expiry ------------------------------------------------------------------
-    def close(self, session_id: str, why: str = "the session was closed") -> dict | None:
-        """Free the session at once (closed or disconnected); its summary, None if it was not open."""
+    def close(self, session_id: str, why: str = "the session was closed", by_client: bool = False) -> dict | None:
+        """Free the session at once (closed, disconnected, expired); its summary, None if it was not
+        open. `by_client`: its client closed it (nothing of it is kept anywhere: a disconnect or an
+        expiry leaves its latest checkpoint to resume from)."""
+        session = self._free(session_id)
+        if session is None:
+            return None
+        self._gone[session_id] = (session.frames, session.latent_frames, why)
+        _bounded(self._gone)
+        self._departures.pop(session_id, None)  # a session closed is not one that moved: its conversation goes on
+        if by_client:
+            self.on_closed(session_id)
+        return {"frames": session.frames, "latent_frames": session.latent_frames}
+
+    def _free(self, session_id: str) -> DecodeSession | None:
         session = self.open_sessions.pop(session_id, None)
         if session is None:
             return None
@@ -359,43 +378,49 @@ class SessionRegistry:
         video = self._videos.pop(session_id, None)
         if video is not None:
             video.close()
-        self._gone[session_id] = (session.frames, session.latent_frames, why)
-        while len(self._gone) > EXPIRED_KEPT:
-            self._gone.popitem(last=False)
         self.checkpointed.pop(session_id, None)
-        self._departures.pop(session_id, None)
+        self.bound.pop(session_id, None)
+        self.moving.discard(session_id)
         self._changed()
-        self.on_freed(session_id)
-        return {"frames": session.frames, "latent_frames": session.latent_frames}
+        return session
+
+    def bind(self, session_id: str, conversation: object) -> None:
+        """`conversation` drives the session from now (an attach takes it from a connection that has
+        not noticed it dropped: the old one's end then leaves the session alone)."""
+        self.bound[session_id] = conversation
+
+    def release(self, session_id: str, conversation: object, why: str) -> None:
+        """A conversation ended: its session is freed unless another conversation drives it now."""
+        if self.bound.get(session_id, conversation) is conversation:
+            self.close(session_id, why)
 
     def begin_move(self, session_id: str) -> None:
         """The session stops taking chunks here (each is answered SessionMoved) until it has left."""
         self.moving.add(session_id)
 
     def departure(self, session_id: str) -> asyncio.Future:
-        """Set once the session has left this replica (`left`): True where its state is kept for
-        another replica, False where it could not be (closed here); for its conversation to say so."""
-        return self._departures.setdefault(session_id, asyncio.get_running_loop().create_future())
+        """Done once the session has left this replica in a drain: True where its state is kept for
+        another replica, False where it could not be (closed here); for its conversation to say so,
+        however late it asks. Never done for a session closed or expired otherwise."""
+        loop = asyncio.get_running_loop()
+        if session_id in self._departed:
+            done = loop.create_future()
+            done.set_result(self._departed[session_id])
+            return done
+        if session_id not in self.open_sessions:  # closed or expired here: its conversation says so itself
+            return loop.create_future()
+        return self._departures.setdefault(session_id, loop.create_future())
 
     def left(self, session_id: str, kept: bool) -> None:
         """The session's state is kept elsewhere (`kept`: its client attaches to it on another
         replica) or could not be (it is closed here: the client resumes by replaying)."""
-        self.moving.discard(session_id)
         departure = self._departures.pop(session_id, None)
         if kept:
-            session = self.open_sessions.pop(session_id, None)
-            video = self._videos.pop(session_id, None)
-            if video is not None:
-                video.close()
-            if session is not None:
-                session.closed = True
-            self.checkpointed.pop(session_id, None)
-            self._left[session_id] = None
-            while len(self._left) > EXPIRED_KEPT:
-                self._left.popitem(last=False)
-            self._changed()
+            self._free(session_id)
         else:
             self.close(session_id, "its replica shut down and its state could not be handed to another")
+        self._departed[session_id] = kept
+        _bounded(self._departed)
         if departure is not None and not departure.done():
             departure.set_result(kept)
 
@@ -437,3 +462,8 @@ class SessionRegistry:
             "chunk_ms_p50": round(ms[len(ms) // 2], 3) if ms else None,
             "unsupported_because": self.engine.sessions_unsupported_because(),
         }
+
+
+def _bounded(remembered: collections.OrderedDict) -> None:
+    while len(remembered) > EXPIRED_KEPT:
+        remembered.popitem(last=False)

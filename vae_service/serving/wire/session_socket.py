@@ -147,7 +147,7 @@ async def conversation(service: DecodeService, admit: Callable[[], None], receiv
     session is freed when the conversation ends, however it ends (a disconnect, also in the middle of
     a chunk: at once; a caller that already sent its next message is seen gone after the chunk)."""
     sessions, timeouts = service.sessions, service.config.sessions
-    inbox, connected, session_id = Inbox(receive), False, None
+    inbox, connected, session_id, me = Inbox(receive), False, None, object()
     try:
         try:
             admit()
@@ -179,6 +179,7 @@ async def conversation(service: DecodeService, admit: Callable[[], None], receiv
             yield Reply(error_message(info), ends=True, refused=True, error=info)
             return
         session_id = session.id
+        sessions.bind(session_id, me)
         yield Reply(first_answer)
         while True:
             try:
@@ -196,7 +197,7 @@ async def conversation(service: DecodeService, admit: Callable[[], None], receiv
                 sessions.session(session_id)  # whatever came, an expired session answers session_expired
                 kind, fields = received
                 if kind == "close":
-                    summary = sessions.close(session_id)
+                    summary = sessions.close(session_id, by_client=True)
                     yield Reply(closed_message(summary, session.settings.output), ends=True)
                     return
                 if kind == "open":
@@ -206,12 +207,8 @@ async def conversation(service: DecodeService, admit: Callable[[], None], receiv
             except CallerGone:
                 return
             except SessionMoved:  # a chunk sent while the session leaves: not applied, sent again there
-                try:
-                    kept = await asyncio.wait_for(
-                        asyncio.shield(sessions.departure(session_id)), timeouts.open_timeout_s
-                    )
-                except TimeoutError:
-                    kept = False
+                # the drain's own deadline bounds this wait: it closes a session it cannot hand on
+                kept = await sessions.departure(session_id)
                 yield departed(service, session_id, kept)
                 return
             except SessionLeft as left:
@@ -232,7 +229,7 @@ async def conversation(service: DecodeService, admit: Callable[[], None], receiv
     finally:
         inbox.close()
         if session_id is not None:
-            sessions.close(session_id, "the client disconnected")
+            sessions.release(session_id, me, "the client disconnected")
         if connected:
             sessions.disconnect()
 
@@ -242,18 +239,17 @@ async def attach(service: DecodeService, session_id: str, received: int | None) 
     continued it here), or taken over from the keeper (a drained replica's handoff, a lost one's
     checkpoint). `received`: the latent frames the client has; a session past them cannot go back."""
     session = service.sessions.open_sessions.get(session_id)
-    came_from = HANDOFF
     if session is None:
         if service.session_moves is None:
             raise SessionLost("session", f"no session {session_id!r} here, and no keeper to continue it from")
-        session, came_from = await service.session_moves.take_over(session_id)
+        return await service.session_moves.take_over(session_id, received)
     if received is not None and session.latent_frames > received:
         raise InvalidInput(
             "latent_frames",
             f"the session has decoded {session.latent_frames} latent frames, more than the {received} received: "
             "open a new session",
         )
-    return session, came_from
+    return session, HANDOFF
 
 
 def departed(service: DecodeService, session_id: str, kept: bool) -> Reply:
@@ -336,7 +332,7 @@ class SessionCalls:
         return out
 
     async def close(self, session_id: str) -> dict | None:
-        return self.service.sessions.close(session_id)
+        return self.service.sessions.close(session_id, by_client=True)
 
     async def _session(self, session_id: str, latent_frame: int | None) -> DecodeSession:
         """The session held here, or taken over from the keeper where its replica drained (as it
@@ -349,8 +345,8 @@ class SessionCalls:
                 raise
         session, came_from = await self.service.session_moves.take_over(session_id)
         if came_from == CHECKPOINT and latent_frame != session.latent_frames:
-            raise SessionLost(
-                "session",
+            raise InvalidInput(
+                "latent_frame",
                 f"its replica was lost; it goes on from its checkpoint at latent frame {session.latent_frames} "
                 f"({session.frames} frames): send its chunks again from latent_frame={session.latent_frames}",
             )
