@@ -374,3 +374,33 @@ def test_an_open_with_a_string_over_the_decode_walks_bound_names_its_field():
     with pytest.raises(InvalidInput) as err:  # anything else: the walk's answer stands
         parse_message(pack({"chunk": {"latent_frame": 0, "x": "y" * 5000}}), 2**20)
     assert err.value.field == "body"
+
+
+@pytest.mark.parametrize(
+    ("fields", "field"),
+    [
+        ({}, "session"),
+        ({"session": 7}, "session"),
+        ({"session": ""}, "session"),
+        ({"session": "r." + "x" * 300}, "session"),
+        ({"session": "r.1", "latent_frames": -1}, "latent_frames"),
+        ({"session": "r.1", "latent_frames": True}, "latent_frames"),
+        ({"session": "r.1", "latent_frames": "3"}, "latent_frames"),
+        ({"session": "r.1", "extra": 1}, "extra"),
+        ("not a map", "attach"),
+    ],
+)
+def test_hostile_attaches_are_refused_naming_the_field(fields, field):
+    from vae_service.protocol.sessions import session_attach
+
+    with pytest.raises(InvalidInput) as refused:
+        session_attach(fields)
+    assert refused.value.field == field
+
+
+@pytest.mark.parametrize("received", [None, 0, 9])
+def test_an_attach_reads_its_session_and_what_the_client_received(received):
+    from vae_service.protocol.sessions import session_attach
+
+    fields = {"session": "replica.abc"} | ({} if received is None else {"latent_frames": received})
+    assert session_attach(fields) == ("replica.abc", received)

@@ -143,19 +143,12 @@ class SessionKeeper:
         return self.shelf.describe()
 
 
-def keeper_handle(app: str, deployment: str, create: bool = True):
-    """The deployment's keeper (started by the first replica that asks, `create`); None where there
-    is none and `create` is false."""
+def keeper_handle(app: str, deployment: str):
+    """The deployment's keeper, started by the first replica that asks."""
     import ray
 
-    name = keeper_name(app, deployment)
-    if not create:
-        try:
-            return ray.get_actor(name, namespace=KEEPER_NAMESPACE)
-        except ValueError:
-            return None
     actor = ray.remote(SessionKeeper).options(
-        name=name,
+        name=keeper_name(app, deployment),
         namespace=KEEPER_NAMESPACE,
         lifetime="detached",
         get_if_exists=True,
