@@ -44,7 +44,6 @@ from vae_service.serving.scheduling.scheduler import (
     StepScheduler,
 )
 from vae_service.serving.scheduling.tile_surface import TileSurface
-from vae_service.serving.sessions.handoff import SessionMoves
 from vae_service.serving.sessions.registry import SessionRegistry
 
 
@@ -117,7 +116,7 @@ class DecodeService:
         self.decoded_items = 0  # latent items that reached the device (requests given up on never do)
         self.tiles = TileSurface(self.engine, self.scheduler, self._device_busy, lambda: self.config.limits)
         self.sessions = SessionRegistry(self, owner)
-        self.session_moves: SessionMoves | None = None  # sessions leaving and coming (a replica with a keeper)
+        self.session_moves = None  # sessions leaving and coming (sessions/handoff.py: a replica with a keeper)
 
     def _decode_batch(self, batch: list[PreparedRequest | SessionChunk], abandoned, turn: Turn) -> list:
         # without preemption one batch runs at a time: nothing to take turns with

@@ -21,6 +21,15 @@ log = logging.getLogger("ray.serve")
 POLL_S = 0.05
 
 
+def in_a_replica() -> bool:
+    try:
+        from ray.serve.context import _get_internal_replica_context
+
+        return _get_internal_replica_context() is not None
+    except Exception:
+        return False
+
+
 def shutting_down() -> Callable[[], bool] | None:
     try:
         from ray.serve.context import _get_internal_replica_context
@@ -42,7 +51,7 @@ class DrainWatch:
 
     def __init__(self, on_drain: Callable[[], Awaitable[None]]):
         self.on_drain, self._task, self._flag = on_drain, None, shutting_down()
-        if self._flag is None:
+        if self._flag is None and in_a_replica():
             log.warning("this Serve version does not show when a drain begins: sessions are handed on at shutdown")
 
     def ensure_running(self) -> None:

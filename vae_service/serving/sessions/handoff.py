@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import time
 from collections.abc import Callable
 
-from ray.exceptions import RayError
-
 from vae_service.engine.execution.session import DecodeSession
-from vae_service.engine.request.errors import InvalidInput, Unavailable
+from vae_service.engine.request.errors import DecodeError, InvalidInput, Unavailable
 from vae_service.engine.request.session import SessionLost, SessionMoved
 from vae_service.serving.sessions.keeper import CHECKPOINT, HANDOFF
 from vae_service.serving.sessions.registry import SessionRegistry
@@ -195,18 +194,18 @@ class SessionMoves:
                     "open a new session",
                 )
             state = await ref
-        except RayError as exc:
-            keeper.release.remote(session_id, me)
+        except (DecodeError, asyncio.CancelledError):
+            _release(keeper, session_id, me)
+            raise
+        except Exception as exc:  # the keeper, or the object store, did not answer: the client retries
+            _release(keeper, session_id, me)
             raise Unavailable(
                 "session", f"the session keeper did not answer ({type(exc).__name__}); retry", RETRY_AFTER_S
             ) from None
-        except BaseException:
-            keeper.release.remote(session_id, me)
-            raise
         try:
             session = self.registry.adopt(state)
         except BaseException:
-            keeper.release.remote(session_id, me)
+            _release(keeper, session_id, me)
             raise
         self._keeps(session_id)
         self.taken_over += 1
@@ -235,3 +234,9 @@ class SessionMoves:
             "checkpoints": self.checkpoints,
             "checkpoint_failures": self.checkpoint_failures,
         }
+
+
+def _release(keeper, session_id: str, claimant: str) -> None:
+    """Give a claim back (the keeper may be what failed: then its time to live frees it)."""
+    with contextlib.suppress(Exception):
+        keeper.release.remote(session_id, claimant)
