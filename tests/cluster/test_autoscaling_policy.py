@@ -2,14 +2,11 @@
 deploy/serve-gpu.yaml on the fake multi-node cluster (conftest.py; the policy's targets on the test's
 time scale there):
 
-- idle decode sessions (each an open WebSocket: one ongoing request for its whole life) leave the
-  deployment at one replica over many policy periods. Serve's default policy at the same
-  `target_ongoing_requests: 2` would want a replica per two sockets (shown in the unit tests, which
-  run Serve's own default policy on such a context: here only ours is deployed);
 - a bulk backlog (many concurrent `priority="bulk"` decodes) adds replicas within the policy's
   delays, and they go once it has drained.
 
-Each test deploys what it needs; they share one cluster.
+Idle decode sessions are no reason to add a replica: test_session_drains.py watches it before its
+ramp. Each test deploys what it needs; the package's tests share one cluster.
 """
 
 from __future__ import annotations
@@ -22,40 +19,10 @@ import pytest
 
 from tests.cluster.conftest import FakeCluster, serve_gpu_config, wait_for
 from tests.cluster.test_multi_node import deployed
-from tests.session_wire import C, H, W
 from vae_service_client import VaeClient
 
 pytestmark = pytest.mark.cluster
-SESSIONS = 6  # sockets: Serve's default policy at target_ongoing_requests 2 would want 3 replicas
-WATCH_S = 10.0  # five look-back periods (2 s) of ten upscale delays (1 s)
 BULK_CLIENTS = 12
-
-
-def test_idle_decode_sessions_are_no_reason_to_add_replicas(fake_cluster: FakeCluster, wan_dir):
-    cluster = fake_cluster
-    config = serve_gpu_config(
-        wan_dir, cluster.http_port, cluster.grpc_port, model_name="wan", sessions={"idle_timeout_s": 120}
-    )
-    deployed(cluster, config)
-    with VaeClient(cluster.url) as client:
-        sessions = [client.session(H, W) for _ in range(SESSIONS)]
-        try:
-            chunk = np.random.default_rng(0).standard_normal((1, C, 1, H, W)).astype(np.float32)
-            sessions[0].decode(chunk)  # a session that has decoded, then idles like the rest
-            held = client.health()["sessions"]
-            assert (held["open"], held["connections"]) == (SESSIONS, SESSIONS)
-            # they hold room (open sessions' priced bytes), under the 0.8 target
-            assert 0 < held["held_bytes"] < 0.8 * held["budget_bytes"]
-            seen = set()
-            deadline = time.monotonic() + WATCH_S
-            while time.monotonic() < deadline:
-                seen.add(len(cluster.replicas()))
-                time.sleep(0.25)
-            assert seen == {1}, seen
-            assert client.health()["sessions"]["open"] == SESSIONS  # still held: the watch was not idle of them
-        finally:
-            for session in sessions:
-                session.close()
 
 
 def test_a_bulk_backlog_adds_replicas_and_they_go_once_it_drains(fake_cluster: FakeCluster):

@@ -2,6 +2,10 @@
 cluster (conftest.py: a node per replica; deploy/serve-gpu.yaml with the decoder's own autoscaling
 policy, its targets on the test's time scale):
 
+- idle sessions (each an open WebSocket: one of Serve's ongoing requests for its whole life) under
+  the room's target leave the deployment at one replica over several policy periods, where Serve's
+  default policy at the yaml's test `target_ongoing_requests: 2` would want one per two sockets
+  (the unit tests run Serve's own default policy beside ours);
 - a ramp of sessions fills the first replica's session room past the policy's target: a second
   replica (on a second node) is added; sessions opened then are placed on it (the first is full);
 - sessions closed leave room for the rest on one replica: the policy scales down, the replica Serve
@@ -17,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import time
 
 import numpy as np
 import pytest
@@ -33,6 +38,7 @@ pytestmark = pytest.mark.cluster
 ROOM_FOR = 4.5  # sessions' caches a replica's session budget holds: 4 are over the policy's 0.8 of it
 CHUNKS = 7  # one latent frame each
 EVERY = 3  # a checkpoint every 3 chunks
+WATCH_S = 6.0  # three look-back periods (2 s) of six upscale delays (1 s)
 
 
 def session_config(cluster: FakeCluster, wan_dir, idle_timeout_s: float = 300) -> dict:
@@ -77,8 +83,15 @@ def test_sessions_ramp_up_scale_down_and_roll_without_replay_and_a_lost_node_cos
     config = session_config(cluster, wan_dir)
     (first_replica,) = deployed(cluster, config)
     with VaeClient(cluster.url, timeout=120) as client:
-        ramp = [Clip(client, seed) for seed in range(4)]  # past 0.8 of the room: a second replica
-        for clip in ramp:
+        ramp = [Clip(client, seed) for seed in range(3)]  # 3 idle sockets, under 0.8 of the room
+        ramp[0].feed()
+        seen, deadline = set(), time.monotonic() + WATCH_S
+        while time.monotonic() < deadline:
+            seen.add(len(cluster.replicas()))
+            time.sleep(0.25)
+        assert seen == {1}, seen
+        ramp.append(Clip(client, 3))  # past 0.8 of the room: a second replica
+        for clip in ramp[1:]:
             clip.feed()
         assert {clip.owner for clip in ramp} == {first_replica}
         wait_for("a second replica for the sessions' room", lambda: len(cluster.replicas()) == 2, 240)

@@ -35,8 +35,8 @@ def deploy(wan_dir, count_file: Path, replicas: int = 2) -> None:
 
     from vae_service.serving.app import decoder_app
 
-    # room on one replica for every session of a test (the room a handoff needs is checked: a test
-    # of its own below)
+    # room on one replica for every session of a test (an attach over the room is refused: the unit
+    # test_session_conversation.py::test_a_session_taken_in_is_priced_in_the_room_like_an_open)
     config = {
         **SESSIONS_CONFIG,
         "model": str(wan_dir),
@@ -88,18 +88,30 @@ def wait_for_replicas(replicas: int, timeout_s: float = 120) -> None:
         time.sleep(0.1)
 
 
-@pytest.fixture
-def handoff_app(ray_cluster, wan_dir, tmp_path):
+@pytest.fixture(scope="module")
+def count_file(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("handoff") / "replicas"
+
+
+@pytest.fixture(scope="module")
+def deployed_app(ray_cluster, wan_dir, count_file):
     from ray import serve
 
-    deploy(wan_dir, tmp_path / "replicas")
+    deploy(wan_dir, count_file)
     yield f"{ray_cluster}/{APP}-app"
     serve.delete(APP)
 
 
 @pytest.fixture
-def redeploy(wan_dir, tmp_path):
-    return lambda: deploy(wan_dir, tmp_path / "replicas")
+def handoff_app(deployed_app, count_file):
+    """The application with its two replicas (a test before may have left one)."""
+    scale(count_file, 2)
+    return deployed_app
+
+
+@pytest.fixture
+def redeploy(wan_dir, count_file):
+    return lambda: deploy(wan_dir, count_file)
 
 
 class Live:
@@ -164,7 +176,7 @@ class Live:
 
 @pytest.mark.parametrize("event", ["scale-down", "rolling update"])
 def test_sessions_cross_a_drain_exactly_without_replaying_a_latent_frame(
-    handoff_app, grpc_target, redeploy, tmp_path, event
+    handoff_app, grpc_target, redeploy, count_file, event
 ):
     """scale-down: one replica drains, its sessions move to the other; rolling update: every replica
     is replaced, every session moves at least once."""
@@ -173,7 +185,7 @@ def test_sessions_cross_a_drain_exactly_without_replaying_a_latent_frame(
         live.open(4)
         live.feed(range(2))
         if event == "scale-down":
-            scale(tmp_path / "replicas", 1)
+            scale(count_file, 1)
         else:
             redeploy()
         live.feed(range(2, len(CHUNKS)))

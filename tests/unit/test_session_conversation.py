@@ -264,3 +264,32 @@ def test_a_sessions_departure_is_seen_however_late_its_conversation_asks(wan_dir
     outcomes, never, sessions = asyncio.run(run())
     assert outcomes == (True, True, False) and not never
     assert not sessions.open_sessions and not sessions._departures
+
+
+def test_a_session_taken_in_is_priced_in_the_room_like_an_open(wan_dir):
+    """A session another replica handed on comes in only where its cache fits beside the sessions
+    open here (429 naming `session`, nothing held: the client's retry may reach another replica);
+    taken in, it holds its price and continues at its counts."""
+    from vae_service.engine.request.errors import Overloaded
+
+    async def run():
+        leaving, full = service_of(wan_dir), service_of(wan_dir)
+        away = leaving.sessions.open(SessionOpen(H, W))
+        await leaving.sessions.chunk(away.id, chunk_request_of(2, 3, away), 0)
+        state = await leaving.sessions.export(away.id)
+        for _ in range(full.config.limits.max_sessions):
+            full.sessions.open(SessionOpen(H, W))
+        held = full.sessions.held_bytes
+        with pytest.raises(Overloaded) as refused:
+            full.sessions.adopt(state)
+        unchanged = (full.sessions.held_bytes == held, away.id not in full.sessions.open_sessions)
+        full.sessions.close(next(iter(full.sessions.open_sessions)))
+        taken = full.sessions.adopt(state)
+        counts = (taken.latent_frames, taken.frames, taken.held_price == away.held_price)
+        await leaving.drain(5)
+        await full.drain(5)
+        return refused.value, unchanged, counts, away
+
+    refused, unchanged, counts, away = asyncio.run(run())
+    assert refused.field == "session" and unchanged == (True, True)
+    assert counts == (away.latent_frames, away.frames, True) and away.latent_frames == 2
