@@ -409,7 +409,9 @@ class SessionRegistry:
             return done
         if session_id not in self.open_sessions:  # closed or expired here: its conversation says so itself
             return loop.create_future()
-        return self._departures.setdefault(session_id, loop.create_future())
+        if session_id not in self._departures:
+            self._departures[session_id] = loop.create_future()
+        return self._departures[session_id]
 
     def left(self, session_id: str, kept: bool) -> None:
         """The session's state is kept elsewhere (`kept`: its client attaches to it on another
