@@ -17,6 +17,7 @@ cache (docs/architecture.md).
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import logging
 import time
@@ -28,6 +29,7 @@ log = logging.getLogger("ray.serve")
 KEEPER_NAMESPACE = "vae-service"
 OWNERS_REMEMBERED = 4096
 KEEPER_LOOKUP_S = 5.0
+KEEPER_ANSWER_S = 2.0  # a keeper slower than this: the call is routed as any call (it takes over there)
 
 
 def keeper_name(app: str, deployment: str) -> str:
@@ -74,7 +76,7 @@ class SessionAffinityRouter(PowerOfTwoChoicesRequestRouter):
         if keeper is None:
             return None
         try:
-            owner = await keeper.owner_of.remote(session)
+            owner = await asyncio.wait_for(keeper.owner_of.remote(session), KEEPER_ANSWER_S)
         except Exception as exc:
             log.warning("the session keeper did not answer (%s): session %s routed as any call", exc, session)
             return None

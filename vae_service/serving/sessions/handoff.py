@@ -179,9 +179,9 @@ class SessionMoves:
         keeper = self.keeper()
         if keeper is None:
             raise SessionLost("session", f"no session {session_id!r} here, and no keeper to continue it from")
-        me = self.owner()
+        me, wait_s = self.owner(), self.config.open_timeout_s  # a keeper that hangs never holds a caller
         try:
-            claimed = await keeper.claim.remote(session_id, me)
+            claimed = await asyncio.wait_for(keeper.claim.remote(session_id, me), wait_s)
             if claimed is None:
                 raise SessionLost(
                     "session", f"no session {session_id!r} here, and none kept to continue: resume in a new session"
@@ -193,7 +193,7 @@ class SessionMoves:
                     f"the session has decoded {latent_frames} latent frames, more than the {received} received: "
                     "open a new session",
                 )
-            state = await ref
+            state = await asyncio.wait_for(ref, wait_s)
         except (DecodeError, asyncio.CancelledError):
             _release(keeper, session_id, me)
             raise
