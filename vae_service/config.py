@@ -116,6 +116,74 @@ class Sessions(BaseModel):
     )
 
 
+class IceServer(BaseModel):
+    """A STUN or TURN server the replica's WebRTC side gathers candidates through (RTCIceServer)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)  # a TURN credential
+
+    urls: list[Annotated[str, Field(pattern=r"^(stun|turn|turns):[^\s]{1,253}$")]] = Field(
+        ..., min_length=1, description="stun:host:port, turn:host:port?transport=udp|tcp or turns:host:port"
+    )
+    username: str | None = Field(None, max_length=512, description="the TURN server's user")
+    credential: str | None = Field(None, max_length=512, description="the TURN server's password")
+
+
+class Watch(BaseModel):
+    """Viewers of a decode session (opened with `watch: true`): the watch page, MediaSource over
+    WebSocket, WebRTC by WHEP; fixed per replica."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_viewers: int = Field(
+        32,
+        ge=0,
+        description="viewers a replica serves at once, over all its sessions (0: none); one more is refused 429 "
+        "naming `viewers`. A MediaSource viewer also holds one of the replica's session connections "
+        "(sessions.max_connections), as a WebSocket session does; a WebRTC viewer holds none",
+    )
+    max_viewers_per_session: int = Field(
+        16, ge=1, description="viewers of one session at once; one more is refused 429 naming `viewers`"
+    )
+    viewer_queue_fragments: int = Field(
+        8,
+        ge=1,
+        le=1024,
+        description="fragments (one latent frame's frames each, a keyframe first) waiting for one viewer; a viewer "
+        "that falls this far behind drops them and goes on at the next fragment (counted per viewer): a slow viewer "
+        "never slows the session, the denoiser or other viewers",
+    )
+    token_wait_s: float = Field(
+        10.0,
+        gt=0,
+        description="a MediaSource viewer that sends no token (header or first message) within this is closed",
+    )
+    webrtc: bool = Field(True, description="serve WebRTC viewers (POST /watch/<id>/whep); false: 404 there")
+    ice_servers: list[IceServer] = Field(
+        [],
+        max_length=8,
+        description="STUN/TURN servers for the replica's WebRTC side (a replica behind NAT advertises the "
+        "addresses these find); empty: host candidates only (the replica's node must be reachable over UDP)",
+    )
+    ice_transport_policy: Literal["all", "relay"] = Field(
+        "all",
+        description="relay: media only through a TURN server of ice_servers (the one UDP/TCP port a cluster "
+        "must let through); all: host, server-reflexive and relay candidates",
+    )
+    allowed_origins: list[Annotated[str, Field(pattern=r"^https?://[^\s/]{1,253}$")]] = Field(
+        [],
+        max_length=64,
+        description="origins whose pages may call /watch/<id>/whep (CORS); the service's own watch page is "
+        "same-origin and needs none",
+    )
+
+    @model_validator(mode="after")
+    def _relay_needs_a_turn_server(self) -> Watch:
+        turn = any(url.startswith(("turn:", "turns:")) for server in self.ice_servers for url in server.urls)
+        if self.ice_transport_policy == "relay" and not turn:
+            raise ValueError("watch.ice_transport_policy relay needs a turn: or turns: server in watch.ice_servers")
+        return self
+
+
 class Scheduling(BaseModel):
     """How one replica's device chooses its next step (serving/scheduling/scheduler.py); fixed per replica."""
 
@@ -381,6 +449,7 @@ class ServiceConfig(BaseModel):
     batching: Batching = Batching()
     serving: Serving = Serving()
     sessions: Sessions = Sessions()
+    watch: Watch = Watch()
     scheduling: Scheduling = Scheduling()
     parallel: Parallel = Parallel()
     sinks: dict[Annotated[str, Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")], Sink] = Field(

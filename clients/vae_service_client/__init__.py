@@ -20,7 +20,7 @@ from vae_service_client.errors import (
 )
 from vae_service_client.http_client import AsyncVaeClient, VaeClient
 from vae_service_client.messages import UNSET, DecodeResponse
-from vae_service_client.sessions import AsyncDecodeSession, DecodeSession, SessionChunk
+from vae_service_client.sessions import AsyncDecodeSession, DecodeSession, SessionChunk, Watch
 
 _GRPC = ("AsyncVaeGrpcClient", "VaeGrpcClient")
 
@@ -56,4 +56,5 @@ __all__ = [
     "VaeClient",
     "VaeGrpcClient",
     "VaeServiceError",
+    "Watch",
 ]

@@ -51,7 +51,9 @@ def _typed_error(exc: grpc.RpcError, target: str, timeout: float) -> VaeServiceE
 
 class _Base(SessionOpener):
     """`application`: the Serve application to reach (Serve's gRPC proxy routes by this metadata);
-    `token`: the service's bearer token, when it requires one."""
+    `token`: the service's bearer token, when it requires one; `http_base_url`: the same service's
+    HTTP base URL (its route prefix included), against which a watched session's `watch.url` is made
+    absolute (None: it stays relative, a path under that base)."""
 
     _open_channel = staticmethod(grpc.insecure_channel)
 
@@ -63,6 +65,7 @@ class _Base(SessionOpener):
         retries: int = 3,
         backoff_s: float = 0.5,
         token: str | None = None,
+        http_base_url: str | None = None,
     ):
         self._channel = self._open_channel(target, options=_CHANNEL_OPTIONS)
         self._stub = decode_pb2_grpc.VaeDecoderStub(self._channel)
@@ -71,6 +74,7 @@ class _Base(SessionOpener):
             metadata.append(("authorization", f"Bearer {token}"))
         self._metadata = tuple(metadata)
         self.target, self.timeout, self.retries, self.backoff_s = target, timeout, retries, backoff_s
+        self.http_base_url = http_base_url
 
     def _error(self, exc: grpc.RpcError) -> VaeServiceError:
         return _typed_error(exc, self.target, self.timeout)
@@ -83,6 +87,7 @@ class _Base(SessionOpener):
             self.timeout,
             self.retries,
             self.backoff_s,
+            http_base=self.http_base_url,
             stub=self._stub,
             metadata=self._metadata,
             typed_error=self._error,

@@ -103,10 +103,10 @@ class _Base(SessionOpener):
         self._token = token
 
     def _session_link(self) -> SessionLink:
-        """`ws(s)://` beside base_url, the token on its handshake, this client's timeout and retries."""
-        return SessionLink(
-            ws_url(self._http.base_url), _headers(self._token), self.timeout, self.retries, self.backoff_s
-        )
+        """`ws(s)://` beside base_url, the token on its handshake, this client's timeout and retries;
+        base_url is what a watched session's url is relative to."""
+        base = str(self._http.base_url)
+        return SessionLink(ws_url(base), _headers(self._token), self.timeout, self.retries, self.backoff_s, base)
 
     def _decode_request(self, body: bytes) -> httpx.Request:
         return self._http.build_request("POST", "/decode", content=body, headers={"content-type": MSGPACK})

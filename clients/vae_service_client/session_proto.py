@@ -1,8 +1,9 @@
 """Decode sessions over gRPC (VaeDecoder.DecodeSession): the WebSocket messages' maps (sessions.py)
 as their protobuf messages and back, so a session has one contract whatever carries it. The server
 reads requests with `request_map` and writes replies with `reply_proto`; the client the other way.
-proto3 zero values are absent ("" for a string, 0 for a count); `latents_scaled` is both factors
-nil, as in DecodeRequest (messages.py)."""
+proto3 zero values are absent ("" for a string, 0 for a count, false for `watch`); `latents_scaled`
+is both factors nil, as in DecodeRequest (messages.py). An opened (attached) session's `watch` map is
+SessionOpened.watch, set only for a watched session."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from vae_service_client.grpc_gen import decode_pb2
 from vae_service_client.messages import tensor_map_of_proto, tensor_proto, timing_of_proto, timing_proto
 
 FACTORS = ("scaling_factor", "shift_factor")
-OPEN_TEXT = ("quality", "output", "dtype", "model", "request_id", "priority")
+OPEN_TEXT = ("quality", "output", "dtype", "model", "request_id", "priority", "frames")
 OPENED_KEYS = (
     "session",
     "model",
@@ -25,6 +26,7 @@ OPENED_KEYS = (
     "spatial_scale",
 )
 ATTACHED_KEYS = ("from", "latent_frames", "frames", "checkpointed_latent_frames")
+WATCH_KEYS = ("id", "token", "url")
 
 
 # ---- requests: client -> server ------------------------------------------------------------------
@@ -83,6 +85,8 @@ def request_map(msg) -> tuple[str, dict]:
     for key in OPEN_TEXT:
         if getattr(opened, key):
             fields[key] = getattr(opened, key)
+    if opened.watch:
+        fields["watch"] = True
     if opened.latents_scaled:
         fields["scaling_factor"] = fields["shift_factor"] = None
     for key in FACTORS:
@@ -109,6 +113,8 @@ def reply_proto(message: dict):
         opened = decode_pb2.SessionOpened(
             **{k: fields[k] for k in OPENED_KEYS}, request_id=fields.get("request_id") or ""
         )
+        if fields.get("watch"):
+            opened.watch.CopyFrom(decode_pb2.WatchInfo(**{k: fields["watch"][k] for k in WATCH_KEYS}))
         if kind == "opened":
             return decode_pb2.SessionReply(opened=opened)
         for key in ATTACHED_KEYS:
@@ -154,6 +160,8 @@ def reply_map(msg) -> dict | None:
         fields = {**{k: getattr(opened, k) for k in OPENED_KEYS}, "request_id": opened.request_id or None}
         if kind == "attached":
             fields.update({k: getattr(opened, k) for k in ATTACHED_KEYS})
+        if opened.HasField("watch"):
+            fields["watch"] = {k: getattr(opened.watch, k) for k in WATCH_KEYS}
         return {kind: fields}
     if kind == "moved":
         return {"moved": {"session": msg.moved.session}}

@@ -7,7 +7,9 @@ its `chunk_done` or `error` before the next goes), then `{"close": {}}`; the ser
 `opened`, each chunk's frame messages (`{"item", "frame", "pixels"}`, as a frame stream's) or
 mp4/webm fragments (`{"frame", "frames", "fragment"}`: all of a session's, joined, are one playable
 file), `chunk_done`, and `closed`. A chunk's `error` leaves the session open and unchanged (the
-chunk was not applied); `session_expired` and an open's error end the connection.
+chunk was not applied); `session_expired` and an open's error end the connection. A session opened
+with `frames: "none"` is answered each chunk's `chunk_done` alone; one opened with `watch: true`
+(mp4/webm) says in `opened` (and `attached`) how viewers watch it.
 
 SessionBook holds what the sync and async clients share: the messages, the counts, the frames a
 resume must not hand out twice, and the chunks it replays. DecodeSession and AsyncDecodeSession
@@ -55,6 +57,7 @@ from vae_service_client.tensors import LATENT_DTYPES, decode_tensor
 SESSION_OUTPUTS = ("uint8", "float", "mp4", "webm")
 VIDEO_OUTPUTS = ("mp4", "webm")  # one fragmented file across the session's chunks
 SESSION_OPTIONS = ("scaling_factor", "shift_factor", "model", "request_id", "clip_latent_frames", "priority")
+FRAMES = ("all", "none")  # what each chunk answers besides its chunk_done: its frames (fragments), or nothing
 CLOSE = pack({"close": {}})
 SESSION_HEADER = "x-session-id"  # Serve's proxy routes a call carrying it to the session's replica
 MESSAGE_TOO_BIG = 1009  # the WebSocket close code of a message over the receiver's limit (RFC 6455)
@@ -74,14 +77,20 @@ def open_fields(
     quality: str = "lossless",
     output: str = "uint8",
     dtype: str = "float32",
+    frames: str = "all",
+    watch: bool = False,
     **options,
 ) -> dict:
     """The `open` message's map. `height`/`width` are the latents' (every chunk's); `dtype` the chunks'
-    (the server refuses another). `options`: scaling_factor, shift_factor (UNSET: the model's own,
-    None: the latents are already scaled, as /decode takes them), model, request_id,
-    clip_latent_frames (the clip's length where known: exact bits for long clips on CPU), priority (the
-    scheduler's class for the chunks, messages.PRIORITIES; None: the server's default, `realtime`). What the client
-    itself depends on (sizes, output, dtype, option names) is refused here, before any I/O."""
+    (the server refuses another). `frames`: "all" (each chunk's frames or fragments) or "none" (each
+    chunk answers only its chunk_done: a denoiser whose output only viewers watch); `watch`: viewers
+    may watch the session (output mp4 or webm: they stream its file). Both are left off the map at
+    their defaults, so a server that predates them opens the session as before. `options`:
+    scaling_factor, shift_factor (UNSET: the model's own, None: the latents are already scaled, as
+    /decode takes them), model, request_id, clip_latent_frames (the clip's length where known: exact
+    bits for long clips on CPU), priority (the scheduler's class for the chunks,
+    messages.PRIORITIES; None: the server's default, `realtime`). What the client itself depends on
+    (sizes, output, dtype, frames, watch, option names) is refused here, before any I/O."""
     for name in options:
         if name not in SESSION_OPTIONS:
             raise refused_here(
@@ -97,7 +106,21 @@ def open_fields(
         )
     if dtype not in LATENT_DTYPES:
         raise refused_here("dtype", f"the chunks' dtype: one of {list(LATENT_DTYPES)}, not {dtype!r}")
+    if not isinstance(frames, str) or frames not in FRAMES:
+        hint = did_you_mean(frames, FRAMES) if isinstance(frames, str) else ""
+        raise refused_here(
+            "frames",
+            f"what each chunk answers: 'all' (its frames) or 'none' (its chunk_done alone), not {frames!r}{hint}",
+        )
+    if not isinstance(watch, bool):
+        raise refused_here("watch", f"True or False, got {watch!r}")
+    if watch and output not in VIDEO_OUTPUTS:
+        raise refused_here("watch", f"viewers stream the session's own file: output mp4 or webm, not {output!r}")
     fields = {"height": int(height), "width": int(width), "quality": quality, "output": output, "dtype": dtype}
+    if frames != "all":
+        fields["frames"] = frames
+    if watch:
+        fields["watch"] = True
     for key in ("scaling_factor", "shift_factor"):
         if options.get(key, UNSET) is not UNSET:
             fields[key] = options[key]
@@ -192,7 +215,8 @@ class SessionChunk:
     or `fragment` (the bytes to append to the session's file; the first chunk's begins with the init
     segment; None for frames). `precision` and `timing` (queue_ms, decode_ms, encode_ms, batch_size)
     are the server's; `fallback_from_frame`: the session's first fp32 frame where a chunk overflowed
-    fp16/bf16 (the session goes on in fp32), else None."""
+    fp16/bf16 (the session goes on in fp32), else None. A session opened with frames="none" hands
+    out none: `pixels` None and `fragment` b"" (mp4/webm), the counts and timing as ever."""
 
     latent_frame: int
     latent_frames: int
@@ -203,6 +227,28 @@ class SessionChunk:
     precision: str
     timing: dict
     fallback_from_frame: int | None = None
+
+
+@dataclass(frozen=True)
+class Watch:
+    """How viewers watch a session opened with watch=True: `url` opens its watch page (the token in
+    its fragment, which a browser does not send to the server); `token` authorizes the page's WHEP
+    and stream endpoints (`/watch/<id>/whep`, `/watch/<id>/stream`) for anyone who holds it."""
+
+    id: str
+    token: str
+    url: str
+
+
+def watch_of(fields: dict | None, base_url: str | None = None) -> Watch | None:
+    """An opened (attached) summary's `watch` map as a Watch; its url, relative to the service's base
+    URL, joined to `base_url` (the client's HTTP base, its route prefix kept) where there is one."""
+    if not fields:
+        return None
+    url = fields["url"]
+    if base_url and not urlsplit(url).scheme:
+        url = str(base_url).rstrip("/") + "/" + url.lstrip("/")
+    return Watch(fields["id"], fields["token"], url)
 
 
 # ---- bookkeeping ----------------------------------------------------------------------------------
@@ -216,6 +262,8 @@ class SessionBook:
     def __init__(self, settings: dict, resume: bool = False, path: str | Path | BinaryIO | None = None):
         if path is not None and settings["output"] not in VIDEO_OUTPUTS:
             raise refused_here("path", f"a file is written for output mp4 or webm, not {settings['output']!r}")
+        if path is not None and settings.get("frames") == "none":
+            raise refused_here("path", "a session opened with frames='none' is sent no fragments to write")
         self.settings, self.resume = settings, resume
         self.opened: dict = {}
         self.frames = self.latent_frames = self.resumes = 0
@@ -482,6 +530,7 @@ class SessionLink:
     timeout: float = 120.0
     retries: int = 3
     backoff_s: float = 0.5
+    http_base: str | None = None  # the service's HTTP base URL, a watch url's base (None: it stays relative)
 
     @property
     def where(self) -> str:
@@ -556,7 +605,7 @@ class _Session:
 
     @property
     def frames(self) -> int:
-        """Frames handed out so far (the next chunk's first frame)."""
+        """Frames decoded so far (the next chunk's first frame): handed out, unless opened with frames="none"."""
         return self._book.frames
 
     @property
@@ -572,6 +621,13 @@ class _Session:
     def opened(self) -> dict:
         """The server's `opened` summary (of the latest session, after a resume)."""
         return self._book.opened
+
+    @property
+    def watch(self) -> Watch | None:
+        """How viewers watch the session (opened with watch=True; None otherwise, or not open yet);
+        its url absolute where the client knows the service's HTTP base URL. A resume that opens a
+        new session gives a new id, token and url (the old one's viewers see it end)."""
+        return watch_of(self._book.opened.get("watch"), self._link.http_base)
 
     @property
     def resumes(self) -> int:
@@ -620,8 +676,9 @@ class DecodeSession(_Session):
 
     `resume=True` survives both. The session keeps every applied chunk's latents (client memory that
     grows with the session: `kept_bytes`); on SessionLost or SessionExpired it opens a new session
-    with the same settings, replays them in order (the server decodes the whole session again: a
-    resume costs as much as every chunk before it), drops the frames and fragments already handed
+    with the same settings (frames and watch too: `watch` then names the new session), replays them
+    in order (the server decodes the whole session again: a resume costs as much as every chunk
+    before it), drops the frames and fragments already handed
     out (the replay's are identical: the decode and the encoders are deterministic), then sends the
     chunk that failed and returns its answer as if nothing had happened. Expiry is resumed too: the
     kept latents recover it exactly as a loss (a caller slower than the idle timeout pays a replay
@@ -969,6 +1026,8 @@ class SessionOpener:
         dtype: str = "float32",
         resume: bool = False,
         path: str | Path | BinaryIO | None = None,
+        frames: str = "all",
+        watch: bool = False,
         **options,
     ):
         """A decode session: a video decoded chunk by chunk (`decode(latents [1, C, t, H, W])`), each
@@ -976,12 +1035,15 @@ class SessionOpener:
         returns, the async clients' opens with `async with` or when awaited. `height`/`width`: the
         latents' (every chunk's); `dtype`: the chunks' (float32, float16, bfloat16); `output`: uint8 or
         float frames, or mp4/webm fragments of one file (`path`: appended to that file as they
-        arrive); options: scaling_factor, shift_factor (None = already scaled), model, request_id,
+        arrive); `frames="none"`: each chunk answers its counts and timing alone, no frames (as
+        viewers watch it); `watch=True` (mp4/webm): viewers may watch it, `session.watch` says how;
+        options: scaling_factor, shift_factor (None = already scaled), model, request_id,
         clip_latent_frames, priority (the chunks' scheduler class; None: the server's default).
         `resume=True`: a lost or expired session is replayed in a new one from
         latents the client keeps (DecodeSession says what that costs). Settings the client depends on
         are refused here, before any I/O."""
-        book = SessionBook(open_fields(height, width, quality, output, dtype, **options), resume, path)
+        fields = open_fields(height, width, quality, output, dtype, frames, watch, **options)
+        book = SessionBook(fields, resume, path)
         return self._session_class(self._session_link(), book)
 
 
@@ -998,6 +1060,7 @@ __all__ = [
     "SessionChunk",
     "SessionLink",
     "SessionOpener",
+    "Watch",
     "chunks_of",
     "open_fields",
     "ws_url",

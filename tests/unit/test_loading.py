@@ -156,7 +156,12 @@ def test_only_decoder_tensors_are_read_from_disk(kl_dir, kl_vae, monkeypatch):
     assert set(read) == wanted and len(read) == len(wanted) < len(on_disk)
 
 
-@pytest.mark.parametrize("name", ["mochi", "flux2", "ltx-video-timestep", "cosmos", "minimax-h3", "kvae-video"])
+# with the integration zoo's six (tests/integration/test_model_zoo.py), every class the service names
+@pytest.mark.parametrize(
+    "name",
+    ["mochi", "flux2", "ltx-video-timestep", "cosmos", "minimax-h3", "kvae-video", "hunyuan-video-1.5", "cogvideox",
+     "sana"],
+)  # fmt: skip
 def test_a_loaded_folder_decodes_as_the_model_that_saved_it(tmp_path, name):
     """Decoder-only loading of any class: encoder-side modules never built, buffers the decoder
     reads (FLUX.2's BatchNorm statistics, LTX's latent statistics, Cosmos' and MiniMax's constant

@@ -5,9 +5,11 @@ docs/interfaces.md ("Decode sessions"); every body is parsed by the bounded msgp
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import msgpack
 
-from vae_service.engine.request.decode_request import DecodeRequest
+from vae_service.engine.request.decode_request import VIDEO_OUTPUTS, DecodeRequest
 from vae_service.engine.request.errors import InvalidInput, LimitExceeded
 from vae_service.engine.request.session import SessionOpen
 from vae_service.protocol.errors import WireErrorInfo
@@ -32,7 +34,11 @@ OPEN_KEYS = (
     "request_id",
     "clip_latent_frames",
     "priority",  # the scheduler's class for the session's chunks (names.PRIORITIES); absent: the deployment's default
+    "frames",  # what the caller gets back: "all" (default) or "none" (only each chunk's chunk_done)
+    "watch",  # true: viewers may watch it (opened.watch carries their token)
 )
+DELIVERY_KEYS = ("frames", "watch")
+FRAMES_BACK = ("all", "none")
 CHUNK_KEYS = ("latents", "latent_frame")
 MESSAGES = ("open", "attach", "chunk", "close")
 ATTACH_KEYS = ("session", "latent_frames")
@@ -56,7 +62,31 @@ def session_open(fields: object) -> SessionOpen:
     for key in ("height", "width"):
         if key not in fields:
             raise InvalidInput(key, "is required: the latents' size of every chunk")
-    return SessionOpen(**engine_fields(fields))
+    return SessionOpen(**engine_fields({k: v for k, v in fields.items() if k not in DELIVERY_KEYS}))
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """Where a session's frames go: back to its caller (`frames_back`), to viewers (`watch`), or both."""
+
+    frames_back: bool = True
+    watch: bool = False
+
+
+def session_delivery(fields: dict, output: str) -> Delivery:
+    """An open's `frames` and `watch` (checked after session_open, which knows the keys)."""
+    frames = fields.get("frames", "all")
+    if frames not in FRAMES_BACK:
+        raise InvalidInput("frames", f"what the caller gets back: one of {list(FRAMES_BACK)}, got {frames!r}")
+    watch = fields.get("watch", False)
+    if not isinstance(watch, bool):
+        raise InvalidInput("watch", f"true or false, got {watch!r}")
+    if watch and output not in VIDEO_OUTPUTS:
+        raise InvalidInput(
+            "watch",
+            f"a watched session's output is mp4 or webm (its viewers get the session's own file), not {output!r}",
+        )
+    return Delivery(frames_back=frames == "all", watch=watch)
 
 
 def session_attach(fields: object) -> tuple[str, int | None]:

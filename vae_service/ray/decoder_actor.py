@@ -21,6 +21,8 @@ import ray
 
 from vae_service.config import ServiceConfig
 from vae_service.serving.decode_service import DecodeService
+from vae_service.serving.viewers.feed import STREAM
+from vae_service.serving.viewers.relay import owner_items
 from vae_service.serving.wire.handle_api import handle_decode
 from vae_service.serving.wire.session_socket import SessionCalls
 
@@ -69,6 +71,24 @@ class Decoder:
 
     def close_session(self, session: str) -> dict | None:
         return self._run(self._sessions.close(session))
+
+    def watch(self, session: str, token: str | None = None):
+        """A viewer of a session opened with `watch=True`, for a Ray caller (call it with
+        `.options(num_returns="streaming")`): `joined` (or `refused`), then `start` (the file's
+        init segment and content type) and each `fragment` (serving/viewers/feed.py's Fragment:
+        one latent frame's mp4/webm fragment), then `ended`; bounded as any viewer (a slow caller
+        drops to the next fragment, counted in `dropped`)."""
+        items = owner_items(self.service.sessions.viewers, session, token, STREAM)
+        try:
+            while True:
+                try:
+                    item = self._run(items.__anext__())
+                except StopAsyncIteration:
+                    return
+                yield item
+        finally:
+            if not self._closed:
+                self._run(items.aclose())
 
     def describe(self) -> dict:
         return {"pid": os.getpid(), **self.service.describe()}

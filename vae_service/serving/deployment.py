@@ -19,6 +19,7 @@ from vae_service.serving.replica import DecoderReplica
 from vae_service.serving.wire import openapi
 from vae_service.serving.wire.http_routes import api_docs, decode_http, error_answer, health_fields, remote_decode_http
 from vae_service.serving.wire.session_socket import serve_session
+from vae_service.serving.wire.watch_routes import watch_page
 from vae_service_client.errors import error_json
 
 log = logging.getLogger("ray.serve")
@@ -76,6 +77,27 @@ class VaeDecoderHttp(DecoderReplica):
     @http_app.websocket("/sessions")
     async def sessions(self, websocket: WebSocket) -> None:
         await serve_session(self.service, self.admission, websocket)
+
+    @http_app.get("/watch/{session_id}", include_in_schema=False)
+    async def watch_page(self, session_id: str) -> Response:
+        return watch_page()
+
+    @http_app.websocket("/watch/{session_id}/stream")
+    async def watch_stream(self, websocket: WebSocket, session_id: str) -> None:
+        await self.watch_routes.stream(websocket, session_id)
+
+    @http_app.post("/watch/{session_id}/whep", include_in_schema=False)
+    async def whep_offer(self, request: Request, session_id: str) -> Response:
+        return await self.watch_routes.whep_offer(request, session_id)
+
+    @http_app.delete("/watch/{session_id}/whep/{resource}", include_in_schema=False)
+    async def whep_delete(self, request: Request, session_id: str, resource: str) -> Response:
+        return await self.watch_routes.whep_delete(request, session_id, resource)
+
+    @http_app.options("/watch/{session_id}/whep", include_in_schema=False)
+    @http_app.options("/watch/{session_id}/whep/{resource}", include_in_schema=False)
+    async def whep_preflight(self, request: Request) -> Response:
+        return self.watch_routes.preflight(request)
 
     @http_app.get("/health")
     async def health(self, request: Request):

@@ -27,6 +27,7 @@ from vae_service.serving.scheduling.load_report import load_report
 from vae_service.serving.scheduling.tile_peers import ReplicaPeers
 from vae_service.serving.sessions.handoff import SessionMoves
 from vae_service.serving.sessions.keeper import keeper_handle
+from vae_service.serving.viewers.relay import owner_items
 from vae_service.serving.wire.grpc_servicer import (
     GrpcAnswer,
     failed,
@@ -41,6 +42,7 @@ from vae_service.serving.wire.handle_api import handle_decode, handle_decode_fra
 from vae_service.serving.wire.http_routes import HttpAnswer, decode_answer, decode_events, remote_decode_answer
 from vae_service.serving.wire.proxy_guard import missing_guard_warning
 from vae_service.serving.wire.session_socket import SessionCalls
+from vae_service.serving.wire.watch_routes import WatchRoutes
 
 log = logging.getLogger("ray.serve")  # Serve writes it to the replica's own log file
 KEEPER_RETRY_S = 10.0
@@ -124,6 +126,8 @@ class DecoderReplica:
             owner=replica_id,
         )
         self.session_calls = SessionCalls(self.service)
+        self.watch_routes = WatchRoutes(self.service, self.admission, replica_id)
+        self.watch_routes.remote, self.watch_routes.remote_delete = self._relayed_stream, self._relayed_delete
         self._keeper, self._keeper_tried_at = None, None
         self.service.session_moves = SessionMoves(self.service.sessions, self._session_keeper, replica_id)
         self._drain_watch = DrainWatch(self._hand_off_sessions)
@@ -215,6 +219,7 @@ class DecoderReplica:
         self._report_sessions()  # opened and freed without a batch since (rejected, closed, expired)
         described = self.service.describe()
         described["sessions"] = {**described.get("sessions", {}), **self.service.session_moves.describe()}
+        described["viewers"] = self.service.sessions.viewers.describe()
         return {"replica": replica_id(), "rss_bytes": resident_bytes(), **described}
 
     # ---- bodies, also called through handles by the routing ingress ----------------------------
@@ -305,6 +310,40 @@ class DecoderReplica:
     async def close_session(self, session: str) -> dict | None:
         return await self.session_calls.close(session)
 
+    # ---- viewers that landed on another replica (serving/viewers/relay.py) -----------------------
+    async def watch_feed(self, session: str, token: str | None, kind: str):
+        """A viewer's stream of a session held here, for the replica it landed on (a streaming
+        handle pinned here by `session`); it holds a session connection here while it lasts."""
+        sessions = self.service.sessions
+        try:
+            sessions.connect()
+        except Exception as exc:
+            yield {"refused": "viewers", "message": str(exc), "retry_after_s": self.config.serving.retry_after_s}
+            return
+        try:
+            async for item in owner_items(sessions.viewers, session, token, kind):
+                yield item
+        finally:
+            sessions.disconnect()
+
+    async def close_whep(self, session: str, token: str | None) -> bool | None:
+        """A WHEP viewer's DELETE that landed on another replica (`session`: the resource, which
+        names this replica)."""
+        return await self.watch_routes.close_peer(session, token)
+
+    def _own_deployment(self):
+        context = serve.get_replica_context()
+        return serve.get_deployment_handle(context.deployment, context.app_name)
+
+    def _relayed_stream(self, session: str, token: str | None, kind: str):
+        handle = self._own_deployment().options(stream=True, session_id=session)
+        return handle.watch_feed.remote(session=session, token=token, kind=kind)
+
+    async def _relayed_delete(self, resource: str, token: str | None) -> bool | None:
+        return (
+            await self._own_deployment().options(session_id=resource).close_whep.remote(session=resource, token=token)
+        )
+
     async def decode_tile_job(self, job, fingerprint: str, remaining_s: float):
         """A tile of another replica's request (engine/runtime/tile_jobs.py), through a streaming handle:
         `OfferRefused` at once unless this replica is free for it, else `Accepted`, its output chunk by
@@ -328,6 +367,7 @@ class DecoderReplica:
         # sessions held by no connection (handles) leave now; then queued and running batches
         # finish, and the folded buffers go back
         await self._hand_off_sessions()
+        await self.watch_routes.close_all()
         drained = await self.service.drain(drain_timeout_s(self.service.live, self.serve_options))
         freed = self.release_folded()
         log.info(

@@ -44,13 +44,16 @@ class SessionState:
     precision: str
     fallback_from_frame: int | None
     video: VideoState | None = None
+    # what the serving layer keeps with the session (where its frames go, its viewers' token):
+    # carried along untouched, as (name, value) pairs so the state stays hashable plain data
+    delivery: tuple[tuple[str, object], ...] = ()
 
     @property
     def nbytes(self) -> int:
         return sum(t.untyped_storage().nbytes() for t in self.history.values())
 
-    def with_video(self, video: VideoState | None) -> SessionState:
-        return replace(self, video=video)
+    def with_video(self, video: VideoState | None, delivery: dict | None = None) -> SessionState:
+        return replace(self, video=video, delivery=tuple(sorted((delivery or {}).items())))
 
 
 def export_state(session: DecodeSession, fingerprint: str) -> SessionState:

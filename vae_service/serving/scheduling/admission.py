@@ -28,6 +28,7 @@ import copy
 import hmac
 import json
 import os
+import re
 from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +46,9 @@ TOKEN_ENV = "VAE_SERVICE_AUTH_TOKEN"
 # the routes behind the bearer token, under any route prefix (Serve's own /-/healthz and /-/routes
 # stay open: liveness probes carry no token)
 AUTHENTICATED_ROUTES = ("/decode", "/remote-decode", "/health")
+# the viewers' routes (serving/wire/watch_routes.py) check a session's watch token themselves: the page
+# carries none, and a viewer holds a session's token, not the service's
+WATCH_ROUTE = re.compile(r"/watch/[^/]+(/stream|/whep(/[^/]+)?)?/?$")
 TOKEN_REQUIRED = "a valid bearer token is required ('Authorization: Bearer ...')"
 
 
@@ -207,7 +211,7 @@ class Admission:
         and health routes always; any other route (API docs, unknown paths) when the request
         carries a body, so no body is buffered for a caller without the token; Serve's own
         probes (/-/...) never."""
-        if not self.required or path.startswith("/-/"):
+        if not self.required or path.startswith("/-/") or WATCH_ROUTE.search(path):
             return False
         return path.rstrip("/").endswith(AUTHENTICATED_ROUTES) or carries_body
 

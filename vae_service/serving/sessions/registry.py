@@ -37,8 +37,12 @@ from vae_service.engine.request.context import RequestContext
 from vae_service.engine.request.decode_request import VIDEO_OUTPUTS, DecodeRequest
 from vae_service.engine.request.errors import DecodeTimeout, InvalidInput, LimitExceeded, Overloaded
 from vae_service.engine.request.session import SessionExpired, SessionLost, SessionMoved, SessionOpen
+from vae_service.protocol.sessions import Delivery
 from vae_service.serving.outputs.encoders import EncoderPool, failed_encode
+from vae_service.serving.outputs.video_stream import MEDIA_TYPES
 from vae_service.serving.scheduling.classes import session_class
+from vae_service.serving.viewers.feed import Fragment
+from vae_service.serving.viewers.hub import ViewerHub
 from vae_service_client.mp4 import Mp4Fragment
 
 log = logging.getLogger("ray.serve")
@@ -160,6 +164,10 @@ class SessionRegistry:
         self.connections = 0  # conversations (WebSocket, DecodeSession) on this replica, open or not yet
         self.on_change: Callable[[], None] = lambda: None  # connections or open sessions changed (metrics)
         self.chunk_ms: collections.deque[float] = collections.deque(maxlen=256)
+        self.delivery: dict[str, Delivery] = {}  # sessions whose frames do not go (only) back to their caller
+        self.viewers = ViewerHub(
+            lambda: service.config.watch, lambda: service.config.serving.retry_after_s, lambda token: False
+        )
 
     @property
     def engine(self):
@@ -212,7 +220,7 @@ class SessionRegistry:
             log.exception("reporting the sessions' metrics failed")
 
     # ---- open ------------------------------------------------------------------------------
-    def open(self, settings: SessionOpen) -> DecodeSession:
+    def open(self, settings: SessionOpen, delivery: Delivery = Delivery()) -> DecodeSession:
         """A new session on this replica, or the error naming why not (nothing is held then)."""
         self.sweep()
         limits = self.service.config.limits
@@ -222,8 +230,19 @@ class SessionRegistry:
         session_id = f"{self.owner()}.{uuid.uuid4().hex}"  # the owner: the session router's affinity key
         session = self.engine.open_session(session_id, replace(settings, priority=priority), limits)
         self._take(session)
+        self._deliver(session.id, delivery)
         self.opened += 1
         return session
+
+    def _deliver(self, session_id: str, delivery: Delivery, token: str | None = None) -> None:
+        if delivery != Delivery():
+            self.delivery[session_id] = delivery
+        if delivery.watch:
+            self.viewers.watch(session_id, token)
+
+    def frames_back(self, session_id: str) -> bool:
+        """Whether the session's caller gets its frames (else only each chunk's chunk_done)."""
+        return self.delivery.get(session_id, Delivery()).frames_back
 
     def adopt(self, state: SessionState) -> DecodeSession:
         """A session another replica handed off or checkpointed, continued here: priced in this
@@ -234,6 +253,10 @@ class SessionRegistry:
         self._departed.pop(state.id, None)
         session = self.engine.adopt_session(state, self.service.config.limits)
         self._take(session, state.video)
+        kept = dict(state.delivery)
+        self._deliver(
+            session.id, Delivery(kept.get("frames_back", True), "watch_token" in kept), kept.get("watch_token")
+        )
         self.checkpointed[session.id] = state.latent_frames
         self.adopted += 1
         return session
@@ -268,8 +291,12 @@ class SessionRegistry:
         frozen = replace(session, walk=session.walk.fork())
         video = self._videos.get(session_id)
         video_state = None if video is None else video.state()
+        delivery = self.delivery.get(session_id, Delivery())
+        kept = {"frames_back": delivery.frames_back}
+        if delivery.watch:
+            kept["watch_token"] = self.viewers.token_of(session_id)
         state = await asyncio.to_thread(self.engine.export_session, frozen)
-        return state.with_video(video_state)
+        return state.with_video(video_state, kept)
 
     def describe_session(self, session: DecodeSession) -> dict:
         engine = self.engine
@@ -286,7 +313,16 @@ class SessionRegistry:
             "latent_channels": engine.spec.latent_channels,
             "spatial_scale": engine.spec.spatial_scale,
             "request_id": session.settings.request_id,
+            **self._watch_summary(session.id),
         }
+
+    def _watch_summary(self, session_id: str) -> dict:
+        """A watched session's `watch`: its viewers' token and the watch page's path (relative to
+        the service's base URL; the token in the fragment, which a browser never sends)."""
+        token = self.viewers.token_of(session_id)
+        if token is None:
+            return {}
+        return {"watch": {"id": session_id, "token": token, "url": f"/watch/{session_id}#token={token}"}}
 
     # ---- chunks ----------------------------------------------------------------------------
     def session(self, session_id: str) -> DecodeSession:
@@ -327,7 +363,7 @@ class SessionRegistry:
                 f"out of order: the session has decoded {session.latent_frames} latent frames, this chunk says it "
                 f"starts at {latent_frame}",
             )
-        session.busy, arrived = True, time.perf_counter()
+        session.busy, arrived, arrived_ms = True, time.perf_counter(), time.time() * 1e3
         try:
             context = self.service.admit()
             chunk = await asyncio.to_thread(self.engine.check_chunk, session, request, context)
@@ -338,9 +374,11 @@ class SessionRegistry:
             if video is not None:
                 start = time.perf_counter()
                 counts = self._fragment_frames(frames.latent_frame, chunk.prepared.latent_frames)
+                first = video.fragments_sent == 0
                 fragments = await video.fragments(frames, counts, context)
                 encode_ms = (time.perf_counter() - start) * 1e3
                 video.advance(fragments)
+                self._publish(session_id, video, frames, counts, fragments, first, arrived_ms)
             session.advance(frames.step)
             self.chunks += 1
             self.on_applied(session)
@@ -349,6 +387,18 @@ class SessionRegistry:
         finally:
             session.busy, session.last_used = False, self.clock()
 
+    def _publish(self, session_id, video, frames, counts, fragments, first: bool, arrived_ms: float) -> None:
+        """A watched session's chunk to its viewers (never waits for them: serving/viewers/feed.py)."""
+        if self.viewers.token_of(session_id) is None:
+            return
+        pixels, start, out = frames.pixels[0].numpy(), 0, []
+        for i, (fragment, n) in enumerate(zip(fragments, counts, strict=True)):
+            data = fragment.data[len(video.init) :] if first and i == 0 else fragment.data
+            out.append(Fragment(fragment.frame, n, data, pixels[start : start + n], arrived_ms))
+            start += n
+        content_type = f'{MEDIA_TYPES[video.output]}; codecs="{video.writer.codecs}"'
+        self.viewers.publish(session_id, out, video.init, content_type)
+
     def _fragment_frames(self, first_latent: int, latent_frames: int) -> list[int]:
         """Frames per fragment of a chunk: one latent frame's each (the first latent frame of a clip
         gives the law's offset fewer), as a whole answer's fragments (engine/media/encoding.py)."""
@@ -356,11 +406,13 @@ class SessionRegistry:
         return [a + (b if first_latent + i == 0 else 0) for i in range(latent_frames)]
 
     # ---- close and expiry ------------------------------------------------------------------
-    def close(self, session_id: str, why: str = "the session was closed", by_client: bool = False) -> dict | None:
+    def close(
+        self, session_id: str, why: str = "the session was closed", by_client: bool = False, ended: str = "lost"
+    ) -> dict | None:
         """Free the session at once (closed, disconnected, expired); its summary, None if it was not
         open. `by_client`: its client closed it (nothing of it is kept anywhere: a disconnect or an
-        expiry leaves its latest checkpoint to resume from)."""
-        session = self._free(session_id)
+        expiry leaves its latest checkpoint to resume from). `ended`: what its viewers are told."""
+        session = self._free(session_id, "closed" if by_client else ended)
         if session is None:
             return None
         self._gone[session_id] = (session.frames, session.latent_frames, why)
@@ -370,10 +422,12 @@ class SessionRegistry:
             self.on_closed(session_id)
         return {"frames": session.frames, "latent_frames": session.latent_frames}
 
-    def _free(self, session_id: str) -> DecodeSession | None:
+    def _free(self, session_id: str, ended: str) -> DecodeSession | None:
         session = self.open_sessions.pop(session_id, None)
         if session is None:
             return None
+        self.viewers.end(session_id, ended)
+        self.delivery.pop(session_id, None)
         session.closed = True
         video = self._videos.pop(session_id, None)
         if video is not None:
@@ -392,7 +446,7 @@ class SessionRegistry:
     def release(self, session_id: str, conversation: object, why: str) -> None:
         """A conversation ended: its session is freed unless another conversation drives it now."""
         if self.bound.get(session_id, conversation) is conversation:
-            self.close(session_id, why)
+            self.close(session_id, why, ended="disconnected")
 
     def begin_move(self, session_id: str) -> None:
         """The session stops taking chunks here (each is answered SessionMoved) until it has left."""
@@ -418,7 +472,7 @@ class SessionRegistry:
         replica) or could not be (it is closed here: the client resumes by replaying)."""
         departure = self._departures.pop(session_id, None)
         if kept:
-            self._free(session_id)
+            self._free(session_id, "moved")
         else:
             self.close(session_id, "its replica shut down and its state could not be handed to another")
         self._departed[session_id] = kept
@@ -431,7 +485,11 @@ class SessionRegistry:
         now, timeout = self.clock(), self.idle_timeout_s
         idle = [s.id for s in self.open_sessions.values() if not s.busy and now - s.last_used > timeout]
         for session_id in idle:
-            self.close(session_id, f"the session expired after {timeout:g} s without a chunk (sessions.idle_timeout_s)")
+            self.close(
+                session_id,
+                f"the session expired after {timeout:g} s without a chunk (sessions.idle_timeout_s)",
+                ended="expired",
+            )
             self.expired += 1
 
     def _ensure_sweeper(self) -> None:

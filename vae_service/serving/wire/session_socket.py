@@ -37,6 +37,7 @@ from vae_service.protocol.sessions import (
     opened_message,
     parse_message,
     session_attach,
+    session_delivery,
     session_open,
 )
 from vae_service.serving.decode_service import DecodeService
@@ -162,7 +163,8 @@ async def conversation(service: DecodeService, admit: Callable[[], None], receiv
                 return
             kind, fields = first
             if kind == "open":
-                session = sessions.open(session_open(fields))
+                settings = session_open(fields)
+                session = sessions.open(settings, session_delivery(fields, settings.output))
                 first_answer = opened_message(sessions.describe_session(session))
             elif kind == "attach":
                 session, came_from = await attach(service, *session_attach(fields))
@@ -223,8 +225,9 @@ async def conversation(service: DecodeService, admit: Callable[[], None], receiv
             except ANSWERABLE as exc:
                 yield Reply(error_message(wire_error(service.rejected(exc)), frames=session.frames))
                 continue
-            for message in [fragment_message(f) for f in answer.fragments] or [frames_of(answer.frames)]:
-                yield Reply(message)
+            if sessions.frames_back(session_id):
+                for message in [fragment_message(f) for f in answer.fragments] or [frames_of(answer.frames)]:
+                    yield Reply(message)
             yield Reply({"chunk_done": answer.done(session, sessions.checkpointed.get(session_id, 0))})
     finally:
         inbox.close()
@@ -311,7 +314,8 @@ class SessionCalls:
 
     async def open(self, **settings) -> dict:
         try:
-            session = self.service.sessions.open(session_open(settings))
+            opening = session_open(settings)
+            session = self.service.sessions.open(opening, session_delivery(settings, opening.output))
         except ANSWERABLE as exc:
             raise _client_error(self.service, exc) from None
         return self.service.sessions.describe_session(session)
@@ -325,6 +329,8 @@ class SessionCalls:
         except ANSWERABLE as exc:
             raise _client_error(self.service, exc) from None
         out = {"done": answer.done(session, sessions.checkpointed.get(session_id, 0))}
+        if not sessions.frames_back(session_id):
+            return out
         if answer.fragments:
             out["fragments"] = [fragment_message(f) for f in answer.fragments]
         else:

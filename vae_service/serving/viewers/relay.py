@@ -1,0 +1,99 @@
+"""Viewers who land on a replica that does not hold their session.
+
+Serve's HTTP proxy routes a viewer by nothing a browser can set (a WebSocket from a page carries no
+custom header), so with several replicas a viewer may reach one without the session. That replica
+relays: it asks the session's replica for the viewer's stream through a Serve handle (the session
+router sends the call there, by the session's id, as it sends the session's own calls), and serves
+the viewer from its own bounded queue. The session's replica treats the relay as one viewer (its
+token checked there, its limits counted there); the landing replica's queue absorbs a slow viewer,
+so the relay never backs up into the session's replica. Relayed rather than redirected: a browser's
+WebSocket follows no redirect, and the viewer keeps one address whatever replica holds the session.
+
+`owner_items` is the session's replica's side, `RelayedViewer` the landing replica's; both are
+framework-free (the handle call is the replica's, serving/replica.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
+
+from vae_service.engine.request.errors import InvalidInput, Overloaded
+from vae_service.protocol.errors import Unauthenticated
+from vae_service.serving.viewers.feed import STREAM, SessionFeed, Viewer
+from vae_service.serving.viewers.hub import REFUSED, ViewerHub
+
+log = logging.getLogger("ray.serve")
+RemoteStream = Callable[[str, str | None, str], AsyncIterator[dict]]
+
+
+async def owner_items(hub: ViewerHub, session_id: str, token: str | None, kind: str) -> AsyncIterator[dict]:
+    """The session's replica: `joined` (or `refused`, as the local routes would refuse), then each
+    fragment (`start` before the first: the file's init segment and type), then `ended`."""
+    try:
+        feed = hub.authorize(session_id, token)
+        viewer = hub.join(feed, kind)
+    except Unauthenticated:
+        yield {"refused": "unauthenticated"}
+        return
+    except Overloaded as exc:
+        yield {"refused": "viewers", "message": str(exc), "retry_after_s": exc.retry_after_s}
+        return
+    try:
+        yield {"joined": session_id}
+        started = False
+        while (fragment := await viewer.next()) is not None:
+            if not started:
+                yield {"start": {"init": feed.init, "content_type": feed.content_type}}
+                started = True
+            if kind == STREAM:  # a MediaSource viewer needs no pixels: they would cross the cluster for nothing
+                fragment = replace(fragment, pixels=fragment.pixels[:0])
+            yield {"fragment": fragment, "dropped": viewer.dropped}
+        yield {"ended": viewer.ended, "frames": feed.frames}
+    finally:
+        hub.leave(feed, viewer)
+
+
+class RelayedViewer:
+    """The landing replica's side: a one-viewer feed filled from the session's replica."""
+
+    def __init__(self, session_id: str, kind: str, bound: int, on_drop: Callable[[int], None]):
+        self.feed = SessionFeed(session_id, "", bound, on_drop)
+        self.viewer: Viewer = self.feed.join(kind)
+        self._task: asyncio.Task | None = None
+
+    async def start(self, remote: RemoteStream, token: str | None) -> None:
+        """Joins on the session's replica; raises its refusal (Unauthenticated, Overloaded)."""
+        items = remote(self.feed.session_id, token, self.viewer.kind).__aiter__()
+        first = await items.__anext__()
+        if "refused" in first:
+            if first["refused"] == "viewers":
+                raise Overloaded("viewers", first["message"], first["retry_after_s"])
+            raise Unauthenticated("token", REFUSED)
+        if "joined" not in first:
+            raise InvalidInput("session", "the session's replica answered the relay out of turn")
+        self._task = asyncio.ensure_future(self._pump(items))
+
+    async def _pump(self, items: AsyncIterator[dict]) -> None:
+        reason = "lost"
+        try:
+            async for item in items:
+                if "start" in item:
+                    self.feed.init, self.feed.content_type = item["start"]["init"], item["start"]["content_type"]
+                elif "fragment" in item:
+                    self.feed.publish([item["fragment"]], self.feed.init, self.feed.content_type)
+                elif "ended" in item:
+                    reason = item["ended"] or "lost"
+                    self.feed.frames = item["frames"]
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the session's replica went away mid-stream
+            log.info("a relayed viewer's stream of session %s ended: %s", self.feed.session_id, exc)
+        finally:
+            self.feed.end(reason)
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()

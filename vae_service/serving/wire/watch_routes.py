@@ -1,0 +1,308 @@
+"""Viewers' routes of a decode replica (docs/interfaces.md, "Watching a session"):
+
+- `GET /watch/<id>`: the watch page, the same bytes for every id (it says nothing of a session);
+- `WS /watch/<id>/stream`: the session's mp4/webm from the viewer's join point, for MediaSource;
+- `POST /watch/<id>/whep`, `DELETE /watch/<id>/whep/<resource>`: WebRTC by WHEP (RFC 9725).
+
+The media routes take the session's watch token (or the service's) as `Authorization: Bearer`; a
+browser's WebSocket cannot set that header, so `/stream` also takes it as its first message. A
+refusal is the same for a wrong token, none, and a session not watched here (serving/viewers/hub.py).
+Viewers live on the replica that holds the session: its frames are there, and a viewer costs the
+session nothing but a queue (serving/viewers/feed.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+from collections.abc import Awaitable, Callable
+
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.websockets import WebSocket, WebSocketDisconnect
+
+from vae_service.engine.request.errors import InvalidInput, LimitExceeded, Overloaded
+from vae_service.protocol.errors import ANSWERABLE, Unauthenticated, UnsupportedMediaType, wire_error
+from vae_service.serving.decode_service import DecodeService
+from vae_service.serving.viewers.feed import STREAM, WEBRTC, FramePacer, SessionFeed, Viewer
+from vae_service.serving.viewers.hub import REFUSED, bearer
+from vae_service.serving.viewers.relay import RelayedViewer, RemoteStream
+from vae_service.serving.viewers.sdp_offer import read_offer
+from vae_service.serving.viewers.watch_page import PAGE, PAGE_HEADERS
+
+log = logging.getLogger("ray.serve")
+UNAUTHORIZED, TOO_MANY = 4401, 4429  # WebSocket close codes: HTTP's status in the 4000-4999 private range
+MAX_OFFER_BYTES = 32 * 1024
+MAX_TOKEN_MESSAGE = 1024
+DENIAL = "websocket.http.response"
+
+
+def watch_page() -> Response:
+    return Response(PAGE, media_type="text/html; charset=utf-8", headers=PAGE_HEADERS)
+
+
+class WatchRoutes:
+    """A replica's viewers' routes over its DecodeService (its sessions' ViewerHub) and Admission
+    (the service's own token also watches)."""
+
+    def __init__(self, service: DecodeService, admission, replica: Callable[[], str] = lambda: "local"):
+        """`replica`: this replica's id (a WHEP resource names the replica holding its peer)."""
+        self.service, self.admission, self.replica = service, admission, replica
+        self._peers = None  # WhepPeers, made on the first WHEP viewer (aiortc is imported then)
+        self._tokens: dict[str, str] = {}  # WHEP resource -> the token that made it (DELETE takes the same)
+        service.sessions.viewers.service_token = self._is_service_token
+        # set in a Serve replica: the stream of a session held by another replica (serving/viewers/relay.py),
+        # and a WHEP resource's DELETE sent to the replica holding its peer
+        self.remote: RemoteStream | None = None
+        self.remote_delete: Callable[[str, str | None], Awaitable[bool]] | None = None
+
+    @property
+    def hub(self):
+        return self.service.sessions.viewers
+
+    def _is_service_token(self, token: str) -> bool:
+        if not self.admission.required:  # no service token: only a session's own token watches it
+            return False
+        try:
+            self.admission.check(f"Bearer {token}")
+        except Unauthenticated:
+            return False
+        return True
+
+    def _error(self, exc: BaseException, request: Request | None = None) -> Response:
+        info = wire_error(self.service.rejected(exc))
+        return Response(
+            info.http_body(), info.http_status, info.http_headers() | self._cors(request), "application/json"
+        )
+
+    async def _join(self, session_id: str, token: str | None, kind: str) -> tuple[SessionFeed, Viewer, Callable]:
+        """A new viewer of the session: here, or relayed from the replica that holds it; its
+        `leave` to call when it goes. Raises Unauthenticated or Overloaded (naming `viewers`)."""
+        hub = self.hub
+        if session_id in hub.feeds or self.remote is None:
+            feed = hub.authorize(session_id, token)
+            viewer = hub.join(feed, kind)
+            return feed, viewer, lambda: hub.leave(feed, viewer)
+        hub.check_room()
+        relayed = RelayedViewer(session_id, kind, self.service.config.watch.viewer_queue_fragments, hub.count_drops)
+        try:
+            await relayed.start(self.remote, token)
+        except Exception:
+            hub.refused += 1
+            relayed.stop()
+            raise
+        hub.relayed += 1
+
+        def leave() -> None:
+            relayed.stop()
+            hub.relayed -= 1
+
+        return relayed.feed, relayed.viewer, leave
+
+    # ---- MediaSource over WebSocket --------------------------------------------------------
+    async def stream(self, ws: WebSocket, session_id: str) -> None:
+        """Refusals: before the upgrade with HTTP (401, 429) where the token came in the header and
+        the server can answer a handshake so, else by closing (4401 `unauthorized`, 4429 `viewers`)."""
+        token = bearer(ws.headers.get("authorization"))
+        refuse_with_http = token is not None and DENIAL in ws.scope.get("extensions", {})
+        if not refuse_with_http:
+            await ws.accept()
+        sessions, connected, leave = self.service.sessions, False, None
+        try:
+            if token is None:
+                token = await self._first_message_token(ws)
+            feed, viewer, leave = await self._join(session_id, token, STREAM)
+            sessions.connect()  # a MediaSource viewer holds a Serve request for its whole life, as a session does
+            connected = True
+            if refuse_with_http:
+                await ws.accept()
+                refuse_with_http = False
+            await ws.send_text(json.dumps({"type": "joined", "frame": feed.frames}))
+            await self._send_stream(ws, feed, viewer)
+        except (Unauthenticated, InvalidInput, TimeoutError) as exc:
+            await self._refuse(ws, refuse_with_http, Unauthenticated("token", REFUSED) if token is None else exc)
+        except (Overloaded, LimitExceeded) as exc:
+            await self._refuse(ws, refuse_with_http, Overloaded("viewers", str(exc), self._retry_after()))
+        except WebSocketDisconnect:
+            pass
+        finally:
+            if leave is not None:
+                leave()
+            if connected:
+                sessions.disconnect()
+
+    async def _refuse(self, ws: WebSocket, with_http: bool, exc: BaseException) -> None:
+        if with_http:
+            await ws.send_denial_response(self._error(exc))
+        elif isinstance(exc, Overloaded):
+            await _close(ws, TOO_MANY, "viewers")
+        else:
+            await _close(ws, UNAUTHORIZED, "unauthorized")
+
+    def _retry_after(self) -> float:
+        return self.service.config.serving.retry_after_s
+
+    async def _first_message_token(self, ws: WebSocket) -> str | None:
+        message = await asyncio.wait_for(ws.receive(), self.service.config.watch.token_wait_s)
+        text = message.get("text")
+        if message["type"] == "websocket.disconnect":
+            raise WebSocketDisconnect()
+        if text is None or len(text) > MAX_TOKEN_MESSAGE:
+            raise InvalidInput("token", 'the first message is the text {"token": "..."}')
+        try:
+            token = json.loads(text).get("token")
+        except (ValueError, AttributeError):
+            raise InvalidInput("token", 'the first message is the text {"token": "..."}') from None
+        return token if isinstance(token, str) else None
+
+    async def _send_stream(self, ws: WebSocket, feed: SessionFeed, viewer: Viewer) -> None:
+        """Start (once the file's init segment is known), then each fragment as a text line saying
+        what it holds and its bytes, then `ended`; the viewer's leaving is watched throughout."""
+        gone = asyncio.ensure_future(_until_gone(ws))
+        started = False
+        try:
+            while True:
+                fetching = asyncio.ensure_future(viewer.next())
+                done, _ = await asyncio.wait({fetching, gone}, return_when=asyncio.FIRST_COMPLETED)
+                if gone in done:
+                    fetching.cancel()
+                    return
+                fragment = fetching.result()
+                if fragment is None:
+                    ended = {"type": "ended", "reason": viewer.ended, "frames": feed.frames, "dropped": viewer.dropped}
+                    await ws.send_text(json.dumps(ended))
+                    await _close(ws, 1000, viewer.ended or "ended")
+                    return
+                if not started:
+                    start = {"type": "start", "content_type": feed.content_type, "frame": fragment.frame}
+                    await ws.send_text(json.dumps(start))
+                    await ws.send_bytes(feed.init)
+                    started = True
+                line = {
+                    "type": "fragment",
+                    "frame": fragment.frame,
+                    "frames": fragment.frames,
+                    "chunk_ms": round(fragment.chunk_ms, 3),
+                    "dropped": viewer.dropped,
+                }
+                await ws.send_text(json.dumps(line))
+                await ws.send_bytes(fragment.data)
+        finally:
+            gone.cancel()
+
+    # ---- WebRTC by WHEP --------------------------------------------------------------------
+    async def whep_offer(self, request: Request, session_id: str) -> Response:
+        watch = self.service.config.watch
+        if not watch.webrtc:
+            return Response(status_code=404, headers=self._cors(request))
+        token = bearer(request.headers.get("authorization"))
+        leave = None
+        try:
+            if token is None:
+                raise Unauthenticated("token", REFUSED)
+            body = await _bounded_body(request, MAX_OFFER_BYTES)
+            _, viewer, leave = await self._join(session_id, token, WEBRTC)  # whoever holds no token learns nothing more
+            offer = _offer(body, request.headers.get("content-type"))
+            pacer = FramePacer(viewer, self.service.config.encoding.mp4_fps)
+            resource, answer = await self.peers().answer(offer, pacer.next_frame, leave)
+        except ANSWERABLE as exc:
+            if leave is not None:
+                leave()
+            return self._error(exc, request)
+        except BaseException:
+            if leave is not None:
+                leave()
+            raise
+        resource = f"{self.replica()}.{resource}"
+        self._tokens[resource] = token
+        location = f"{request.url.path.rstrip('/')}/{resource}"
+        headers = {"Location": location, **self._cors(request)}
+        return Response(answer, 201, headers, "application/sdp")
+
+    async def whep_delete(self, request: Request, session_id: str, resource: str) -> Response:
+        """200 once the viewer's peer is closed; 404 where there is none (any more); a token other
+        than the one that made it: 401."""
+        token = bearer(request.headers.get("authorization"))
+        if resource.split(".", 1)[0] != self.replica() and self.remote_delete is not None:
+            closed = await self.remote_delete(resource, token)
+        else:
+            closed = await self.close_peer(resource, token)
+        if closed is None:
+            return self._error(Unauthenticated("token", REFUSED), request)
+        return Response(status_code=200 if closed else 404, headers=self._cors(request))
+
+    async def close_peer(self, resource: str, token: str | None) -> bool | None:
+        """Close a WHEP peer of this replica: True, False where there is none, None for a wrong token."""
+        made_with = self._tokens.get(resource)
+        if made_with is None:
+            return False
+        if token is None or not hmac.compare_digest(token.encode(), made_with.encode()):
+            return None
+        self._tokens.pop(resource, None)
+        return self._peers is not None and await self._peers.close(resource.split(".", 1)[1])
+
+    def preflight(self, request: Request) -> Response:
+        return Response(status_code=204, headers=self._cors(request, preflight=True))
+
+    def _cors(self, request: Request | None, preflight: bool = False) -> dict:
+        """CORS only for the configured origins (watch.allowed_origins); the watch page is same-origin."""
+        origin = None if request is None else request.headers.get("origin")
+        if origin is None or origin not in self.service.config.watch.allowed_origins:
+            return {}
+        headers = {"Access-Control-Allow-Origin": origin, "Vary": "Origin", "Access-Control-Expose-Headers": "Location"}
+        if preflight:
+            headers |= {
+                "Access-Control-Allow-Methods": "POST, DELETE, OPTIONS",
+                "Access-Control-Allow-Headers": "Authorization, Content-Type",
+                "Access-Control-Max-Age": "600",
+            }
+        return headers
+
+    def peers(self):
+        if self._peers is None:
+            from vae_service.serving.viewers.webrtc import WhepPeers
+
+            self._peers = WhepPeers(self.service.config.watch)
+        return self._peers
+
+    async def close_all(self) -> None:
+        if self._peers is not None:
+            await self._peers.close_all()
+
+
+def _offer(body: bytes, content_type: str | None) -> str:
+    try:
+        return read_offer(body, content_type)
+    except InvalidInput as exc:
+        if exc.field == "Content-Type":
+            raise UnsupportedMediaType("Content-Type", "a WHEP offer is application/sdp") from None
+        raise
+
+
+async def _bounded_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and (not declared.isdigit() or int(declared) > limit):
+        raise LimitExceeded("sdp", f"an SDP offer is at most {limit} bytes")
+    body = bytearray()
+    async for piece in request.stream():
+        body += piece
+        if len(body) > limit:
+            raise LimitExceeded("sdp", f"an SDP offer is at most {limit} bytes")
+    return bytes(body)
+
+
+async def _until_gone(ws: WebSocket) -> None:
+    """Returns once the viewer has closed its side (whatever it sends meanwhile is ignored)."""
+    while True:
+        message = await ws.receive()
+        if message["type"] == "websocket.disconnect":
+            return
+
+
+async def _close(ws: WebSocket, code: int, reason: str) -> None:
+    try:
+        await ws.close(code, reason)
+    except (RuntimeError, WebSocketDisconnect):  # already closed by the viewer
+        pass
