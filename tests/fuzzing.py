@@ -223,6 +223,8 @@ def session_open_value(key: str):
         "request_id": st.one_of(st.text(max_size=300), st.just("r" * 256), st.just("r" * 257), st.just("x" * 5000)),
         "clip_latent_frames": st.one_of(st.integers(-4, 2**21), st.sampled_from([1, 2**20, 2**20 + 1])),
         "priority": st.sampled_from(PRIORITY_VALUES),
+        "frames": st.sampled_from(["all", "none", "some", "", "ALL"]),
+        "watch": st.one_of(st.booleans(), st.sampled_from([0, 1, "true"])),
     }[key]
     return st.one_of(own, own, hostile_scalars)
 

@@ -21,6 +21,7 @@ import pytest
 
 from tests.integration.conftest import SESSIONS_CONFIG, TEST_DEPLOYMENT
 from tests.session_wire import H, W, decoded_video, kill_owner, latents, whole_answer
+from tests.watch_clients import StreamViewer
 from vae_service_client import VaeClient, VaeGrpcClient
 
 pytestmark = pytest.mark.integration
@@ -200,17 +201,29 @@ def test_an_mp4_sessions_file_crosses_a_drain_as_one_file_of_the_same_frames(han
     """The file goes on where it was (its init segment, frame times and fragment numbers) on the new
     replica's encoder: one playable file with the unmoved file's frames at the same times, as near
     the decoded pixels (its bits differ from the fragment after the move: an encoder's rate control
-    cannot leave its process, so the new one starts afresh, as after a failed encode)."""
+    cannot leave its process, so the new one starts afresh, as after a failed encode). Its viewer is
+    told `moved`; the same token watches it on its new replica."""
     z = latents(sum(CHUNKS), seed=7)
     client = VaeClient(handoff_app)
     moved, stayed = tmp_path / "moved.mp4", tmp_path / "stayed.mp4"
-    with client.session(H, W, output="mp4", path=moved) as session:
+    with client.session(H, W, output="mp4", path=moved, watch=True) as session:
+        token = session.watch.token
+        before = StreamViewer(handoff_app, session.session_id, token)
+        reading = before.read_meanwhile()
         for k in range(2):
             session.decode(z[:, :, sum(CHUNKS[:k]) : sum(CHUNKS[: k + 1])])
         redeploy()
-        for k in range(2, len(CHUNKS)):
+        session.decode(z[:, :, sum(CHUNKS[:2]) : sum(CHUNKS[:3])])
+        after = StreamViewer(handoff_app, session.session_id, session.watch.token)
+        reading_after = after.read_meanwhile()
+        for k in range(3, len(CHUNKS)):
             session.decode(z[:, :, sum(CHUNKS[:k]) : sum(CHUNKS[: k + 1])])
         assert session.attaches >= 1 and session.replayed_latent_frames == 0
+    reading.join(60)
+    reading_after.join(60)
+    assert before.ended["reason"] == "moved" and len(before.data) == sum(CHUNKS[:2])
+    assert after.ended["reason"] == "closed" and len(after.data) == sum(CHUNKS[3:])
+    assert session.watch.token == token and after.start["content_type"] == before.start["content_type"]
     with client.session(H, W, output="mp4", path=stayed) as session:
         for k in range(len(CHUNKS)):
             session.decode(z[:, :, sum(CHUNKS[:k]) : sum(CHUNKS[: k + 1])])

@@ -5,7 +5,7 @@ deployment of the tiny causal Wan decoder with two replicas serves every test he
 Each test checks what a denoiser relies on: frames after every chunk, the chunks' frames joined
 equal to the whole /decode answer bit for bit, bad chunks refused naming the field with the session
 still exact afterwards, the room priced at open (413/429), idle expiry, a disconnect freeing the
-session, and a killed replica answering `session_lost`."""
+session, a killed replica answering `session_lost`, and a viewer relayed from the session's replica."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 import ray
-from websockets.exceptions import ConnectionClosed
+from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.sync.client import connect
 
 from tests.browser import avc1_codecs, browser_page, require_chromium
@@ -40,6 +40,7 @@ from tests.session_wire import (
     whole_answer,
     ws_url,
 )
+from tests.watch_clients import StreamViewer, open_session
 from vae_service.config import Encoding
 from vae_service_client import VaeClient
 from vae_service_client.messages import latents_map
@@ -593,3 +594,59 @@ def test_a_sessions_chunks_go_between_the_steps_of_a_bulk_video_on_their_replica
 def started_batches(url: str) -> int:
     (health,) = replica_health(url, 1).values()
     return health["scheduling"]["started_batches"]
+
+
+def test_a_viewer_landing_on_another_replica_is_relayed_the_sessions_own_stream(sessions_app):
+    """Serve's proxy may send a viewer to a replica without the session (a browser's WebSocket sets
+    no routing header): that replica relays the stream from the session's replica. The landing is
+    forced here by the proxy's own `x-session-id` routing; the relayed viewer gets what the
+    session's own viewer gets, byte for byte, and a wrong token is refused alike there and here."""
+    ws, opened = open_session(sessions_app, frames="none", watch=True)
+    session, token = opened["opened"]["session"], opened["opened"]["watch"]["token"]
+    owner = session.split(".", 1)[0]
+    (other,) = set(replica_health(sessions_app, 2)) - {owner}
+    at_home = StreamViewer(sessions_app, session, token, **{"x-session-id": session})
+    relayed = StreamViewer(sessions_app, session, token, **{"x-session-id": f"{other}.viewer"})
+    refusals = []
+    for landing in (owner, other):
+        try:
+            StreamViewer(sessions_app, session, "A" * 43, **{"x-session-id": f"{landing}.viewer"})
+        except InvalidStatus as refused:
+            refusals.append((refused.response.status_code, refused.response.body))
+    readers = [viewer.read_meanwhile() for viewer in (at_home, relayed)]
+    send(ws, "chunk", {"latents": latents_map(latents(2, 31)), "latent_frame": 0})
+    receive(ws)
+    health = replica_health(sessions_app, 2)
+    send(ws, "chunk", {"latents": latents_map(latents(1, 32)), "latent_frame": 2})
+    receive(ws)
+    send(ws, "close", {})
+    closed = receive(ws)["closed"]
+    for reader in readers:
+        reader.join(60)
+    ws.close()
+    assert health[other]["viewers"]["relayed_viewers"] == 1 and health[owner]["viewers"]["viewers"] == 2
+    assert at_home.ended["reason"] == relayed.ended["reason"] == "closed"
+    assert relayed.start == at_home.start and relayed.file() == at_home.file()
+    assert len(relayed.data) == closed["latent_frames"]  # one fragment per latent frame, none dropped
+    assert len(refusals) == 2 and refusals[0] == refusals[1] and refusals[0][0] == 401
+
+
+def test_a_grpc_session_asking_no_frames_is_watched_over_http(sessions_app, grpc_target):
+    """The open options and opened.watch cross gRPC (`DecodeSession`) as the WebSocket's: the
+    denoiser's chunks answer only their counts, the viewer gets the session's file."""
+    from vae_service_client import VaeGrpcClient
+
+    app = sessions_app.rstrip("/").rsplit("/", 1)[1].removesuffix("-app")
+    with (
+        VaeGrpcClient(grpc_target, application=app, http_base_url=sessions_app) as client,
+        client.session(H, W, output="webm", frames="none", watch=True) as session,
+    ):
+        watch = session.watch
+        assert watch.url == f"{sessions_app}/watch/{watch.id}#token={watch.token}"
+        viewer = StreamViewer(sessions_app, watch.id, watch.token, **{"x-session-id": watch.id})
+        reading = viewer.read_meanwhile()
+        parts = [session.decode(latents(t, 40 + t)) for t in (2, 1)]
+    reading.join(60)
+    assert [p.pixels for p in parts] == [None, None] and [p.fragment for p in parts] == [b"", b""]
+    assert viewer.ended["reason"] == "closed" and viewer.start["content_type"].startswith("video/webm")
+    assert len(viewer.data) == 3 and viewer.ended["frames"] == session.frames

@@ -13,21 +13,20 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 
 import httpx
 import msgpack
 import numpy as np
 import pytest
 from websockets.exceptions import ConnectionClosed
-from websockets.sync.client import connect
 
 from tests.session_wire import decoded_video, latents
+from tests.watch_clients import StreamViewer, open_session, replies_until_done, say, ws_of
 from tests.watch_server import STALL_HEADER, watch_server
 from vae_service.config import ServiceConfig, Watch
 from vae_service.engine.request.errors import Overloaded
 from vae_service.protocol.errors import Unauthenticated
-from vae_service.serving.viewers.feed import STREAM, Fragment, Viewer
+from vae_service.serving.viewers.feed import STREAM, WEBRTC, Fragment, Viewer
 from vae_service.serving.viewers.hub import ViewerHub
 from vae_service.serving.wire.session_socket import SessionCalls
 from vae_service_client.messages import latents_map, pack
@@ -84,6 +83,17 @@ def test_a_late_viewer_starts_at_the_next_fragment_and_every_viewer_ends_after_i
     assert frames == 12
 
 
+def test_a_webrtc_viewer_joining_between_chunks_is_shown_the_latest_frame_at_once():
+    hub = hub_of()
+    feed = hub.authorize("r.s", hub.watch("r.s"))
+    assert not hub.join(feed, WEBRTC).queue  # nothing published yet: nothing to show
+    last = Fragment(4, 4, b"x", np.arange(4 * 2 * 2 * 3, dtype=np.uint8).reshape(4, 2, 2, 3), 0.0)
+    hub.publish("r.s", [fragment(0), last], b"init", "video/mp4")
+    (shown,) = hub.join(feed, WEBRTC).queue
+    assert (shown.frame, shown.frames) == (4, 1) and np.array_equal(shown.pixels, last.pixels[-1:])
+    assert not hub.join(feed, STREAM).queue  # a MediaSource viewer starts at the next fragment
+
+
 def test_wrong_missing_and_unknown_are_refused_alike_and_the_services_token_watches_any():
     hub = hub_of()
     token = hub.watch("r.a")
@@ -134,69 +144,6 @@ def config_of(wan_dir, **watch) -> ServiceConfig:
 def server(wan_dir):
     with watch_server(config_of(wan_dir, viewer_queue_fragments=64)) as running:
         yield running
-
-
-def ws_of(url: str, path: str, **options):
-    return connect(url.replace("http://", "ws://", 1) + path, max_size=None, **options)
-
-
-def say(ws, kind: str, fields: dict) -> dict:
-    ws.send(pack({kind: fields}))
-    return msgpack.unpackb(ws.recv(timeout=60), raw=False)
-
-
-def replies_until_done(ws) -> list[dict]:
-    out = []
-    while True:
-        out.append(msgpack.unpackb(ws.recv(timeout=60), raw=False))
-        if "chunk_done" in out[-1] or "error" in out[-1]:
-            return out
-
-
-def open_session(url: str, **fields):
-    ws = ws_of(url, "/sessions")
-    opened = say(ws, "open", {"height": 6, "width": 10, "output": "mp4", **fields})
-    return ws, opened
-
-
-class StreamViewer:
-    """A MediaSource viewer's side of /watch/<id>/stream, as the page speaks it."""
-
-    def __init__(self, url: str, session: str, token: str | None, in_header: bool = True):
-        headers = {"Authorization": f"Bearer {token}"} if in_header and token else None
-        self.ws = ws_of(url, f"/watch/{session}/stream", additional_headers=headers)
-        if not in_header:
-            self.ws.send(json.dumps({"token": token}))
-        self.start, self.init, self.lines, self.data = None, None, [], []
-        self.joined = json.loads(self.ws.recv(timeout=30))  # from here on, every fragment published reaches it
-        assert self.joined["type"] == "joined", self.joined
-
-    def read_until_end(self, timeout: float = 60) -> dict:
-        while True:
-            message = self.ws.recv(timeout=timeout)
-            if isinstance(message, bytes):
-                if self.init is None:
-                    self.init = message
-                else:
-                    self.data.append(message)
-                continue
-            line = json.loads(message)
-            if line["type"] == "start":
-                self.start = line
-            elif line["type"] == "fragment":
-                self.lines.append(line)
-            else:
-                self.ended = line
-                return line
-
-    def read_meanwhile(self) -> threading.Thread:
-        """Read as the messages come (a viewer keeping up), until the end."""
-        reader = threading.Thread(target=self.read_until_end, daemon=True)
-        reader.start()
-        return reader
-
-    def file(self) -> bytes:
-        return self.init + b"".join(self.data)
 
 
 def chunks(ws, seeds: list[tuple[int, int]], at: int = 0, side: tuple[int, int] | None = None) -> list[list[dict]]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from urllib.parse import urljoin
 
 import httpx
 import msgpack
@@ -16,7 +17,8 @@ import pytest
 from aiortc import RTCPeerConnection, RTCSessionDescription
 
 from tests.session_wire import decoded_video, latents
-from tests.unit.test_viewers import config_of, say, ws_of
+from tests.unit.test_viewers import config_of
+from tests.watch_clients import say, ws_of
 from tests.watch_server import watch_server
 from vae_service_client.messages import latents_map, pack
 
@@ -83,7 +85,9 @@ def test_a_whep_viewer_gets_the_sessions_frames_as_vp8_and_leaves_by_delete(serv
         finally:
             stop.set()
             await denoiser
-        deletes = await asyncio.to_thread(delete_three_times, answered.headers["location"])
+        deletes = await asyncio.to_thread(
+            delete_three_times, urljoin(f"/watch/{session}/whep", answered.headers["location"])
+        )
         await pc.close()
         return answered, frames, answers, deletes
 
@@ -96,7 +100,7 @@ def test_a_whep_viewer_gets_the_sessions_frames_as_vp8_and_leaves_by_delete(serv
 
     answered, frames, answers, deletes = asyncio.run(watch())
     assert answered.headers["content-type"] == "application/sdp"
-    location = answered.headers["location"]
+    location = urljoin(f"/watch/{session}/whep", answered.headers["location"])
     assert location.startswith(f"/watch/{session}/whep/") and "a=candidate:" in answered.text
     assert "VP8" in answered.text
     own = [f for _, f in decoded_video(b"".join(m["fragment"] for m in answers if "fragment" in m))]
@@ -135,7 +139,8 @@ def test_hostile_whep_viewers_are_refused_naming_what_is_wrong(server):
     assert [r.status_code for r in held] == [201, 201]
     assert (over.status_code, over.json()["error"]["field"]) == (429, "viewers") and "retry-after" in over.headers
     for response in held:
-        httpx.delete(f"{server.url}{response.headers['location']}", headers={"Authorization": f"Bearer {token}"})
+        location = urljoin(f"/watch/{session}/whep", response.headers["location"])
+        httpx.delete(f"{server.url}{location}", headers={"Authorization": f"Bearer {token}"})
     for socket in (ws, other_ws):
         socket.send(pack({"close": {}}))
 

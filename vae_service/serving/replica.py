@@ -186,6 +186,7 @@ class DecoderReplica:
     async def _hand_off_sessions(self) -> None:
         """The drain has begun: every open session goes to the keeper, its client told `moved`."""
         moves = self.service.session_moves
+        self.watch_routes.drain()
         outcome = await moves.hand_off_all(drain_timeout_s(self.service.live, self.serve_options))
         if outcome["handed_off"] or outcome["failed"]:
             log.info("replica %s drains: sessions handed on %s", replica_id(), outcome)

@@ -14,7 +14,7 @@ import asyncio
 import collections
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -104,6 +104,7 @@ class SessionFeed:
         self.init: bytes | None = None  # the file's init segment, known with its first fragment
         self.content_type: str | None = None  # with codecs, as MediaSource.isTypeSupported takes it
         self.frames = 0  # frames published so far: where a joining viewer's stream starts
+        self.last: Fragment | None = None  # what a joining WebRTC viewer is shown first
         self.ended: str | None = None
 
     def publish(self, fragments: list[Fragment], init: bytes, content_type: str) -> None:
@@ -111,10 +112,15 @@ class SessionFeed:
         for viewer in self.viewers:
             viewer.offer(fragments)
         if fragments:
-            self.frames = fragments[-1].frame + fragments[-1].frames
+            self.last = fragments[-1]
+            self.frames = self.last.frame + self.last.frames
 
     def join(self, kind: str) -> Viewer:
+        """A MediaSource viewer starts at the next fragment (its file's timeline from a keyframe on);
+        a WebRTC viewer at the latest one's last frame, so a picture shows at once between chunks."""
         viewer = Viewer(kind, self.bound, self.on_drop)
+        if kind == WEBRTC and self.last is not None and self.ended is None:
+            viewer.offer([replace(self.last, pixels=self.last.pixels[-1:], frames=1)])
         if self.ended is not None:
             viewer.end(self.ended)
         self.viewers.add(viewer)

@@ -52,6 +52,7 @@ class WatchRoutes:
         self.service, self.admission, self.replica = service, admission, replica
         self._peers = None  # WhepPeers, made on the first WHEP viewer (aiortc is imported then)
         self._tokens: dict[str, str] = {}  # WHEP resource -> the token that made it (DELETE takes the same)
+        self._relayed: set[RelayedViewer] = set()
         service.sessions.viewers.service_token = self._is_service_token
         # set in a Serve replica: the stream of a session held by another replica (serving/viewers/relay.py),
         # and a WHEP resource's DELETE sent to the replica holding its peer
@@ -94,10 +95,13 @@ class WatchRoutes:
             relayed.stop()
             raise
         hub.relayed += 1
+        self._relayed.add(relayed)
 
         def leave() -> None:
             relayed.stop()
-            hub.relayed -= 1
+            if relayed in self._relayed:
+                self._relayed.discard(relayed)
+                hub.relayed -= 1
 
         return relayed.feed, relayed.viewer, leave
 
@@ -217,7 +221,7 @@ class WatchRoutes:
             raise
         resource = f"{self.replica()}.{resource}"
         self._tokens[resource] = token
-        location = f"{request.url.path.rstrip('/')}/{resource}"
+        location = f"whep/{resource}"  # relative (RFC 3986): the same under any route prefix
         headers = {"Location": location, **self._cors(request)}
         return Response(answer, 201, headers, "application/sdp")
 
@@ -267,7 +271,15 @@ class WatchRoutes:
             self._peers = WhepPeers(self.service.config.watch)
         return self._peers
 
+    def drain(self) -> None:
+        """The replica drains: the viewers it relays end `moved` (they come back through another
+        replica; its own sessions' viewers are told so as each session leaves)."""
+        for relayed in list(self._relayed):
+            relayed.feed.end("moved")
+            relayed.stop()
+
     async def close_all(self) -> None:
+        self.drain()
         if self._peers is not None:
             await self._peers.close_all()
 
