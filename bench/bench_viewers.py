@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import socket
@@ -163,6 +164,7 @@ class StreamReader:
 
     def _read(self) -> None:
         try:
+            frame = None
             while True:
                 message = self.ws.recv()
                 if isinstance(message, str):
@@ -171,8 +173,12 @@ class StreamReader:
                         now = time.perf_counter()
                         self.first = self.first or now
                         self.last, self.frames, self.dropped = now, self.frames + line["frames"], line["dropped"]
+                        frame = line["frame"]
                     elif line["type"] == "ended":
                         return
+                elif frame is not None:  # the fragment's bytes: acknowledged, as the watch page does
+                    with contextlib.suppress(Exception):
+                        self.ws.send(json.dumps({"ack": frame}))
         except Exception:
             return
 

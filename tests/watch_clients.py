@@ -4,10 +4,12 @@ routes under uvicorn, tests/watch_server.py, or a Serve application)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 
 import msgpack
+from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
 from vae_service_client.messages import pack
@@ -59,6 +61,8 @@ class StreamViewer:
                     self.init = message
                 else:
                     self.data.append(message)
+                    with contextlib.suppress(ConnectionClosed):  # read after the stream ended: no one to tell
+                        self.ws.send(json.dumps({"ack": self.lines[-1]["frame"]}))  # as the page does
                 continue
             line = json.loads(message)
             if line["type"] == "start":

@@ -36,32 +36,6 @@ class WatchServer:
         return asyncio.run_coroutine_threadsafe(work, self.loop).result(timeout_s)
 
 
-STALL_HEADER = b"x-test-stall"  # a viewer's connection with it stops taking messages after its `joined` (a fault)
-
-
-def stalling(app):
-    """An injected fault: a WebSocket whose handshake carries STALL_HEADER takes its first message
-    (`joined`) and then none: the server's sends to it never complete, as a viewer whose network
-    stopped. Everything else passes through."""
-
-    async def wrapped(scope, receive, send):
-        if scope["type"] != "websocket" or STALL_HEADER not in dict(scope["headers"]):
-            return await app(scope, receive, send)
-        sent = 0
-
-        async def stalled_send(message):
-            nonlocal sent
-            if message["type"] == "websocket.send":
-                sent += 1
-                if sent > 1:
-                    await asyncio.Event().wait()
-            await send(message)
-
-        return await app(scope, receive, stalled_send)
-
-    return wrapped
-
-
 def app_of(service: DecodeService, admission: Admission, routes: WatchRoutes) -> Starlette:
     async def sessions(ws):
         await serve_session(service, admission, ws)
@@ -99,8 +73,7 @@ def watch_server(config: ServiceConfig) -> Iterator[WatchServer]:
     service, admission = DecodeService(config), Admission.from_config(config)
     routes = WatchRoutes(service, admission)
     port = free_port()
-    app = stalling(app_of(service, admission, routes))
-    server = uvicorn.Server(uvicorn.Config(app, "127.0.0.1", port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app_of(service, admission, routes), "127.0.0.1", port, log_level="warning"))
     loop = asyncio.new_event_loop()
 
     async def serve() -> None:

@@ -148,9 +148,10 @@ class Watch(BaseModel):
         8,
         ge=1,
         le=1024,
-        description="fragments (one latent frame's frames each, a keyframe first) waiting for one viewer; a viewer "
-        "that falls this far behind drops them and goes on at the next fragment (counted per viewer): a slow viewer "
-        "never slows the session, the denoiser or other viewers",
+        description="fragments (one latent frame's frames each, a keyframe first) waiting for one viewer, and a "
+        "MediaSource viewer's fragments not yet acknowledged; a viewer this far behind when the next chunk comes drops "
+        "them and goes on at its first fragment (counted): a slow viewer never slows the session, the denoiser or "
+        "other viewers",
     )
     token_wait_s: float = Field(
         10.0,

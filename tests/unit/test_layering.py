@@ -320,7 +320,8 @@ def test_the_cycle_finder_finds_a_circle(monkeypatch):
 
 # the serving layer's rooms, bottom to top (docs/architecture.md): outputs (encoders, streams, sinks),
 # the device's scheduling (admission, pricing a request, the scheduler, tile peers, the session
-# router), viewers (a watched session's fan-out, tokens, relays, WHEP peers), sessions, then the service core (decode_service.py), the wire surfaces over it, and the
+# router), viewers (a watched session's fan-out, tokens, relays, WHEP peers), sessions, then the
+# service core (decode_service.py), the wire surfaces over it, and the
 # replica, its deployment, the routing ingress and metrics at the top
 SERVING_ROOMS = ("outputs", "scheduling", "viewers", "sessions")
 SERVING = ROOT / "vae_service/serving"

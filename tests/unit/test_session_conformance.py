@@ -11,7 +11,7 @@ as the service loads it:
 - exact bits: `lossless` chunks joined are diffusers' own decode of the clip (the saved folder's
   `from_pretrained`), `high` within the fast path's bound, a session that fell back fp16's bits
   before its first fp32 frame; mp4/webm sessions are the whole answer's file byte for byte but its
-  closing box;
+  closing box, and so is what a watched session's viewers get (from where each joined);
 - honest answers: `precision`, `fallback_from_frame`, the batch size, the frames counted.
 
 Rows run several sessions at once where they say `sessions > 1` (batched across sessions). Two more
@@ -330,6 +330,48 @@ def test_a_video_session_is_the_whole_answers_file_but_its_closing_box(row, fold
     assert data == whole  # a whole answer carries no closing box: the session's file is the same bytes
     trailer = TRAILERS[row.output](DONE_TAG, summary)
     assert len(trailer) > 0 and summary["latent_frames"] == row.latent_frames
+
+
+@pytest.mark.parametrize("row", [r for r in ROWS if r.output in ("mp4", "webm")], ids=ids)
+def test_a_watched_sessions_viewers_get_its_own_file_from_where_they_joined(row, folder):
+    """Watching changes no bit: a session opened `watch: true, frames: none` answers the same counts,
+    and its viewers (serving/viewers/) get its own file's bytes: one from the start (the init segment,
+    then every fragment: the whole answer's bytes), one that joined after the first chunk (the
+    init segment, then the fragments from there on)."""
+    from vae_service.protocol.sessions import Delivery
+    from vae_service.serving.viewers.feed import STREAM
+
+    async def run():
+        service = DecodeService(ServiceConfig(model=str(folder), decode_precision="fp32"))
+        hub, z = service.sessions.viewers, latents_of(row, service.engine, 0)
+        session = service.sessions.open(settings_of(row), Delivery(frames_back=False, watch=True))
+        first = hub.join(hub.authorize(session.id, hub.token_of(session.id)), STREAM)
+        late, start, counts = None, 0, []
+        for t in row.chunking:
+            answer = await service.sessions.chunk(session.id, DecodeRequest(z[:, :, start : start + t]), start)
+            counts.append((answer.frames.frame, session.frames))
+            late = late or hub.join(hub.authorize(session.id, hub.token_of(session.id)), STREAM)
+            start += t
+        feed = hub.feeds[session.id]
+        init, summary = feed.init, service.sessions.close(session.id, by_client=True)
+        got = {}
+        for name, viewer in (("first", first), ("late", late)):
+            fragments = []
+            while (fragment := await viewer.next()) is not None:
+                fragments.append(fragment)
+            got[name] = (fragments, viewer.ended, viewer.dropped)
+        whole = await service.decode(DecodeRequest(z, quality=row.quality, output=row.output))
+        await service.drain(5)
+        return got, init, whole.output[0], summary, counts
+
+    got, init, whole, summary, counts = asyncio.run(run())
+    (first, first_end, first_dropped), (late, late_end, late_dropped) = got["first"], got["late"]
+    assert init + b"".join(f.data for f in first) == whole  # the session's own file, byte for byte
+    assert (first_end, late_end, first_dropped, late_dropped) == ("closed", "closed", 0, 0)
+    skipped = row.chunking[0]
+    assert [f.data for f in late] == [f.data for f in first[skipped:]]  # from its join on
+    assert [f.frame for f in first] == list(np.cumsum([0] + [f.frames for f in first[:-1]]))
+    assert counts[-1][1] == summary["frames"] == sum(f.frames for f in first)
 
 
 # ---- through the replica's service: stacked sessions of mixed settings, a failed encode ----------

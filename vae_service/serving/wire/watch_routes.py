@@ -14,6 +14,7 @@ session nothing but a queue (serving/viewers/feed.py).
 from __future__ import annotations
 
 import asyncio
+import collections
 import hmac
 import json
 import logging
@@ -23,7 +24,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from vae_service.engine.request.errors import InvalidInput, LimitExceeded, Overloaded
+from vae_service.engine.request.errors import InvalidInput, LimitExceeded, Overloaded, Unavailable
 from vae_service.protocol.errors import ANSWERABLE, Unauthenticated, UnsupportedMediaType, wire_error
 from vae_service.serving.decode_service import DecodeService
 from vae_service.serving.viewers.feed import STREAM, WEBRTC, FramePacer, SessionFeed, Viewer
@@ -33,7 +34,8 @@ from vae_service.serving.viewers.sdp_offer import read_offer
 from vae_service.serving.viewers.watch_page import PAGE, PAGE_HEADERS
 
 log = logging.getLogger("ray.serve")
-UNAUTHORIZED, TOO_MANY = 4401, 4429  # WebSocket close codes: HTTP's status in the 4000-4999 private range
+# WebSocket close codes: HTTP's status in the 4000-4999 private range
+UNAUTHORIZED, TOO_MANY, UNAVAILABLE = 4401, 4429, 4503
 MAX_OFFER_BYTES = 32 * 1024
 MAX_TOKEN_MESSAGE = 1024
 DENIAL = "websocket.http.response"
@@ -90,10 +92,16 @@ class WatchRoutes:
         relayed = RelayedViewer(session_id, kind, self.service.config.watch.viewer_queue_fragments, hub.count_drops)
         try:
             await relayed.start(self.remote, token)
-        except Exception:
+        except ANSWERABLE:
             hub.refused += 1
             relayed.stop()
             raise
+        except Exception as exc:  # the session's replica is unreachable: gone, or between two states
+            relayed.stop()
+            log.warning("relaying a viewer of session %s failed: %s", session_id, exc)
+            raise Unavailable(
+                "session", "the replica holding the session did not answer: retry", self._retry_after()
+            ) from None
         hub.relayed += 1
         self._relayed.add(relayed)
 
@@ -127,8 +135,10 @@ class WatchRoutes:
             await self._send_stream(ws, feed, viewer)
         except (Unauthenticated, InvalidInput, TimeoutError) as exc:
             await self._refuse(ws, refuse_with_http, Unauthenticated("token", REFUSED) if token is None else exc)
+        except Unavailable as exc:
+            await self._refuse(ws, refuse_with_http, exc)
         except (Overloaded, LimitExceeded) as exc:
-            await self._refuse(ws, refuse_with_http, Overloaded("viewers", str(exc), self._retry_after()))
+            await self._refuse(ws, refuse_with_http, self._as_viewers(exc))
         except WebSocketDisconnect:
             pass
         finally:
@@ -137,9 +147,18 @@ class WatchRoutes:
             if connected:
                 sessions.disconnect()
 
+    def _as_viewers(self, exc: Overloaded | LimitExceeded) -> Overloaded:
+        """A MediaSource viewer refused for want of room: its own limits, or no session connection free."""
+        if exc.field == "viewers":
+            return exc
+        why = f"no session connection is free for a MediaSource viewer ({exc.message})"
+        return Overloaded("viewers", why, self._retry_after())
+
     async def _refuse(self, ws: WebSocket, with_http: bool, exc: BaseException) -> None:
         if with_http:
             await ws.send_denial_response(self._error(exc))
+        elif isinstance(exc, Unavailable):
+            await _close(ws, UNAVAILABLE, "unavailable")
         elif isinstance(exc, Overloaded):
             await _close(ws, TOO_MANY, "viewers")
         else:
@@ -163,14 +182,16 @@ class WatchRoutes:
 
     async def _send_stream(self, ws: WebSocket, feed: SessionFeed, viewer: Viewer) -> None:
         """Start (once the file's init segment is known), then each fragment as a text line saying
-        what it holds and its bytes, then `ended`; the viewer's leaving is watched throughout."""
-        gone = asyncio.ensure_future(_until_gone(ws))
+        what it holds and its bytes, then `ended`; never more than the viewer's window of fragments
+        it has not acknowledged (Acks), and the viewer's leaving watched throughout."""
+        acks = Acks(self.service.config.watch.viewer_queue_fragments)
+        reading = asyncio.ensure_future(acks.read(ws))
         started = False
         try:
             while True:
-                fetching = asyncio.ensure_future(viewer.next())
-                done, _ = await asyncio.wait({fetching, gone}, return_when=asyncio.FIRST_COMPLETED)
-                if gone in done:
+                fetching = asyncio.ensure_future(_next_with_room(viewer, acks))
+                done, _ = await asyncio.wait({fetching, reading}, return_when=asyncio.FIRST_COMPLETED)
+                if reading in done:
                     fetching.cancel()
                     return
                 fragment = fetching.result()
@@ -191,10 +212,11 @@ class WatchRoutes:
                     "chunk_ms": round(fragment.chunk_ms, 3),
                     "dropped": viewer.dropped,
                 }
+                acks.sent(fragment.frame)
                 await ws.send_text(json.dumps(line))
                 await ws.send_bytes(fragment.data)
         finally:
-            gone.cancel()
+            reading.cancel()
 
     # ---- WebRTC by WHEP --------------------------------------------------------------------
     async def whep_offer(self, request: Request, session_id: str) -> Response:
@@ -210,7 +232,14 @@ class WatchRoutes:
             _, viewer, leave = await self._join(session_id, token, WEBRTC)  # whoever holds no token learns nothing more
             offer = _offer(body, request.headers.get("content-type"))
             pacer = FramePacer(viewer, self.service.config.encoding.mp4_fps)
-            resource, answer = await self.peers().answer(offer, pacer.next_frame, leave)
+            made: list[str] = []  # the resource, once named: forgotten with its peer however it ends
+
+            def ended() -> None:
+                leave()
+                for name in made:
+                    self._tokens.pop(name, None)
+
+            resource, answer = await self.peers().answer(offer, pacer.next_frame, ended)
         except ANSWERABLE as exc:
             if leave is not None:
                 leave()
@@ -221,6 +250,7 @@ class WatchRoutes:
             raise
         resource = f"{self.replica()}.{resource}"
         self._tokens[resource] = token
+        made.append(resource)
         location = f"whep/{resource}"  # relative (RFC 3986): the same under any route prefix
         headers = {"Location": location, **self._cors(request)}
         return Response(answer, 201, headers, "application/sdp")
@@ -305,12 +335,46 @@ async def _bounded_body(request: Request, limit: int) -> bytes:
     return bytes(body)
 
 
-async def _until_gone(ws: WebSocket) -> None:
-    """Returns once the viewer has closed its side (whatever it sends meanwhile is ignored)."""
-    while True:
-        message = await ws.receive()
-        if message["type"] == "websocket.disconnect":
-            return
+class Acks:
+    """What a MediaSource viewer says it has received: the text `{"ack": <frame>}` for each fragment
+    (its first frame). Proxies stand between a replica and a browser (Serve's own among them) and
+    take whatever is sent, however slowly the browser reads: the viewer's own word is the only
+    measure of how far behind it is. Past `window` fragments unacknowledged nothing more is sent,
+    so its queue (serving/viewers/feed.py) fills and drops to the next keyframe."""
+
+    def __init__(self, window: int):
+        self.window, self.unacked, self.changed = window, collections.deque(), asyncio.Event()
+
+    def sent(self, frame: int) -> None:
+        self.unacked.append(frame)
+
+    async def room(self) -> None:
+        while len(self.unacked) >= self.window:
+            self.changed.clear()
+            await self.changed.wait()
+
+    async def read(self, ws: WebSocket) -> None:
+        """Reads the viewer's acks until it goes (anything else it sends is ignored)."""
+        while True:
+            message = await ws.receive()
+            if message["type"] == "websocket.disconnect":
+                return
+            text = message.get("text")
+            if text is None or len(text) > MAX_TOKEN_MESSAGE:
+                continue
+            try:
+                frame = json.loads(text).get("ack")
+            except (ValueError, AttributeError):
+                continue
+            if type(frame) is int:
+                while self.unacked and self.unacked[0] <= frame:
+                    self.unacked.popleft()
+                self.changed.set()
+
+
+async def _next_with_room(viewer: Viewer, acks: Acks):
+    await acks.room()
+    return await viewer.next()
 
 
 async def _close(ws: WebSocket, code: int, reason: str) -> None:
