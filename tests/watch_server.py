@@ -44,26 +44,26 @@ def app_of(service: DecodeService, admission: Admission, routes: WatchRoutes) ->
         return watch_page()
 
     async def stream(ws):
-        await routes.stream(ws, ws.path_params["session_id"])
+        await routes.stream(ws, ws.path_params["watch_id"])
 
     async def whep(request):
         if request.method == "OPTIONS":
             return routes.preflight(request)
-        return await routes.whep_offer(request, request.path_params["session_id"])
+        return await routes.whep_offer(request, request.path_params["watch_id"])
 
     async def whep_resource(request):
         if request.method == "OPTIONS":
             return routes.preflight(request)
         params = request.path_params
-        return await routes.whep_delete(request, params["session_id"], params["resource"])
+        return await routes.whep_delete(request, params["watch_id"], params["resource"])
 
     return Starlette(
         routes=[
             WebSocketRoute("/sessions", sessions),
-            Route("/watch/{session_id}", page),
-            WebSocketRoute("/watch/{session_id}/stream", stream),
-            Route("/watch/{session_id}/whep", whep, methods=["POST", "OPTIONS"]),
-            Route("/watch/{session_id}/whep/{resource}", whep_resource, methods=["DELETE", "OPTIONS"]),
+            Route("/watch/{watch_id}", page),
+            WebSocketRoute("/watch/{watch_id}/stream", stream),
+            Route("/watch/{watch_id}/whep", whep, methods=["POST", "OPTIONS"]),
+            Route("/watch/{watch_id}/whep/{resource}", whep_resource, methods=["DELETE", "OPTIONS"]),
         ]
     )
 

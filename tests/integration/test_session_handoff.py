@@ -208,13 +208,13 @@ def test_an_mp4_sessions_file_crosses_a_drain_as_one_file_of_the_same_frames(han
     moved, stayed = tmp_path / "moved.mp4", tmp_path / "stayed.mp4"
     with client.session(H, W, output="mp4", path=moved, watch=True) as session:
         token = session.watch.token
-        before = StreamViewer(handoff_app, session.session_id, token)
+        before = StreamViewer(handoff_app, session.watch.id, token)
         reading = before.read_meanwhile()
         for k in range(2):
             session.decode(z[:, :, sum(CHUNKS[:k]) : sum(CHUNKS[: k + 1])])
         redeploy()
         session.decode(z[:, :, sum(CHUNKS[:2]) : sum(CHUNKS[:3])])
-        after = StreamViewer(handoff_app, session.session_id, session.watch.token)
+        after = StreamViewer(handoff_app, session.watch.id, session.watch.token)
         reading_after = after.read_meanwhile()
         for k in range(3, len(CHUNKS)):
             session.decode(z[:, :, sum(CHUNKS[:k]) : sum(CHUNKS[: k + 1])])
@@ -224,6 +224,7 @@ def test_an_mp4_sessions_file_crosses_a_drain_as_one_file_of_the_same_frames(han
     assert before.ended["reason"] == "moved" and len(before.data) == sum(CHUNKS[:2])
     assert after.ended["reason"] == "closed" and len(after.data) == sum(CHUNKS[3:])
     assert session.watch.token == token and after.start["content_type"] == before.start["content_type"]
+    assert session.watch.id != session.session_id
     with client.session(H, W, output="mp4", path=stayed) as session:
         for k in range(len(CHUNKS)):
             session.decode(z[:, :, sum(CHUNKS[:k]) : sum(CHUNKS[: k + 1])])

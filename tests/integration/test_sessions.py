@@ -602,7 +602,7 @@ def test_a_viewer_landing_on_another_replica_is_relayed_the_sessions_own_stream(
     forced here by the proxy's own `x-session-id` routing; the relayed viewer gets what the
     session's own viewer gets, byte for byte, and a wrong token is refused alike there and here."""
     ws, opened = open_session(sessions_app, frames="none", watch=True)
-    session, token = opened["opened"]["session"], opened["opened"]["watch"]["token"]
+    session, token = opened["opened"]["watch"]["id"], opened["opened"]["watch"]["token"]  # the watch id
     owner = session.split(".", 1)[0]
     (other,) = set(replica_health(sessions_app, 2)) - {owner}
     at_home = StreamViewer(sessions_app, session, token, **{"x-session-id": session})
@@ -614,6 +614,11 @@ def test_a_viewer_landing_on_another_replica_is_relayed_the_sessions_own_stream(
         except InvalidStatus as refused:
             refusals.append((refused.response.status_code, refused.response.body))
     readers = [viewer.read_meanwhile() for viewer in (at_home, relayed)]
+    left = StreamViewer(sessions_app, session, token, **{"x-session-id": f"{other}.viewer"})
+    left.ws.close()  # a relayed viewer that leaves is let go on the session's replica too
+    wait_until(
+        lambda: replica_health(sessions_app, 2)[owner]["viewers"]["viewers"] == 2, 30, "the relay that left, let go"
+    )
     send(ws, "chunk", {"latents": latents_map(latents(2, 31)), "latent_frame": 0})
     receive(ws)
     health = replica_health(sessions_app, 2)

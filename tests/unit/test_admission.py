@@ -19,6 +19,7 @@ from vae_service.serving.scheduling.admission import (
     ADMISSION_ENV,
     BODY_ADMITTED_HEADER,
     TOKEN_ENV,
+    WATCH_BODY_BYTES,
     Admission,
     admission_settings,
 )
@@ -156,6 +157,22 @@ async def test_a_body_for_any_other_route_needs_the_token_before_a_byte_is_read(
         guard(never_called, auth_token_file=token_file), Client([b"ab", b"cd"]), path=path, headers=[framing]
     )
     assert client.receives == 0 and client.status == 401
+
+
+@pytest.mark.parametrize("configured", [True, False])
+async def test_a_viewers_route_passes_without_the_service_token_with_a_bounded_body(token_file, configured):
+    """The viewers' media routes take a session's watch token, checked by the replica: the guard lets
+    them through without the service's, but reads no more than an SDP offer's bound for them."""
+    config = {"auth_token_file": token_file} if configured else {}
+    path = "/app/watch/r.s/whep"
+    offer = await through(guard(**config), Client([b"v=0\r\n"]), path=path)
+    big = await through(guard(never_called, **config), Client([b"x" * (WATCH_BODY_BYTES + 1)]), path=path,
+                        headers=[("content-length", str(WATCH_BODY_BYTES + 1))])  # fmt: skip
+    growing = await through(guard(never_called, **config), Client([b"x" * WATCH_BODY_BYTES, b"x"]), path=path)
+    elsewhere = await through(guard(**config), Client([b"x"]), path="/app/watch/r.s", headers=[("content-length", "1")])
+    assert (offer.status, offer.body) == (200, b"v=0\r\n")
+    assert big.status == growing.status == 413 and big.receives == 0
+    assert elsewhere.status == (401 if configured else 200)  # only the media routes, not a body to any /watch/...
 
 
 async def test_without_a_token_configured_nothing_asks_for_one():

@@ -55,10 +55,10 @@ def test_a_watched_sessions_viewer_gets_its_file_from_the_actor_and_the_denoiser
     decoder = Decoder({"model": str(wan_dir), "cpu_threads": 1, "serving": {"fit_prices_at_start": False}})
     try:
         opened = decoder.open_session(height=6, width=10, output="mp4", frames="none", watch=True)
-        session, token = opened["session"], opened["watch"]["token"]
-        refused = next(decoder.watch(session, "A" * 43))
-        items = decoder.watch(session, token)
-        assert next(items) == {"joined": session}
+        session, watch_id, token = opened["session"], opened["watch"]["id"], opened["watch"]["token"]
+        refused = next(decoder.watch(watch_id, "A" * 43))
+        items = decoder.watch(watch_id, token)
+        assert next(items) == {"joined": watch_id, "frame": 0}
         done = [decoder.decode_chunk(session, latents(t, seed), at) for t, seed, at in ((2, 1, 0), (1, 2, 2))]
         decoder.close_session(session)
         rest = list(items)

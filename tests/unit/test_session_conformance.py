@@ -345,12 +345,13 @@ def test_a_watched_sessions_viewers_get_its_own_file_from_where_they_joined(row,
         service = DecodeService(ServiceConfig(model=str(folder), decode_precision="fp32"))
         hub, z = service.sessions.viewers, latents_of(row, service.engine, 0)
         session = service.sessions.open(settings_of(row), Delivery(frames_back=False, watch=True))
-        first = hub.join(hub.authorize(session.id, hub.token_of(session.id)), STREAM)
+        watch = service.sessions.describe_session(session)["watch"]
+        first = hub.join(hub.authorize(watch["id"], watch["token"]), STREAM)
         late, start, counts = None, 0, []
         for t in row.chunking:
             answer = await service.sessions.chunk(session.id, DecodeRequest(z[:, :, start : start + t]), start)
             counts.append((answer.frames.frame, session.frames))
-            late = late or hub.join(hub.authorize(session.id, hub.token_of(session.id)), STREAM)
+            late = late or hub.join(hub.authorize(watch["id"], watch["token"]), STREAM)
             start += t
         feed = hub.feeds[session.id]
         init, summary = feed.init, service.sessions.close(session.id, by_client=True)

@@ -1,7 +1,8 @@
 """The session keeper's rules (serving/sessions/keeper.py's SessionShelf, the actor's logic without
 Ray): the newest state wins, a checkpoint from a replica the session has left is refused, a claim
 makes the claimant the owner (and the state, from then, a checkpoint), owners forget only their own,
-states idle past their time to live go, and the count and bytes kept are bounded."""
+states idle past their time to live go, the count and bytes kept are bounded, and a watched session is
+found by its watch id too."""
 
 from __future__ import annotations
 
@@ -89,3 +90,18 @@ def test_the_count_and_the_bytes_kept_are_bounded(shelf):
     assert not keep(shelf, sid="s0", frames=5, nbytes=500)  # 300 + 300 + 500 over 1000 bytes
     assert keep(shelf, sid="s0", frames=5, nbytes=400)  # replacing its own 300: 1000 fits
     assert shelf.describe()["bytes"] == 1000 and shelf.describe()["sessions"] == 3
+
+
+def test_a_watched_session_is_found_by_its_watch_id_while_it_is_kept(shelf):
+    """Viewers' relays are routed by the watch id: the keeper answers for it as for the session's id."""
+    assert shelf.keep("s", "st", 4, HANDOFF, None, 60.0, 100, alias="a.watch")
+    assert shelf.owner_of("a.watch") is None  # between replicas
+    shelf.claim("s", "b")
+    assert shelf.owner_of("a.watch") == shelf.owner_of("s") == "b"
+    shelf.forget("s", "b")
+    assert shelf.owner_of("a.watch") is None and shelf.aliases == {}
+    keep(shelf, sid="t")
+    shelf.keep("u", "st", 4, CHECKPOINT, "c", 1.0, 100, alias="c.watch")
+    shelf.clock_.t = 5.0  # u's time to live is over
+    keep(shelf, sid="v")
+    assert shelf.owner_of("c.watch") is None and "c.watch" not in shelf.aliases

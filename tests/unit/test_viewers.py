@@ -12,7 +12,9 @@ replica's own service and routes under uvicorn, no Ray) with the tiny causal Wan
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import time
 
 import httpx
 import msgpack
@@ -29,6 +31,7 @@ from vae_service.protocol.errors import Unauthenticated
 from vae_service.serving.viewers.feed import STREAM, WEBRTC, Fragment, Viewer
 from vae_service.serving.viewers.hub import ViewerHub
 from vae_service.serving.wire.session_socket import SessionCalls
+from vae_service.serving.wire.watch_routes import Acks
 from vae_service_client.messages import latents_map, pack
 
 TOKEN_FILE_TOKEN = "service-token-for-tests"
@@ -63,8 +66,8 @@ def test_a_viewer_behind_by_its_bound_drops_its_backlog_and_goes_on_at_the_newes
 def test_a_late_viewer_starts_at_the_next_fragment_and_every_viewer_ends_after_its_queue():
     async def run():
         hub = hub_of()
-        token = hub.watch("r.s")
-        feed = hub.authorize("r.s", token)
+        watched = hub.watch("r.s")
+        feed = hub.authorize(watched.watch_id, watched.token)
         early = hub.join(feed, STREAM)
         hub.publish("r.s", [fragment(0), fragment(1)], b"init", "video/mp4")
         late = hub.join(feed, STREAM)
@@ -85,37 +88,44 @@ def test_a_late_viewer_starts_at_the_next_fragment_and_every_viewer_ends_after_i
 
 def test_a_webrtc_viewer_joining_between_chunks_is_shown_the_latest_frame_at_once():
     hub = hub_of()
-    feed = hub.authorize("r.s", hub.watch("r.s"))
+    feed = hub.watch("r.s")
     assert not hub.join(feed, WEBRTC).queue  # nothing published yet: nothing to show
     last = Fragment(4, 4, b"x", np.arange(4 * 2 * 2 * 3, dtype=np.uint8).reshape(4, 2, 2, 3), 0.0)
     hub.publish("r.s", [fragment(0), last], b"init", "video/mp4")
     (shown,) = hub.join(feed, WEBRTC).queue
-    assert (shown.frame, shown.frames) == (4, 1) and np.array_equal(shown.pixels, last.pixels[-1:])
+    assert (shown.frame, shown.frames) == (7, 1) and np.array_equal(shown.pixels, last.pixels[-1:])
     assert not hub.join(feed, STREAM).queue  # a MediaSource viewer starts at the next fragment
 
 
 def test_wrong_missing_and_unknown_are_refused_alike_and_the_services_token_watches_any():
     hub = hub_of()
-    token = hub.watch("r.a")
-    hub.watch("r.b")
+    a, b = hub.watch("r.a"), hub.watch("r.b")
     refusals = []
-    for session, given in (("r.a", None), ("r.a", "x" * 43), ("r.a", hub.token_of("r.b")), ("r.zz", token)):
+    for watch_id, given in (
+        (a.watch_id, None),
+        (a.watch_id, "x" * 43),
+        (a.watch_id, b.token),  # another session's token
+        ("r.a", a.token),  # the session's own id is no watch id: a viewer never learns it
+        ("r.zz", a.token),
+    ):
         with pytest.raises(Unauthenticated) as refused:
-            hub.authorize(session, given)
+            hub.authorize(watch_id, given)
         refusals.append((refused.value.field, str(refused.value)))
     assert len(set(refusals)) == 1 and refusals[0][0] == "token"
-    assert hub.authorize("r.a", token).session_id == "r.a"
-    assert hub.authorize("r.b", TOKEN_FILE_TOKEN).session_id == "r.b"
-    assert len(token) >= 43 and token != hub.token_of("r.b")
+    assert hub.authorize(a.watch_id, a.token) is a and hub.authorize(b.watch_id, TOKEN_FILE_TOKEN) is b
+    assert len(a.token) >= 43 and a.token != b.token and a.watch_id.startswith("r.") and a.watch_id != "r.a"
     hub.end("r.a", "closed")  # a token expires with its session
     with pytest.raises(Unauthenticated):
-        hub.authorize("r.a", token)
+        hub.authorize(a.watch_id, a.token)
+    # a session that came from another replica keeps its watch id and token
+    moved = hub.watch("r.a", a.token, a.watch_id)
+    assert hub.authorize(a.watch_id, a.token) is moved
 
 
 @pytest.mark.parametrize(("per_session", "per_replica"), [(1, 8), (3, 8), (8, 2), (4, 5)])
 def test_viewers_past_either_limit_are_refused_naming_viewers(per_session, per_replica):
     hub = hub_of(max_viewers_per_session=per_session, max_viewers=per_replica)
-    feeds = [hub.authorize(s, hub.watch(s)) for s in ("r.a", "r.b")]
+    feeds = [hub.watch(s) for s in ("r.a", "r.b")]
     joined = []
     for _ in range(per_session + per_replica):
         for feed in feeds:
@@ -166,7 +176,9 @@ def test_a_denoiser_asking_no_frames_drives_a_session_its_viewers_get_as_its_own
 
     ws, opened = open_session(server.url, frames="none", watch=True)
     watch = opened["opened"]["watch"]
-    assert watch["id"] == opened["opened"]["session"] and watch["url"] == f"/watch/{watch['id']}#token={watch['token']}"
+    assert watch["url"] == f"/watch/{watch['id']}#token={watch['token']}"
+    session = opened["opened"]["session"]  # what attaches to the session: never in what a viewer is given
+    assert watch["id"].split(".")[0] == session.split(".")[0] and session not in str(watch)
     viewer = StreamViewer(server.url, watch["id"], watch["token"], in_header)
     answers = chunks(ws, plan)
     ws.send(pack({"close": {}}))
@@ -261,7 +273,7 @@ def test_a_handles_session_is_watched_and_answers_no_frames_when_asked(server):
     calls = SessionCalls(server.service)
     opened = server.call(calls.open(height=6, width=10, output="webm", frames="none", watch=True))
     session, watch = opened["session"], opened["watch"]
-    viewer = StreamViewer(server.url, session, watch["token"])
+    viewer = StreamViewer(server.url, watch["id"], watch["token"])
     done = server.call(calls.chunk(session, latents(2, 9), 0))
     server.call(calls.close(session))
     ended = viewer.read_until_end()
@@ -285,7 +297,7 @@ def test_a_stalled_viewer_drops_fragments_while_the_session_and_a_healthy_viewer
     with watch_server(config_of(wan_dir, viewer_queue_fragments=4)) as running:
         ws = ws_of(running.url, "/sessions")
         opened = say(ws, "open", {"height": 16, "width": 16, "output": "mp4", "frames": "none", "watch": True})
-        session, token = opened["opened"]["session"], opened["opened"]["watch"]["token"]
+        session, token = opened["opened"]["watch"]["id"], opened["opened"]["watch"]["token"]
         # it joins, then reads and acknowledges nothing (a browser tab in the background, a dead link)
         stalled = ws_of(
             running.url, f"/watch/{session}/stream", additional_headers={"Authorization": f"Bearer {token}"}
@@ -298,8 +310,56 @@ def test_a_stalled_viewer_drops_fragments_while_the_session_and_a_healthy_viewer
         reading.join(60)
         ended = healthy.ended
         dropped = running.service.sessions.viewers.describe()["fragments_dropped"]
-        stalled.close()
+        last = None
+        with contextlib.suppress(ConnectionClosed):  # its stream ends with the session, acknowledged or not
+            while True:
+                last = stalled.recv(timeout=30)
+        stalled_end = json.loads(last)
+        wait_for(lambda: running.service.sessions.connections == 0, "every viewer's connection given back")
+        assert running.service.sessions.viewers.viewer_count() == 0
     assert all("chunk_done" in a[-1] for a in answers) and len(answers) == 12
     assert ended["dropped"] == 0 and len(healthy.data) == 36  # one fragment per latent frame, none missed
     assert len(decoded_video(healthy.file())) == closed["closed"]["frames"]
     assert dropped > 0  # the stalled viewer's: counted, never waited for
+    assert (stalled_end["type"], stalled_end["reason"], stalled_end["dropped"]) == ("ended", "closed", dropped)
+
+
+def wait_for(condition, what: str, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+def test_a_viewer_waiting_to_send_its_token_holds_a_session_connection_from_its_first_moment(server):
+    before = server.service.sessions.connections
+    with ws_of(server.url, "/watch/r.nothing/stream") as waiting:
+        wait_for(lambda: server.service.sessions.connections == before + 1, "the waiting viewer's connection")
+        waiting.send(json.dumps({"token": "A" * 43}))
+        with pytest.raises(ConnectionClosed):
+            waiting.recv(timeout=30)
+        assert (waiting.close_code, waiting.close_reason) == (4401, "unauthorized")
+    wait_for(lambda: server.service.sessions.connections == before, "given back with the refusal")
+
+
+def test_an_acknowledgement_of_a_fragment_not_sent_opens_no_room():
+    async def run():
+        acks = Acks(2)
+        acks.sent(0)
+        acks.sent(4)
+
+        class Socket:
+            def __init__(self, texts):
+                self.messages = [{"type": "websocket.receive", "text": t} for t in texts]
+
+            async def receive(self):
+                if self.messages:
+                    return self.messages.pop(0)
+                return {"type": "websocket.disconnect"}
+
+        await acks.read(Socket([json.dumps({"ack": 2**62}), json.dumps({"ack": "4"}), "not json"]))
+        full_after_hostile = acks.full
+        await acks.read(Socket([json.dumps({"ack": 0})]))
+        return full_after_hostile, list(acks.unacked)
+
+    assert asyncio.run(run()) == (True, [4])

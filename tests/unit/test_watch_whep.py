@@ -34,7 +34,7 @@ def server(wan_dir):
 def open_watched(url: str, **fields) -> tuple:
     ws = ws_of(url, "/sessions")
     opened = say(ws, "open", {"height": 6, "width": 10, "output": "mp4", "watch": True, **fields})["opened"]
-    return ws, opened["session"], opened["watch"]["token"]
+    return ws, opened["watch"]["id"], opened["watch"]["token"]
 
 
 async def offer() -> RTCPeerConnection:

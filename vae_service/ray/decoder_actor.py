@@ -20,6 +20,7 @@ from typing import Any
 import ray
 
 from vae_service.config import ServiceConfig
+from vae_service.engine.request.errors import Overloaded
 from vae_service.serving.decode_service import DecodeService
 from vae_service.serving.viewers.feed import STREAM
 from vae_service.serving.viewers.relay import owner_items
@@ -32,6 +33,7 @@ log = logging.getLogger("ray.vae_service")
 # calls in flight at once per actor: enough for concurrent callers to fill a batch; compiled
 # graphs run their own loop beside them
 MAX_CONCURRENCY = 16
+MAX_WATCHES = MAX_CONCURRENCY // 4  # viewers' streams (`watch`), each holding a thread while it lasts
 
 
 class Decoder:
@@ -43,6 +45,7 @@ class Decoder:
         self._loop_thread = threading.Thread(target=self._loop.run_forever, name="vae-decoder-loop", daemon=True)
         self._loop_thread.start()
         self._closed = False
+        self._watches, self._watch_lock = 0, threading.Lock()
         self.service: DecodeService = self._run(_start_service(config))
         self._sessions = SessionCalls(self.service, self.service.engine.device)
         log.info("decoder actor serving %s", self.service.engine.describe())
@@ -72,13 +75,30 @@ class Decoder:
     def close_session(self, session: str) -> dict | None:
         return self._run(self._sessions.close(session))
 
-    def watch(self, session: str, token: str | None = None):
-        """A viewer of a session opened with `watch=True`, for a Ray caller (call it with
+    def watch(self, watch_id: str, token: str | None = None):
+        """A viewer of a session opened with `watch=True` (by its `opened.watch` id), for a Ray caller (call it with
         `.options(num_returns="streaming")`): `joined` (or `refused`), then `start` (the file's
         init segment and content type) and each `fragment` (serving/viewers/feed.py's Fragment:
-        one latent frame's mp4/webm fragment), then `ended`; bounded as any viewer (a slow caller
-        drops to the next fragment, counted in `dropped`)."""
-        items = owner_items(self.service.sessions.viewers, session, token, STREAM)
+        one latent frame's mp4/webm fragment), then `ended`. Each watch holds one of the actor's
+        threads while it lasts: at most MAX_WATCHES at once (`refused`: `viewers`), so decodes keep
+        theirs. Ray hands the items on as they come: a caller that reads slowly holds them in the
+        object store (pass `_generator_backpressure_num_objects` to bound them)."""
+
+        def hold():
+            with self._watch_lock:
+                if self._watches >= MAX_WATCHES:
+                    raise Overloaded(
+                        "viewers", f"{MAX_WATCHES} watches of this actor are open: retry when one ends", 1.0
+                    )
+                self._watches += 1
+
+            def release():
+                with self._watch_lock:
+                    self._watches -= 1
+
+            return release
+
+        items = owner_items(self.service.sessions.viewers, watch_id, token, STREAM, hold)
         try:
             while True:
                 try:

@@ -78,24 +78,24 @@ class VaeDecoderHttp(DecoderReplica):
     async def sessions(self, websocket: WebSocket) -> None:
         await serve_session(self.service, self.admission, websocket)
 
-    @http_app.get("/watch/{session_id}", include_in_schema=False)
-    async def watch_page(self, session_id: str) -> Response:
+    @http_app.get("/watch/{watch_id}", include_in_schema=False)
+    async def watch_page(self, watch_id: str) -> Response:
         return watch_page()
 
-    @http_app.websocket("/watch/{session_id}/stream")
-    async def watch_stream(self, websocket: WebSocket, session_id: str) -> None:
-        await self.watch_routes.stream(websocket, session_id)
+    @http_app.websocket("/watch/{watch_id}/stream")
+    async def watch_stream(self, websocket: WebSocket, watch_id: str) -> None:
+        await self.watch_routes.stream(websocket, watch_id)
 
-    @http_app.post("/watch/{session_id}/whep", include_in_schema=False)
-    async def whep_offer(self, request: Request, session_id: str) -> Response:
-        return await self.watch_routes.whep_offer(request, session_id)
+    @http_app.post("/watch/{watch_id}/whep", include_in_schema=False)
+    async def whep_offer(self, request: Request, watch_id: str) -> Response:
+        return await self.watch_routes.whep_offer(request, watch_id)
 
-    @http_app.delete("/watch/{session_id}/whep/{resource}", include_in_schema=False)
-    async def whep_delete(self, request: Request, session_id: str, resource: str) -> Response:
-        return await self.watch_routes.whep_delete(request, session_id, resource)
+    @http_app.delete("/watch/{watch_id}/whep/{resource}", include_in_schema=False)
+    async def whep_delete(self, request: Request, watch_id: str, resource: str) -> Response:
+        return await self.watch_routes.whep_delete(request, watch_id, resource)
 
-    @http_app.options("/watch/{session_id}/whep", include_in_schema=False)
-    @http_app.options("/watch/{session_id}/whep/{resource}", include_in_schema=False)
+    @http_app.options("/watch/{watch_id}/whep", include_in_schema=False)
+    @http_app.options("/watch/{watch_id}/whep/{resource}", include_in_schema=False)
     async def whep_preflight(self, request: Request) -> Response:
         return self.watch_routes.preflight(request)
 

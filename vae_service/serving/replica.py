@@ -312,20 +312,18 @@ class DecoderReplica:
         return await self.session_calls.close(session)
 
     # ---- viewers that landed on another replica (serving/viewers/relay.py) -----------------------
-    async def watch_feed(self, session: str, token: str | None, kind: str):
-        """A viewer's stream of a session held here, for the replica it landed on (a streaming
-        handle pinned here by `session`); it holds a session connection here while it lasts."""
+    async def watch_feed(self, watch: str, token: str | None, kind: str):
+        """A viewer's stream of a session watched here by its watch id, for the replica the viewer
+        landed on (a streaming handle pinned here by `session_id=watch`: the watch id begins with the
+        replica's, as a session's does); it holds a session connection here while it lasts."""
         sessions = self.service.sessions
-        try:
+
+        def hold():
             sessions.connect()
-        except Exception as exc:
-            yield {"refused": "viewers", "message": str(exc), "retry_after_s": self.config.serving.retry_after_s}
-            return
-        try:
-            async for item in owner_items(sessions.viewers, session, token, kind):
-                yield item
-        finally:
-            sessions.disconnect()
+            return sessions.disconnect
+
+        async for item in owner_items(sessions.viewers, watch, token, kind, hold):
+            yield item
 
     async def close_whep(self, session: str, token: str | None) -> bool | None:
         """A WHEP viewer's DELETE that landed on another replica (`session`: the resource, which
@@ -336,9 +334,9 @@ class DecoderReplica:
         context = serve.get_replica_context()
         return serve.get_deployment_handle(context.deployment, context.app_name)
 
-    def _relayed_stream(self, session: str, token: str | None, kind: str):
-        handle = self._own_deployment().options(stream=True, session_id=session)
-        return handle.watch_feed.remote(session=session, token=token, kind=kind)
+    def _relayed_stream(self, watch: str, token: str | None, kind: str):
+        handle = self._own_deployment().options(stream=True, session_id=watch)
+        return handle.watch_feed.remote(watch=watch, token=token, kind=kind)
 
     async def _relayed_delete(self, resource: str, token: str | None) -> bool | None:
         return (

@@ -48,7 +48,8 @@ TOKEN_ENV = "VAE_SERVICE_AUTH_TOKEN"
 AUTHENTICATED_ROUTES = ("/decode", "/remote-decode", "/health")
 # the viewers' routes (serving/wire/watch_routes.py) check a session's watch token themselves: the page
 # carries none, and a viewer holds a session's token, not the service's
-WATCH_ROUTE = re.compile(r"/watch/[^/]+(/stream|/whep(/[^/]+)?)?/?$")
+WATCH_ROUTE = re.compile(r"/watch/[^/]+/(stream|whep(/[^/]+)?)/?$")
+WATCH_BODY_BYTES = 32 * 1024  # what a viewer may send without the service's token: an SDP offer
 TOKEN_REQUIRED = "a valid bearer token is required ('Authorization: Bearer ...')"
 
 
@@ -216,23 +217,21 @@ class Admission:
         return path.rstrip("/").endswith(AUTHENTICATED_ROUTES) or carries_body
 
     # ---- the body --------------------------------------------------------------------------
-    def refuse_declared(self, content_length: str | None) -> None:
+    def refuse_declared(self, content_length: str | None, limit: int | None = None) -> None:
         """A declared Content-Length over the budget is refused before a byte is read."""
         if content_length is None:
             return
         if not content_length.isdigit():
             raise AdmissionRefused("invalid_request", "Content-Length", f"must be an integer, got {content_length!r}")
-        self._refuse_size(int(content_length))
+        self._refuse_size(int(content_length), limit)
 
-    def _refuse_size(self, size: int) -> None:
-        if size > self.max_request_bytes:
-            raise AdmissionRefused(
-                "payload_too_large",
-                "body",
-                f"{size} bytes is over the limit of {self.max_request_bytes} (max_request_bytes)",
-            )
+    def _refuse_size(self, size: int, limit: int | None = None) -> None:
+        limit = self.max_request_bytes if limit is None else limit
+        if size > limit:
+            why = "max_request_bytes" if limit == self.max_request_bytes else "without the service's token"
+            raise AdmissionRefused("payload_too_large", "body", f"{size} bytes is over the limit of {limit} ({why})")
 
-    async def read_body(self, chunks: AsyncIterator[bytes]) -> bytes:
+    async def read_body(self, chunks: AsyncIterator[bytes], limit: int | None = None) -> bytes:
         """The body whole within the deadline and under the budget: one still arriving at the
         deadline is cut off (408), one growing past the budget as soon as it does (413)."""
         parts, size = [], 0
@@ -240,7 +239,7 @@ class Admission:
             async with asyncio.timeout(self.body_timeout_s):
                 async for chunk in chunks:
                     size += len(chunk)
-                    self._refuse_size(size)  # longer than declared: cut off too
+                    self._refuse_size(size, limit)  # longer than declared: cut off too
                     parts.append(chunk)
         except TimeoutError:
             raise AdmissionRefused(
@@ -253,8 +252,10 @@ class Admission:
         Raises AdmissionRefused; a client that goes away meanwhile, starlette's ClientDisconnect."""
         if authenticate:
             self.refuse_token(request.headers.get("authorization"))
-        self.refuse_declared(request.headers.get("content-length"))
-        return await self.read_body(request.stream())
+        # a viewer's route takes the session's token, checked by the replica: its body is bounded here
+        limit = None if authenticate or not WATCH_ROUTE.search(request.url.path) else WATCH_BODY_BYTES
+        self.refuse_declared(request.headers.get("content-length"), limit)
+        return await self.read_body(request.stream(), limit)
 
     async def admit(self, request: Request) -> bytes:
         """`screen` for replicas and the router: raises the protocol's errors (ANSWERABLE). A body

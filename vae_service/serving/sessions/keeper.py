@@ -44,12 +44,22 @@ class SessionShelf:
     ):
         self.clock, self.max_kept, self.max_bytes = clock, max_kept, max_bytes
         self.entries: dict[str, Kept] = {}
+        self.aliases: dict[str, str] = {}  # a watched session's watch id -> its id (viewers' relays are routed by it)
         self.handoffs = self.checkpoints = self.claims = 0
 
     def keep(
-        self, session_id: str, state: Any, latent_frames: int, kind: str, owner: str | None, ttl_s: float, nbytes: int
+        self,
+        session_id: str,
+        state: Any,
+        latent_frames: int,
+        kind: str,
+        owner: str | None,
+        ttl_s: float,
+        nbytes: int,
+        alias: str | None = None,
     ) -> bool:
-        """True if kept: an older state than the one kept already is dropped."""
+        """True if kept: an older state than the one kept already is dropped. `alias`: another id
+        the session is asked about by (a watched session's watch id)."""
         self._sweep()
         now, kept = self.clock(), self.entries.get(session_id)
         if kept is not None and latent_frames < kept.latent_frames:
@@ -61,6 +71,8 @@ class SessionShelf:
         if kept is not None and kind == CHECKPOINT and kept.owner not in (None, owner):
             return False  # a checkpoint from a replica the session has left since
         self.entries[session_id] = Kept(state, latent_frames, kind, owner, ttl_s, now, nbytes)
+        if alias is not None:
+            self.aliases[alias] = session_id
         if kind == HANDOFF:
             self.handoffs += 1
         else:
@@ -88,18 +100,25 @@ class SessionShelf:
             kept.owner = None
 
     def owner_of(self, session_id: str) -> str | None:
-        kept = self.entries.get(session_id)
+        """The replica holding the session now (asked by its id or an alias of it)."""
+        kept = self.entries.get(self.aliases.get(session_id, session_id))
         return None if kept is None else kept.owner
 
     def forget(self, session_id: str, owner: str) -> None:
         kept = self.entries.get(session_id)
         if kept is not None and kept.owner in (owner, None):
             del self.entries[session_id]
+            self._drop_aliases()
 
     def _sweep(self) -> None:
         now = self.clock()
         for session_id in [s for s, k in self.entries.items() if now - k.touched > k.ttl_s]:
             del self.entries[session_id]
+        self._drop_aliases()
+
+    def _drop_aliases(self) -> None:
+        """Those naming a session no longer kept (as the sweep, one pass over what is kept)."""
+        self.aliases = {a: s for a, s in self.aliases.items() if s in self.entries}
 
     def bytes(self) -> int:
         return sum(k.nbytes for k in self.entries.values())
@@ -123,7 +142,8 @@ class SessionKeeper:
     def keep(self, session_id: str, state, latent_frames: int, kind: str, owner: str | None, ttl_s: float) -> bool:
         import ray
 
-        return self.shelf.keep(session_id, ray.put(state), latent_frames, kind, owner, ttl_s, state.nbytes)
+        alias = dict(state.delivery).get("watch_id")
+        return self.shelf.keep(session_id, ray.put(state), latent_frames, kind, owner, ttl_s, state.nbytes, alias)
 
     def claim(self, session_id: str, claimant: str) -> tuple | None:
         """(a reference to the state, its latent frames, its kind), or None."""

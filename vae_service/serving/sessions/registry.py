@@ -234,11 +234,13 @@ class SessionRegistry:
         self.opened += 1
         return session
 
-    def _deliver(self, session_id: str, delivery: Delivery, token: str | None = None) -> None:
+    def _deliver(self, session_id: str, delivery: Delivery, kept: dict | None = None) -> None:
+        """`kept`: what the session brought from another replica (its watch id and token)."""
+        kept = kept or {}
         if delivery != Delivery():
             self.delivery[session_id] = delivery
         if delivery.watch:
-            self.viewers.watch(session_id, token)
+            self.viewers.watch(session_id, kept.get("watch_token"), kept.get("watch_id"))
 
     def frames_back(self, session_id: str) -> bool:
         """Whether the session's caller gets its frames (else only each chunk's chunk_done)."""
@@ -254,9 +256,7 @@ class SessionRegistry:
         session = self.engine.adopt_session(state, self.service.config.limits)
         self._take(session, state.video)
         kept = dict(state.delivery)
-        self._deliver(
-            session.id, Delivery(kept.get("frames_back", True), "watch_token" in kept), kept.get("watch_token")
-        )
+        self._deliver(session.id, Delivery(kept.get("frames_back", True), "watch_token" in kept), kept)
         self.checkpointed[session.id] = state.latent_frames
         self.adopted += 1
         return session
@@ -293,8 +293,9 @@ class SessionRegistry:
         video_state = None if video is None else video.state()
         delivery = self.delivery.get(session_id, Delivery())
         kept = {"frames_back": delivery.frames_back}
-        if delivery.watch:
-            kept["watch_token"] = self.viewers.token_of(session_id)
+        feed = self.viewers.feed_of(session_id)
+        if feed is not None:
+            kept["watch_token"], kept["watch_id"] = feed.token, feed.watch_id
         state = await asyncio.to_thread(self.engine.export_session, frozen)
         return state.with_video(video_state, kept)
 
@@ -319,10 +320,11 @@ class SessionRegistry:
     def _watch_summary(self, session_id: str) -> dict:
         """A watched session's `watch`: its viewers' token and the watch page's path (relative to
         the service's base URL; the token in the fragment, which a browser never sends)."""
-        token = self.viewers.token_of(session_id)
-        if token is None:
+        feed = self.viewers.feed_of(session_id)
+        if feed is None:
             return {}
-        return {"watch": {"id": session_id, "token": token, "url": f"/watch/{session_id}#token={token}"}}
+        watch_id, token = feed.watch_id, feed.token
+        return {"watch": {"id": watch_id, "token": token, "url": f"/watch/{watch_id}#token={token}"}}
 
     # ---- chunks ----------------------------------------------------------------------------
     def session(self, session_id: str) -> DecodeSession:
@@ -389,7 +391,7 @@ class SessionRegistry:
 
     def _publish(self, session_id, video, frames, counts, fragments, first: bool, arrived_ms: float) -> None:
         """A watched session's chunk to its viewers (never waits for them: serving/viewers/feed.py)."""
-        if self.viewers.token_of(session_id) is None:
+        if self.viewers.feed_of(session_id) is None:
             return
         pixels, start, out = frames.pixels[0].numpy(), 0, []
         for i, (fragment, n) in enumerate(zip(fragments, counts, strict=True)):

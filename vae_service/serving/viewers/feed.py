@@ -43,6 +43,7 @@ class Viewer:
         self.sent = 0
         self.ended: str | None = None
         self._wake = asyncio.Event()
+        self._ended = asyncio.Event()
 
     def offer(self, fragments: list[Fragment]) -> None:
         """A chunk's fragments (they come together): a viewer still holding `bound` from before
@@ -60,6 +61,10 @@ class Viewer:
         if self.ended is None:
             self.ended = reason
             self._wake.set()
+            self._ended.set()
+
+    async def wait_ended(self) -> None:
+        await self._ended.wait()
 
     async def next(self) -> Fragment | None:
         while not self.queue:
@@ -98,8 +103,16 @@ class FramePacer:
 class SessionFeed:
     """A watched session's viewers, its token and what a joining MediaSource viewer needs first."""
 
-    def __init__(self, session_id: str, token: str, bound: int, on_drop: Callable[[int], None] = lambda n: None):
+    def __init__(
+        self,
+        session_id: str,
+        token: str,
+        bound: int,
+        on_drop: Callable[[int], None] = lambda n: None,
+        watch_id: str = "",
+    ):
         self.session_id, self.token, self.bound, self.on_drop = session_id, token, bound, on_drop
+        self.watch_id = watch_id  # what its viewers know it by (serving/viewers/hub.py)
         self.viewers: set[Viewer] = set()
         self.init: bytes | None = None  # the file's init segment, known with its first fragment
         self.content_type: str | None = None  # with codecs, as MediaSource.isTypeSupported takes it
@@ -111,8 +124,8 @@ class SessionFeed:
         self.init, self.content_type = init, content_type
         for viewer in self.viewers:
             viewer.offer(fragments)
-        if fragments:
-            self.last = fragments[-1]
+        if fragments:  # a copy of one frame: a view would keep the whole chunk's pixels for the session's life
+            self.last = replace(fragments[-1], pixels=fragments[-1].pixels[-1:].copy())
             self.frames = self.last.frame + self.last.frames
 
     def join(self, kind: str) -> Viewer:
@@ -120,7 +133,8 @@ class SessionFeed:
         a WebRTC viewer at the latest one's last frame, so a picture shows at once between chunks."""
         viewer = Viewer(kind, self.bound, self.on_drop)
         if kind == WEBRTC and self.last is not None and self.ended is None:
-            viewer.offer([replace(self.last, pixels=self.last.pixels[-1:], frames=1)])
+            last = self.last
+            viewer.offer([replace(last, frame=last.frame + last.frames - 1, frames=1)])
         if self.ended is not None:
             viewer.end(self.ended)
         self.viewers.add(viewer)

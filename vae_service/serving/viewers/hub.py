@@ -1,10 +1,14 @@
 """A replica's watched sessions: their tokens, their viewers and the limits on them.
 
-A watch token is a per-session capability: unguessable (256 random bits), compared in constant
-time, gone with its session (closed, expired, lost; a session that moves takes it along). Whoever
-asks for a session that is not watched here, with a wrong token or none, gets the same refusal
-(`Unauthenticated`: 401) after the same comparison, so a viewer learns nothing about which
-sessions exist. The service's own bearer token watches every session (`service_token`).
+A watched session is known to its viewers by a watch id of its own, not its session id (which
+attaches to the session: a viewer may watch, never drive it); the id begins with the replica that
+opened it, as a session id does, so the request router sends a relay there (serving/viewers/relay.py),
+and the session keeper knows it as the session's alias once it moved. A watch token is a
+per-session capability: unguessable (256 random bits), compared in constant time, gone with its
+session (closed, expired, lost; a session that moves takes both along). Whoever asks for a session
+that is not watched here, with a wrong token or none, gets the same refusal (`Unauthenticated`: 401)
+after the same comparisons, so a viewer learns nothing about which sessions exist. The service's own
+bearer token watches every session (`service_token`).
 """
 
 from __future__ import annotations
@@ -41,30 +45,37 @@ class ViewerHub:
         self, config: Callable[[], Watch], retry_after_s: Callable[[], float], service_token: Callable[[str], bool]
     ):
         self.config, self.retry_after_s, self.service_token = config, retry_after_s, service_token
-        self.feeds: dict[str, SessionFeed] = {}
+        self.feeds: dict[str, SessionFeed] = {}  # by session id
+        self.watched: dict[str, str] = {}  # watch id -> session id
         self.refused = self.joined = 0
         self.dropped = 0  # fragments viewers never got (they fell a whole queue behind)
         self.relayed = 0  # viewers served here of sessions held by other replicas (serving/viewers/relay.py)
 
-    def watch(self, session_id: str, token: str | None = None) -> str:
-        """Make the session watchable here (a new token, or the one it came with from another replica)."""
+    def watch(self, session_id: str, token: str | None = None, watch_id: str | None = None) -> SessionFeed:
+        """Make the session watchable here: a new watch id and token, or those it came with from
+        another replica."""
         feed = self.feeds.get(session_id)
         if feed is None:
+            watch_id = watch_id or f"{session_id.split('.', 1)[0]}.{secrets.token_hex(16)}"
             bound = self.config().viewer_queue_fragments
-            feed = self.feeds[session_id] = SessionFeed(session_id, token or new_token(), bound, self.count_drops)
-        return feed.token
+            feed = SessionFeed(session_id, token or new_token(), bound, self.count_drops, watch_id)
+            self.feeds[session_id], self.watched[watch_id] = feed, session_id
+        return feed
 
-    def token_of(self, session_id: str) -> str | None:
-        feed = self.feeds.get(session_id)
-        return None if feed is None else feed.token
+    def feed_of(self, session_id: str) -> SessionFeed | None:
+        return self.feeds.get(session_id)
 
-    def authorize(self, session_id: str, token: str | None) -> SessionFeed:
-        """The session's feed for a viewer holding `token`; Unauthenticated, the same for a wrong
-        token, none, or a session not watched here."""
-        feed = self.feeds.get(session_id)
+    def knows(self, watch_id: str) -> bool:
+        return watch_id in self.watched
+
+    def authorize(self, watch_id: str, token: str | None) -> SessionFeed:
+        """The feed a viewer holding `token` watches by `watch_id`; Unauthenticated, the same for a
+        wrong token, none, or a session not watched here (both comparisons made either way)."""
+        feed = self.feeds.get(self.watched.get(watch_id, ""))
         given = (token or "").encode()
         matches = hmac.compare_digest(given, (feed.token if feed is not None else _NO_TOKEN).encode())
-        if feed is None or not (matches or (token is not None and self.service_token(token))):
+        service = token is not None and self.service_token(token)
+        if feed is None or not (matches or service):
             self.refused += 1
             raise Unauthenticated("token", REFUSED)
         return feed
@@ -105,6 +116,7 @@ class ViewerHub:
     def end(self, session_id: str, reason: str) -> None:
         feed = self.feeds.pop(session_id, None)
         if feed is not None:
+            self.watched.pop(feed.watch_id, None)
             feed.end(reason)
 
     def viewer_count(self) -> int:

@@ -22,7 +22,7 @@ from collections.abc import Awaitable, Callable
 
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.websockets import WebSocket, WebSocketDisconnect
+from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from vae_service.engine.request.errors import InvalidInput, LimitExceeded, Overloaded, Unavailable
 from vae_service.protocol.errors import ANSWERABLE, Unauthenticated, UnsupportedMediaType, wire_error
@@ -52,7 +52,11 @@ class WatchRoutes:
     def __init__(self, service: DecodeService, admission, replica: Callable[[], str] = lambda: "local"):
         """`replica`: this replica's id (a WHEP resource names the replica holding its peer)."""
         self.service, self.admission, self.replica = service, admission, replica
-        self._peers = None  # WhepPeers, made on the first WHEP viewer (aiortc is imported then)
+        # WhepPeers (aiortc, imported then): made on the first WHEP viewer, or now where ICE servers are set, so
+        # that one aiortc cannot use fails the replica's start, not every viewer
+        self._peers = None
+        if service.config.watch.webrtc and service.config.watch.ice_servers:
+            self.peers()
         self._tokens: dict[str, str] = {}  # WHEP resource -> the token that made it (DELETE takes the same)
         self._relayed: set[RelayedViewer] = set()
         service.sessions.viewers.service_token = self._is_service_token
@@ -80,28 +84,28 @@ class WatchRoutes:
             info.http_body(), info.http_status, info.http_headers() | self._cors(request), "application/json"
         )
 
-    async def _join(self, session_id: str, token: str | None, kind: str) -> tuple[SessionFeed, Viewer, Callable]:
+    async def _join(self, watch_id: str, token: str | None, kind: str) -> tuple[SessionFeed, Viewer, Callable]:
         """A new viewer of the session: here, or relayed from the replica that holds it; its
         `leave` to call when it goes. Raises Unauthenticated or Overloaded (naming `viewers`)."""
         hub = self.hub
-        if session_id in hub.feeds or self.remote is None:
-            feed = hub.authorize(session_id, token)
+        if hub.knows(watch_id) or self.remote is None:
+            feed = hub.authorize(watch_id, token)
             viewer = hub.join(feed, kind)
             return feed, viewer, lambda: hub.leave(feed, viewer)
-        hub.check_room()
-        relayed = RelayedViewer(session_id, kind, self.service.config.watch.viewer_queue_fragments, hub.count_drops)
+        relayed = RelayedViewer(watch_id, kind, self.service.config.watch.viewer_queue_fragments, hub.count_drops)
         try:
-            await relayed.start(self.remote, token)
+            # the token is checked where the session is; this replica's room after (a refusal names the token first)
+            await relayed.start(self.remote, token, self.service.config.sessions.open_timeout_s)
+            hub.check_room()
         except ANSWERABLE:
             hub.refused += 1
             relayed.stop()
             raise
         except Exception as exc:  # the session's replica is unreachable: gone, or between two states
             relayed.stop()
-            log.warning("relaying a viewer of session %s failed: %s", session_id, exc)
-            raise Unavailable(
-                "session", "the replica holding the session did not answer: retry", self._retry_after()
-            ) from None
+            log.warning("relaying a viewer of watch %s failed: %s", watch_id, exc)
+            why = "the replica holding the session did not answer: retry"
+            raise Unavailable("session", why, self._retry_after()) from None
         hub.relayed += 1
         self._relayed.add(relayed)
 
@@ -114,20 +118,22 @@ class WatchRoutes:
         return relayed.feed, relayed.viewer, leave
 
     # ---- MediaSource over WebSocket --------------------------------------------------------
-    async def stream(self, ws: WebSocket, session_id: str) -> None:
+    async def stream(self, ws: WebSocket, watch_id: str) -> None:
         """Refusals: before the upgrade with HTTP (401, 429) where the token came in the header and
         the server can answer a handshake so, else by closing (4401 `unauthorized`, 4429 `viewers`)."""
         token = bearer(ws.headers.get("authorization"))
         refuse_with_http = token is not None and DENIAL in ws.scope.get("extensions", {})
-        if not refuse_with_http:
-            await ws.accept()
         sessions, connected, leave = self.service.sessions, False, None
         try:
+            # a viewer's connection is one of Serve's ongoing requests from its first moment, as a session's
+            # is: held within the session connections (kept below the decode slots), waiting for its token too
+            sessions.connect()
+            connected = True
+            if not refuse_with_http:
+                await ws.accept()
             if token is None:
                 token = await self._first_message_token(ws)
-            feed, viewer, leave = await self._join(session_id, token, STREAM)
-            sessions.connect()  # a MediaSource viewer holds a Serve request for its whole life, as a session does
-            connected = True
+            feed, viewer, leave = await self._join(watch_id, token, STREAM)
             if refuse_with_http:
                 await ws.accept()
                 refuse_with_http = False
@@ -157,7 +163,10 @@ class WatchRoutes:
     async def _refuse(self, ws: WebSocket, with_http: bool, exc: BaseException) -> None:
         if with_http:
             await ws.send_denial_response(self._error(exc))
-        elif isinstance(exc, Unavailable):
+            return
+        if ws.application_state == WebSocketState.CONNECTING:  # refused before the upgrade: said after it
+            await ws.accept()
+        if isinstance(exc, Unavailable):
             await _close(ws, UNAVAILABLE, "unavailable")
         elif isinstance(exc, Overloaded):
             await _close(ws, TOO_MANY, "viewers")
@@ -219,7 +228,7 @@ class WatchRoutes:
             reading.cancel()
 
     # ---- WebRTC by WHEP --------------------------------------------------------------------
-    async def whep_offer(self, request: Request, session_id: str) -> Response:
+    async def whep_offer(self, request: Request, watch_id: str) -> Response:
         watch = self.service.config.watch
         if not watch.webrtc:
             return Response(status_code=404, headers=self._cors(request))
@@ -229,7 +238,7 @@ class WatchRoutes:
             if token is None:
                 raise Unauthenticated("token", REFUSED)
             body = await _bounded_body(request, MAX_OFFER_BYTES)
-            _, viewer, leave = await self._join(session_id, token, WEBRTC)  # whoever holds no token learns nothing more
+            _, viewer, leave = await self._join(watch_id, token, WEBRTC)  # whoever holds no token learns nothing more
             offer = _offer(body, request.headers.get("content-type"))
             pacer = FramePacer(viewer, self.service.config.encoding.mp4_fps)
             made: list[str] = []  # the resource, once named: forgotten with its peer however it ends
@@ -255,12 +264,19 @@ class WatchRoutes:
         headers = {"Location": location, **self._cors(request)}
         return Response(answer, 201, headers, "application/sdp")
 
-    async def whep_delete(self, request: Request, session_id: str, resource: str) -> Response:
+    async def whep_delete(self, request: Request, watch_id: str, resource: str) -> Response:
         """200 once the viewer's peer is closed; 404 where there is none (any more); a token other
         than the one that made it: 401."""
         token = bearer(request.headers.get("authorization"))
+        if not self.service.config.watch.webrtc:
+            return Response(status_code=404, headers=self._cors(request))
         if resource.split(".", 1)[0] != self.replica() and self.remote_delete is not None:
-            closed = await self.remote_delete(resource, token)
+            try:
+                closed = await self.remote_delete(resource, token)
+            except Exception as exc:  # the replica holding the peer is gone (and the peer with it) or unreachable
+                log.warning("a WHEP DELETE for another replica failed: %s", exc)
+                why = "the replica holding this viewer did not answer: retry"
+                return self._error(Unavailable("session", why, self._retry_after()), request)
         else:
             closed = await self.close_peer(resource, token)
         if closed is None:
@@ -296,9 +312,9 @@ class WatchRoutes:
 
     def peers(self):
         if self._peers is None:
-            from vae_service.serving.viewers.webrtc import WhepPeers
+            from vae_service.serving.viewers.peer_loop import PeerLoop
 
-            self._peers = WhepPeers(self.service.config.watch)
+            self._peers = PeerLoop(self.service.config.watch)
         return self._peers
 
     def drain(self) -> None:
@@ -348,10 +364,9 @@ class Acks:
     def sent(self, frame: int) -> None:
         self.unacked.append(frame)
 
-    async def room(self) -> None:
-        while len(self.unacked) >= self.window:
-            self.changed.clear()
-            await self.changed.wait()
+    @property
+    def full(self) -> bool:
+        return len(self.unacked) >= self.window
 
     async def read(self, ws: WebSocket) -> None:
         """Reads the viewer's acks until it goes (anything else it sends is ignored)."""
@@ -366,14 +381,27 @@ class Acks:
                 frame = json.loads(text).get("ack")
             except (ValueError, AttributeError):
                 continue
-            if type(frame) is int:
+            # an ack of a fragment not sent yet acknowledges nothing (it would open the window unread)
+            if type(frame) is int and self.unacked and frame <= self.unacked[-1]:
                 while self.unacked and self.unacked[0] <= frame:
                     self.unacked.popleft()
                 self.changed.set()
 
 
 async def _next_with_room(viewer: Viewer, acks: Acks):
-    await acks.room()
+    """The viewer's next fragment once its window has room; None at its stream's end even while the
+    window is full (what it has not taken then is dropped: a viewer that stopped acknowledging ends)."""
+    while acks.full and viewer.ended is None:
+        acks.changed.clear()
+        ended = asyncio.ensure_future(viewer.wait_ended())
+        acked = asyncio.ensure_future(acks.changed.wait())
+        try:
+            await asyncio.wait({ended, acked}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            ended.cancel()
+            acked.cancel()
+    if acks.full:
+        return None
     return await viewer.next()
 
 
