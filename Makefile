@@ -22,20 +22,25 @@ UNIT_SUITE = $(VENV)/bin/python -m pytest tests/unit -n $(UNIT_WORKERS) --dist l
 SERVING := $(VENV)/.installed-serving
 INSTALLED := $(VENV)/.installed
 
-$(SERVING): pyproject.toml clients/pyproject.toml
-	@echo "Installing into $(VENV): $(TORCH_SPEC), then vae-service with Ray Serve, Ray Data and diffusers (pip lists each package as it goes; a few minutes on a fresh machine)"
+# the venv and torch; then the client distribution with the server (it depends on the client for the wire format)
+define install_into_venv
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
-	# the client distribution first: the server depends on it for the wire format
-	$(VENV)/bin/python -m pip install -e ./clients -e .
+	$(VENV)/bin/python -m pip install -e ./clients -e "$(1)"
 	@$(VENV)/bin/python -c "import torch; print('Installed torch', torch.__version__, '(CUDA ' + torch.version.cuda + ')' if torch.version.cuda else '(CPU only)')"
 	@echo "$(VENV) now takes $$(du -sh $(VENV) | cut -f1) on disk"
+endef
+
+$(SERVING): pyproject.toml clients/pyproject.toml
+	@echo "Installing into $(VENV): $(TORCH_SPEC), then vae-service with Ray Serve, Ray Data and diffusers (pip lists each package as it goes; a few minutes on a fresh machine)"
+	$(call install_into_venv,.)
 	touch $@
 
-$(INSTALLED): $(SERVING)
-	@echo "Installing the test tools into $(VENV) (pytest, xdist, hypothesis, ruff, hadolint, ...; about a minute)"
-	$(VENV)/bin/python -m pip install -e ./clients -e ".[test]"
-	touch $@
+# one pip pass for the service and the test tools (a second pass would check every package again)
+$(INSTALLED): pyproject.toml clients/pyproject.toml
+	@echo "Installing into $(VENV): $(TORCH_SPEC), vae-service with Ray Serve, Ray Data and diffusers, and the test tools (pytest, xdist, hypothesis, ruff, hadolint, ...; a few minutes on a fresh machine)"
+	$(call install_into_venv,.[test])
+	touch $(SERVING) $@
 
 .PHONY: install serve test test-unit lint bench
 install: $(INSTALLED)

@@ -156,11 +156,11 @@ def test_only_decoder_tensors_are_read_from_disk(kl_dir, kl_vae, monkeypatch):
     assert set(read) == wanted and len(read) == len(wanted) < len(on_disk)
 
 
-# with the integration zoo's six (tests/integration/test_model_zoo.py), every class the service names
+# with the integration zoo's (tests/integration/test_model_zoo.py), every class the service names
 @pytest.mark.parametrize(
     "name",
     ["mochi", "flux2", "ltx-video-timestep", "cosmos", "minimax-h3", "kvae-video", "hunyuan-video-1.5", "cogvideox",
-     "sana"],
+     "sana", "hunyuan-video", "ltx-2"],
 )  # fmt: skip
 def test_a_loaded_folder_decodes_as_the_model_that_saved_it(tmp_path, name):
     """Decoder-only loading of any class: encoder-side modules never built, buffers the decoder

@@ -38,5 +38,7 @@ def test_a_timed_step_says_what_runs_then_how_long_it_took_and_keeps_its_exit_st
 
 def test_the_test_tools_install_says_what_it_installs():
     makefile = (REPO / "Makefile").read_text()
-    recipe = makefile[makefile.index("$(INSTALLED): $(SERVING)") :].split("\n\n")[0]
+    recipe = makefile[makefile.index("$(INSTALLED): ") :].split("\n\n")[0]
+    steps = makefile[makefile.index("define install_into_venv") :].split("endef")[0]
+    assert "pip install" in steps and " -q " not in steps
     assert "@echo" in recipe and " -q " not in recipe  # pip's own progress, not a silent minute

@@ -296,7 +296,7 @@ def test_a_watch_for_a_pixel_output_or_a_bad_frames_value_is_refused_naming_the_
 def test_a_stalled_viewer_drops_fragments_while_the_session_and_a_healthy_viewer_miss_nothing(wan_dir):
     with watch_server(config_of(wan_dir, viewer_queue_fragments=4)) as running:
         ws = ws_of(running.url, "/sessions")
-        opened = say(ws, "open", {"height": 16, "width": 16, "output": "mp4", "frames": "none", "watch": True})
+        opened = say(ws, "open", {"height": 12, "width": 12, "output": "mp4", "frames": "none", "watch": True})
         session, token = opened["opened"]["watch"]["id"], opened["opened"]["watch"]["token"]
         # it joins, then reads and acknowledges nothing (a browser tab in the background, a dead link)
         stalled = ws_of(
@@ -304,7 +304,7 @@ def test_a_stalled_viewer_drops_fragments_while_the_session_and_a_healthy_viewer
         )
         healthy = StreamViewer(running.url, session, token)
         reading = healthy.read_meanwhile()
-        answers = chunks(ws, [(3, seed) for seed in range(12)], side=(16, 16))
+        answers = chunks(ws, [(3, seed) for seed in range(8)], side=(12, 12))
         ws.send(pack({"close": {}}))
         closed = msgpack.unpackb(ws.recv(timeout=60), raw=False)
         reading.join(60)
@@ -317,8 +317,8 @@ def test_a_stalled_viewer_drops_fragments_while_the_session_and_a_healthy_viewer
         stalled_end = json.loads(last)
         wait_for(lambda: running.service.sessions.connections == 0, "every viewer's connection given back")
         assert running.service.sessions.viewers.viewer_count() == 0
-    assert all("chunk_done" in a[-1] for a in answers) and len(answers) == 12
-    assert ended["dropped"] == 0 and len(healthy.data) == 36  # one fragment per latent frame, none missed
+    assert all("chunk_done" in a[-1] for a in answers) and len(answers) == 8
+    assert ended["dropped"] == 0 and len(healthy.data) == 24  # one fragment per latent frame, none missed
     assert len(decoded_video(healthy.file())) == closed["closed"]["frames"]
     assert dropped > 0  # the stalled viewer's: counted, never waited for
     assert (stalled_end["type"], stalled_end["reason"], stalled_end["dropped"]) == ("ended", "closed", dropped)

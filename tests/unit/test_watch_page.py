@@ -486,7 +486,7 @@ def test_chromium_plays_webrtc_by_whep_and_ends_with_the_last_frame_shown(clip):
         (resource,) = replica.peers
 
         # the page sees the DTLS close at once (ICE would take ~20 s more) and offers again: refused each
-        # time (a session that moved is refused until its denoiser attaches: asked 4 times, 7.5 s), it ends
+        # time (a session that moved is refused until its denoiser attaches: asked 4 times, 5 s), it ends
         replica.end_webrtc()
         tab.wait_for("window.watchStats.state === 'ended'", 20)
         end = stats(tab)
