@@ -26,7 +26,7 @@ INSTALLED := $(VENV)/.installed
 define install_into_venv
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
-	$(VENV)/bin/python -m pip install -e ./clients -e "$(1)"
+	$(VENV)/bin/python -m pip install -e ./clients -e $(1)
 	@$(VENV)/bin/python -c "import torch; print('Installed torch', torch.__version__, '(CUDA ' + torch.version.cuda + ')' if torch.version.cuda else '(CPU only)')"
 	@echo "$(VENV) now takes $$(du -sh $(VENV) | cut -f1) on disk"
 endef
@@ -39,7 +39,7 @@ $(SERVING): pyproject.toml clients/pyproject.toml
 # one pip pass for the service and the test tools (a second pass would check every package again)
 $(INSTALLED): pyproject.toml clients/pyproject.toml
 	@echo "Installing into $(VENV): $(TORCH_SPEC), vae-service with Ray Serve, Ray Data and diffusers, and the test tools (pytest, xdist, hypothesis, ruff, hadolint, ...; a few minutes on a fresh machine)"
-	$(call install_into_venv,.[test])
+	$(call install_into_venv,".[test]")
 	touch $(SERVING) $@
 
 .PHONY: install serve test test-unit lint bench

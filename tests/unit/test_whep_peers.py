@@ -253,7 +253,7 @@ async def test_a_peer_that_never_connects_is_closed_and_pulls_no_frame():
     assert peers.count == 1
     started = time.monotonic()
     await eventually(lambda: ends.calls == 1, timeout=15)
-    assert 0.9 < time.monotonic() - started < 15
+    assert time.monotonic() - started > 0.9  # not before its connect timeout
     assert peers.count == 0 and calls == []  # frames are pulled for a connected viewer only
 
 
@@ -350,13 +350,11 @@ async def test_an_idle_stream_repeats_its_last_frame_at_the_repeat_pace_and_asks
 
 async def test_a_new_frame_during_the_wait_goes_out_at_once():
     frames: asyncio.Queue = asyncio.Queue()
-    track = FrameTrack(frames.get, repeat_s=5.0)
+    track = FrameTrack(frames.get, repeat_s=600.0)
     await frames.put(solid(COLOURS[0]))
     await track.recv()
     asyncio.get_running_loop().call_later(0.1, frames.put_nowait, solid(COLOURS[1]))
-    started = time.monotonic()
-    frame = await track.recv()
-    assert time.monotonic() - started < 2
+    frame = await asyncio.wait_for(track.recv(), 300)  # not held until the repeat (600 s)
     np.testing.assert_array_equal(frame.to_ndarray(format="rgb24"), solid(COLOURS[1]))
     track.stop()
 
