@@ -50,6 +50,16 @@ AUTHENTICATED_ROUTES = ("/decode", "/remote-decode", "/health")
 # carries none, and a viewer holds a session's token, not the service's
 WATCH_ROUTE = re.compile(r"/watch/[^/]+/(stream|whep(/[^/]+)?)/?$")
 WATCH_BODY_BYTES = 32 * 1024  # what a viewer may send without the service's token: an SDP offer
+
+
+def bearer_token(authorization: str | None) -> str | None:
+    """The token of an `Authorization: Bearer <token>` header: the scheme in any case (RFC 7235),
+    one or more spaces before the token; None for another scheme or none."""
+    scheme, _, credentials = (authorization or "").partition(" ")
+    token = credentials.lstrip(" ")
+    return token if scheme.lower() == "bearer" and token else None
+
+
 TOKEN_REQUIRED = "a valid bearer token is required ('Authorization: Bearer ...')"
 
 
@@ -192,8 +202,7 @@ class Admission:
         wrong one."""
         if self._expected is None:
             return
-        scheme, _, credentials = (authorization or "").partition(" ")
-        given = credentials.lstrip(" ").encode() if scheme.lower() == "bearer" else b""
+        given = (bearer_token(authorization) or "").encode()
         if not hmac.compare_digest(given, self._expected):
             raise AdmissionRefused("unauthenticated", "Authorization", TOKEN_REQUIRED)
 
@@ -257,14 +266,14 @@ class Admission:
         self.refuse_declared(request.headers.get("content-length"), limit)
         return await self.read_body(request.stream(), limit)
 
-    async def admit(self, request: Request) -> bytes:
+    async def admit(self, request: Request, authenticate: bool = True) -> bytes:
         """`screen` for replicas and the router: raises the protocol's errors (ANSWERABLE). A body
         the proxy guard already had whole (BODY_ADMITTED_HEADER) that does not come through in
         time stalled in Serve's relay to this replica (its node going away, seen when a raylet
         was killed), not at the client: 503 + Retry-After, retried by clients, never the 408 that
         blames the client."""
         try:
-            return await self.screen(request)
+            return await self.screen(request, authenticate)
         except AdmissionRefused as exc:
             if exc.type == "body_timeout" and request.headers.get(BODY_ADMITTED_HEADER) == "1":
                 from vae_service.protocol.errors import Unavailable  # not at the top: see `answerable`

@@ -30,13 +30,6 @@ def new_token() -> str:
     return secrets.token_urlsafe(32)
 
 
-def bearer(authorization: str | None) -> str | None:
-    if not authorization:
-        return None
-    scheme, _, token = authorization.partition(" ")
-    return token.strip() if scheme.lower() == "bearer" and token.strip() else None
-
-
 class ViewerHub:
     """`config`: the replica's watch settings now; `retry_after_s`: a refused viewer's Retry-After;
     `service_token`: whether a token is the service's own (it may watch any session)."""

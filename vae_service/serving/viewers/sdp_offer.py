@@ -12,9 +12,10 @@ from aiortc.exceptions import OperationError
 
 from vae_service.engine.request.errors import InvalidInput
 from vae_service.protocol.errors import UnsupportedMediaType
+from vae_service.serving.scheduling.admission import WATCH_BODY_BYTES
 
 SDP_CONTENT_TYPE = "application/sdp"
-MAX_OFFER_BYTES = 32 * 1024
+MAX_OFFER_BYTES = WATCH_BODY_BYTES  # what the proxy guard reads of a viewer's body without the service token
 MAX_LINES = 1024
 MAX_LINE_CHARS = 4096
 MAX_MEDIA_SECTIONS = 16

@@ -25,18 +25,19 @@ from starlette.responses import Response
 from starlette.websockets import WebSocket, WebSocketDisconnect, WebSocketState
 
 from vae_service.engine.request.errors import InvalidInput, LimitExceeded, Overloaded, Unavailable
-from vae_service.protocol.errors import ANSWERABLE, Unauthenticated, UnsupportedMediaType, wire_error
+from vae_service.protocol.errors import ANSWERABLE, Unauthenticated, UnsupportedMediaType
 from vae_service.serving.decode_service import DecodeService
+from vae_service.serving.scheduling.admission import bearer_token
 from vae_service.serving.viewers.feed import STREAM, WEBRTC, FramePacer, SessionFeed, Viewer
-from vae_service.serving.viewers.hub import REFUSED, bearer
+from vae_service.serving.viewers.hub import REFUSED
 from vae_service.serving.viewers.relay import RelayedViewer, RemoteStream
-from vae_service.serving.viewers.sdp_offer import read_offer
+from vae_service.serving.viewers.sdp_offer import MAX_OFFER_BYTES, read_offer
 from vae_service.serving.viewers.watch_page import PAGE, PAGE_HEADERS
+from vae_service.serving.wire.http_routes import error_answer
 
 log = logging.getLogger("ray.serve")
 # WebSocket close codes: HTTP's status in the 4000-4999 private range
 UNAUTHORIZED, TOO_MANY, UNAVAILABLE = 4401, 4429, 4503
-MAX_OFFER_BYTES = 32 * 1024
 MAX_TOKEN_MESSAGE = 1024
 DENIAL = "websocket.http.response"
 
@@ -52,7 +53,7 @@ class WatchRoutes:
     def __init__(self, service: DecodeService, admission, replica: Callable[[], str] = lambda: "local"):
         """`replica`: this replica's id (a WHEP resource names the replica holding its peer)."""
         self.service, self.admission, self.replica = service, admission, replica
-        # WhepPeers (aiortc, imported then): made on the first WHEP viewer, or now where ICE servers are set, so
+        # the WHEP peers' loop and thread: made on the first WHEP viewer, or now where ICE servers are set, so
         # that one aiortc cannot use fails the replica's start, not every viewer
         self._peers = None
         if service.config.watch.webrtc and service.config.watch.ice_servers:
@@ -79,10 +80,9 @@ class WatchRoutes:
         return True
 
     def _error(self, exc: BaseException, request: Request | None = None) -> Response:
-        info = wire_error(self.service.rejected(exc))
-        return Response(
-            info.http_body(), info.http_status, info.http_headers() | self._cors(request), "application/json"
-        )
+        answer = error_answer(self.service.rejected(exc))
+        answer.headers |= self._cors(request)
+        return answer.response()
 
     async def _join(self, watch_id: str, token: str | None, kind: str) -> tuple[SessionFeed, Viewer, Callable]:
         """A new viewer of the session: here, or relayed from the replica that holds it; its
@@ -121,7 +121,7 @@ class WatchRoutes:
     async def stream(self, ws: WebSocket, watch_id: str) -> None:
         """Refusals: before the upgrade with HTTP (401, 429) where the token came in the header and
         the server can answer a handshake so, else by closing (4401 `unauthorized`, 4429 `viewers`)."""
-        token = bearer(ws.headers.get("authorization"))
+        token = bearer_token(ws.headers.get("authorization"))
         refuse_with_http = token is not None and DENIAL in ws.scope.get("extensions", {})
         sessions, connected, leave = self.service.sessions, False, None
         try:
@@ -232,12 +232,12 @@ class WatchRoutes:
         watch = self.service.config.watch
         if not watch.webrtc:
             return Response(status_code=404, headers=self._cors(request))
-        token = bearer(request.headers.get("authorization"))
+        token = bearer_token(request.headers.get("authorization"))
         leave = None
         try:
             if token is None:
                 raise Unauthenticated("token", REFUSED)
-            body = await _bounded_body(request, MAX_OFFER_BYTES)
+            body = await self._offer_body(request)
             _, viewer, leave = await self._join(watch_id, token, WEBRTC)  # whoever holds no token learns nothing more
             offer = _offer(body, request.headers.get("content-type"))
             pacer = FramePacer(viewer, self.service.config.encoding.mp4_fps)
@@ -264,10 +264,18 @@ class WatchRoutes:
         headers = {"Location": location, **self._cors(request)}
         return Response(answer, 201, headers, "application/sdp")
 
+    async def _offer_body(self, request: Request) -> bytes:
+        """The offer's bytes, read as any body (its deadline; on a viewer's route, at most an offer's
+        bound without the service token: scheduling/admission.py), too long named `sdp`."""
+        try:
+            return await self.admission.admit(request, authenticate=False)
+        except LimitExceeded as exc:
+            raise LimitExceeded("sdp", f"an SDP offer is at most {MAX_OFFER_BYTES} bytes ({exc.message})") from None
+
     async def whep_delete(self, request: Request, watch_id: str, resource: str) -> Response:
         """200 once the viewer's peer is closed; 404 where there is none (any more); a token other
         than the one that made it: 401."""
-        token = bearer(request.headers.get("authorization"))
+        token = bearer_token(request.headers.get("authorization"))
         if not self.service.config.watch.webrtc:
             return Response(status_code=404, headers=self._cors(request))
         if resource.split(".", 1)[0] != self.replica() and self.remote_delete is not None:
@@ -337,18 +345,6 @@ def _offer(body: bytes, content_type: str | None) -> str:
         if exc.field == "Content-Type":
             raise UnsupportedMediaType("Content-Type", "a WHEP offer is application/sdp") from None
         raise
-
-
-async def _bounded_body(request: Request, limit: int) -> bytes:
-    declared = request.headers.get("content-length")
-    if declared is not None and (not declared.isdigit() or int(declared) > limit):
-        raise LimitExceeded("sdp", f"an SDP offer is at most {limit} bytes")
-    body = bytearray()
-    async for piece in request.stream():
-        body += piece
-        if len(body) > limit:
-            raise LimitExceeded("sdp", f"an SDP offer is at most {limit} bytes")
-    return bytes(body)
 
 
 class Acks:
